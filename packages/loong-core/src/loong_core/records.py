@@ -1,0 +1,241 @@
+"""Records that cross process boundaries: msgspec Structs with stated invariants.
+
+Every record here is encoded with msgspec (msgpack on the wire, JSON in logs) and has a
+round-trip test. Invariants are checked by ``validate()``, which is called at boundaries
+(when a record arrives from another process), never in hot inner loops.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+from typing import TypeVar
+
+import msgspec
+
+__all__ = [
+    "EpisodeStatus",
+    "SpanSource",
+    "TensorEntry",
+    "TokenSpan",
+    "TrainBatch",
+    "Trajectory",
+    "WeightManifest",
+    "decode",
+    "encode",
+]
+
+
+class SpanSource(enum.StrEnum):
+    """Who produced a run of tokens. Only ``MODEL`` tokens are trained on."""
+
+    MODEL = "model"
+    PROMPT = "prompt"
+    TOOL = "tool"
+    ENV = "env"
+
+
+class EpisodeStatus(enum.StrEnum):
+    """How an episode ended. Only ``OK`` and ``TRUNCATED`` episodes enter group statistics."""
+
+    OK = "ok"
+    TRUNCATED = "truncated"
+    FAILED = "failed"
+    TIMEOUT = "timeout"
+
+    @property
+    def trainable(self) -> bool:
+        return self in (EpisodeStatus.OK, EpisodeStatus.TRUNCATED)
+
+
+class TokenSpan(msgspec.Struct, frozen=True):
+    """A run of tokens produced by one source.
+
+    Invariants:
+      - ``source == MODEL``: ``len(logprobs) == len(token_ids)`` and ``weight_version >= 0``;
+        ``versions`` is empty (one version for the whole span) or has one entry per token
+        (a partial rollout that crossed a weight update).
+      - otherwise: ``logprobs`` and ``versions`` are empty and ``weight_version == -1``.
+    """
+
+    token_ids: list[int]
+    source: SpanSource
+    logprobs: list[float] = []
+    weight_version: int = -1
+    versions: list[int] = []
+
+    @property
+    def is_model(self) -> bool:
+        return self.source is SpanSource.MODEL
+
+    def token_versions(self) -> list[int]:
+        """The weight version of every token ([len(token_ids)]); -1 for non-model tokens."""
+        if self.versions:
+            return list(self.versions)
+        return [self.weight_version] * len(self.token_ids)
+
+    def validate(self) -> None:
+        n = len(self.token_ids)
+        if self.is_model:
+            if len(self.logprobs) != n:
+                raise ValueError(f"model span has {n} tokens but {len(self.logprobs)} logprobs")
+            if self.weight_version < 0:
+                raise ValueError("model span needs weight_version >= 0")
+            if self.versions and len(self.versions) != n:
+                raise ValueError(f"model span has {n} tokens but {len(self.versions)} versions")
+        elif self.logprobs or self.versions or self.weight_version != -1:
+            raise ValueError(f"{self.source} span must not carry logprobs or versions")
+
+
+class Trajectory(msgspec.Struct):
+    """One agent episode (or one row of it): spans in order plus its outcome.
+
+    Invariants: ``spans`` is non-empty and starts with a non-model span (the prompt);
+    ``sample_id`` is unique across a run (the ledger key); ``group_id`` names the GRPO group
+    (all samples of one prompt). The loss mask is derived from spans: model tokens 1, others 0.
+    """
+
+    sample_id: str
+    group_id: str
+    spans: list[TokenSpan]
+    reward: float = 0.0
+    status: EpisodeStatus = EpisodeStatus.OK
+    turn_rewards: list[float] = []
+    tags: dict[str, str] = {}
+    info: dict[str, str] = {}
+
+    @property
+    def token_ids(self) -> list[int]:
+        return [t for s in self.spans for t in s.token_ids]
+
+    @property
+    def loss_mask(self) -> list[int]:
+        return [int(s.is_model) for s in self.spans for _ in s.token_ids]
+
+    @property
+    def logprobs(self) -> list[float]:
+        """Behaviour logprob of every token ([len(token_ids)]); 0.0 where the mask is 0."""
+        return [lp for s in self.spans for lp in (s.logprobs if s.is_model else [0.0] * len(s.token_ids))]
+
+    @property
+    def token_versions(self) -> list[int]:
+        return [v for s in self.spans for v in s.token_versions()]
+
+    @property
+    def prompt_len(self) -> int:
+        """Tokens before the first model token."""
+        n = 0
+        for s in self.spans:
+            if s.is_model:
+                break
+            n += len(s.token_ids)
+        return n
+
+    @property
+    def num_model_tokens(self) -> int:
+        return sum(len(s.token_ids) for s in self.spans if s.is_model)
+
+    @property
+    def oldest_version(self) -> int:
+        """The oldest weight version among model tokens; -1 when the episode produced none."""
+        versions = [v for s in self.spans if s.is_model for v in s.token_versions()]
+        return min(versions) if versions else -1
+
+    def validate(self) -> None:
+        if not self.spans or self.spans[0].is_model:
+            raise ValueError(f"trajectory {self.sample_id}: must start with a prompt span")
+        for span in self.spans:
+            span.validate()
+
+
+class TrainBatch(msgspec.Struct):
+    """Packed trajectories ready for a train step. Every per-token list is [num_tokens].
+
+    Rows are concatenated; ``row_lens[i]`` tokens belong to row i (sum == num_tokens).
+    ``advantages`` are per token (0 where ``loss_mask`` is 0); ``behaviour_logprobs`` are the
+    rollout engine's logprobs; ``versions`` the weight version of each token (-1 if not model).
+    """
+
+    token_ids: list[int]
+    loss_mask: list[int]
+    advantages: list[float]
+    behaviour_logprobs: list[float]
+    versions: list[int]
+    row_lens: list[int]
+    sample_ids: list[str]
+    policy_version: int
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    def rows(self) -> Iterable[tuple[int, int]]:
+        """(start, end) offsets of each row."""
+        start = 0
+        for n in self.row_lens:
+            yield start, start + n
+            start += n
+
+    def validate(self) -> None:
+        n = len(self.token_ids)
+        for name in ("loss_mask", "advantages", "behaviour_logprobs", "versions"):
+            if len(getattr(self, name)) != n:
+                raise ValueError(f"TrainBatch.{name} has {len(getattr(self, name))} entries, expected {n}")
+        if sum(self.row_lens) != n:
+            raise ValueError(f"TrainBatch.row_lens sum to {sum(self.row_lens)}, expected {n}")
+        if len(self.sample_ids) != len(self.row_lens):
+            raise ValueError("TrainBatch needs one sample_id per row")
+
+
+class TensorEntry(msgspec.Struct, frozen=True):
+    """One tensor in a weight manifest: where its bytes sit in which bucket."""
+
+    name: str
+    shape: list[int]
+    dtype: str
+    bucket: int
+    offset: int
+    nbytes: int
+
+
+class WeightManifest(msgspec.Struct):
+    """What a weight update carries, exchanged and validated before any byte is applied.
+
+    Invariants: names are unique; tensors of one bucket do not overlap and fit in
+    ``bucket_sizes[bucket]``; ``checksums`` is empty or has one entry per bucket.
+    """
+
+    version: int
+    tensors: list[TensorEntry]
+    bucket_sizes: list[int]
+    checksums: list[int] = []
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bucket_sizes)
+
+    def validate(self) -> None:
+        names = [t.name for t in self.tensors]
+        if len(set(names)) != len(names):
+            raise ValueError("WeightManifest has duplicate tensor names")
+        for t in self.tensors:
+            if not 0 <= t.bucket < len(self.bucket_sizes):
+                raise ValueError(f"tensor {t.name}: bucket {t.bucket} does not exist")
+            if t.offset < 0 or t.offset + t.nbytes > self.bucket_sizes[t.bucket]:
+                raise ValueError(f"tensor {t.name}: bytes [{t.offset}, {t.offset + t.nbytes}) outside its bucket")
+        if self.checksums and len(self.checksums) != len(self.bucket_sizes):
+            raise ValueError("WeightManifest needs one checksum per bucket")
+
+
+_T = TypeVar("_T")
+_encoder = msgspec.msgpack.Encoder()
+
+
+def encode(record: msgspec.Struct) -> bytes:
+    """msgpack bytes of a record."""
+    return _encoder.encode(record)
+
+
+def decode(data: bytes, kind: type[_T]) -> _T:
+    """Decode msgpack bytes into ``kind``, validating types; raises ``msgspec.ValidationError``."""
+    return msgspec.msgpack.decode(data, type=kind)
