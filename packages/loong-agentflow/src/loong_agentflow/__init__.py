@@ -1,1 +1,33 @@
-"""placeholder"""
+"""Loong AgentFlow: run agents against a policy and get token-exact training trajectories."""
+
+from loong_agentflow.agent import (
+    Agent,
+    ChatML,
+    Episode,
+    EpisodeLimits,
+    EpisodeSpec,
+    ToolAgent,
+    run_episodes,
+)
+from loong_agentflow.tokens import TextCodec, TokenBuffer
+from loong_agentflow.tools import Tool, ToolCall, ToolRegistry, ToolResult, parse_tool_calls
+
+__all__ = [
+    # white-box agents
+    "Agent",
+    "ChatML",
+    "Episode",
+    "EpisodeLimits",
+    "EpisodeSpec",
+    "ToolAgent",
+    "run_episodes",
+    # transcript
+    "TextCodec",
+    "TokenBuffer",
+    # tools
+    "Tool",
+    "ToolCall",
+    "ToolRegistry",
+    "ToolResult",
+    "parse_tool_calls",
+]

@@ -1,1 +1,45 @@
-"""placeholder"""
+"""Loong core: the records, protocols, config loading, staleness window and telemetry shared by
+every Loong package. Pure Python plus msgspec: importing it never pulls in torch or ray."""
+
+from loong_core.config import ConfigError, dump_toml, load_config
+from loong_core.protocols import RolloutEngine, SamplingParams
+from loong_core.records import (
+    EpisodeStatus,
+    SpanSource,
+    TensorEntry,
+    TokenSpan,
+    TrainBatch,
+    Trajectory,
+    WeightManifest,
+    decode,
+    encode,
+)
+from loong_core.telemetry import MetricsWriter, TraceWriter, read_metrics
+from loong_core.window import StalenessWindow, WindowStats
+
+__all__ = [
+    # records
+    "EpisodeStatus",
+    "SpanSource",
+    "TensorEntry",
+    "TokenSpan",
+    "TrainBatch",
+    "Trajectory",
+    "WeightManifest",
+    "decode",
+    "encode",
+    # protocols
+    "RolloutEngine",
+    "SamplingParams",
+    # config
+    "ConfigError",
+    "dump_toml",
+    "load_config",
+    # staleness window
+    "StalenessWindow",
+    "WindowStats",
+    # telemetry
+    "MetricsWriter",
+    "TraceWriter",
+    "read_metrics",
+]

@@ -1,1 +1,14 @@
-"""placeholder"""
+"""Loong TransferMesh: move trainer weights into inference engines, bucketed and versioned."""
+
+from loong_transfermesh.manifest import ManifestMismatch, build_manifest, check_against
+from loong_transfermesh.shm import ShmReceiver, ShmSender
+
+__all__ = [
+    # transports
+    "ShmReceiver",
+    "ShmSender",
+    # manifests
+    "ManifestMismatch",
+    "build_manifest",
+    "check_against",
+]

@@ -1,0 +1,163 @@
+"""White-box agents: the framework drives the token loop, the agent decides what happens.
+
+Lifecycle of an episode: the runner creates an :class:`Episode` (task, engine, codec, limits);
+the agent appends the prompt, then alternates ``await episode.generate()`` (model tokens, with
+logprobs and weight versions) and ``episode.observe(text)`` (tool or environment tokens, loss
+mask 0), and returns the reward. The runner turns the episode into a :class:`Trajectory`.
+
+Example::
+
+    agent = ToolAgent(ToolRegistry([Tool("calc", calc)]), reward_fn=lambda task, answer: ...)
+    trajectories = await run_episodes(agent, specs, engine, codec, sampling)
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import msgspec
+from loong_core.protocols import RolloutEngine, SamplingParams
+from loong_core.records import EpisodeStatus, SpanSource, Trajectory
+
+from loong_agentflow.tokens import TextCodec, TokenBuffer
+from loong_agentflow.tools import ToolRegistry, ToolResult, parse_tool_calls
+
+__all__ = ["Agent", "ChatML", "Episode", "EpisodeLimits", "EpisodeSpec", "ToolAgent", "run_episodes"]
+
+
+@dataclass(frozen=True)
+class EpisodeLimits:
+    """Caps on one episode: agent turns, model tokens in total, wall time."""
+
+    max_turns: int = 4
+    max_model_tokens: int = 256
+    timeout_s: float = 120.0
+
+
+@dataclass
+class EpisodeSpec:
+    """What to run: the ledger id, the GRPO group, the task payload and routing tags."""
+
+    sample_id: str
+    group_id: str
+    task: dict[str, Any]
+    tags: dict[str, str] = field(default_factory=dict)
+
+
+class Episode:
+    """One running episode: its transcript buffer plus the policy it samples from."""
+
+    def __init__(self, spec: EpisodeSpec, engine: RolloutEngine, codec: TextCodec,
+                 sampling: SamplingParams, limits: EpisodeLimits) -> None:
+        self.spec, self.engine, self.sampling, self.limits = spec, engine, sampling, limits
+        self.buffer = TokenBuffer(codec)
+        self.truncated = False
+        self.turns = 0
+
+    @property
+    def task(self) -> dict[str, Any]:
+        return self.spec.task
+
+    def prompt(self, text: str) -> None:
+        self.buffer.append_text(text, SpanSource.PROMPT)
+
+    def observe(self, text: str, source: SpanSource = SpanSource.TOOL) -> None:
+        self.buffer.append_text(text, source)
+
+    async def generate(self) -> str:
+        """Sample the next model turn; returns its text (the stop token included, if hit)."""
+        budget = self.limits.max_model_tokens - self.buffer.num_model_tokens
+        if budget <= 0 or self.turns >= self.limits.max_turns:
+            self.truncated = True
+            return ""
+        sampling = msgspec.structs.replace(self.sampling, max_new_tokens=min(budget, self.sampling.max_new_tokens))
+        span = await self.engine.generate(list(self.buffer.ids), sampling)
+        self.buffer.append(span)
+        self.turns += 1
+        hit_stop = bool(span.token_ids) and span.token_ids[-1] in sampling.stop_token_ids
+        self.truncated = not hit_stop
+        return self.buffer.codec.decode(span.token_ids)
+
+    def trajectory(self, reward: float, status: EpisodeStatus, info: dict[str, str] | None = None) -> Trajectory:
+        if status is EpisodeStatus.OK and self.truncated:
+            status = EpisodeStatus.TRUNCATED
+        return Trajectory(sample_id=self.spec.sample_id, group_id=self.spec.group_id, spans=list(self.buffer.spans),
+                          reward=reward, status=status, tags=dict(self.spec.tags), info=info or {})
+
+
+class Agent(Protocol):
+    """A white-box agent: runs one episode and returns its reward."""
+
+    async def run(self, episode: Episode) -> float: ...
+
+
+class ChatML:
+    """ChatML text pieces matching Loong's chat template (and Qwen's), so the token buffer
+    decodes to exactly what ``tokenizer.apply_chat_template`` renders for the same messages."""
+
+    END = "<|im_end|>"
+
+    @staticmethod
+    def prompt(messages: Sequence[dict[str, str]]) -> str:
+        turns = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+        return turns + "<|im_start|>assistant\n"
+
+    @staticmethod
+    def tool_turn(results: Sequence[ToolResult]) -> str:
+        """What follows an assistant turn that ended with ``<|im_end|>``: the tool responses and
+        the next assistant header."""
+        body = "".join(f"<|im_start|>user\n<tool_response>{r.content}</tool_response><|im_end|>\n" for r in results)
+        return "\n" + body + "<|im_start|>assistant\n"
+
+    @classmethod
+    def strip_end(cls, text: str) -> str:
+        return text.removesuffix(cls.END)
+
+
+class ToolAgent:
+    """A Hermes-format tool-using agent: call tools until the model answers without a call.
+
+    ``reward_fn(task, final_answer)`` scores the last assistant turn's text.
+    """
+
+    def __init__(self, tools: ToolRegistry, reward_fn: Callable[[dict[str, Any], str], float]) -> None:
+        self.tools, self.reward_fn = tools, reward_fn
+
+    async def run(self, episode: Episode) -> float:
+        episode.prompt(ChatML.prompt(episode.task["messages"]))
+        while True:
+            text = await episode.generate()
+            if episode.truncated:
+                return 0.0
+            calls = parse_tool_calls(text)
+            if not calls:
+                return float(self.reward_fn(episode.task, ChatML.strip_end(text)))
+            episode.observe(ChatML.tool_turn(await self.tools.run(calls)))
+
+
+async def run_episode(agent: Agent, episode: Episode) -> Trajectory:
+    """Run one episode; a crash or time-out is recorded in the trajectory, never raised."""
+    start = time.monotonic()
+    try:
+        reward = await asyncio.wait_for(agent.run(episode), episode.limits.timeout_s)
+        status = EpisodeStatus.OK
+        info: dict[str, str] = {}
+    except TimeoutError:
+        reward, status = 0.0, EpisodeStatus.TIMEOUT
+        info = {"error": f"episode exceeded {episode.limits.timeout_s}s"}
+    except Exception as e:  # an agent's bug fails its episode, not the run
+        reward, status = 0.0, EpisodeStatus.FAILED
+        info = {"error": f"{type(e).__name__}: {e}"}
+    info["wall_s"] = f"{time.monotonic() - start:.3f}"
+    return episode.trajectory(reward, status, info)
+
+
+async def run_episodes(agent: Agent, specs: Sequence[EpisodeSpec], engine: RolloutEngine, codec: TextCodec,
+                       sampling: SamplingParams, limits: EpisodeLimits = EpisodeLimits()) -> list[Trajectory]:
+    """Run all episodes concurrently; returns trajectories in ``specs`` order."""
+    episodes = [Episode(s, engine, codec, sampling, limits) for s in specs]
+    return list(await asyncio.gather(*(run_episode(agent, e) for e in episodes)))

@@ -1,0 +1,57 @@
+"""The seams between Loong's packages: one small Protocol each.
+
+Backends live in the packages above loong-core and are chosen by a ``type`` field in config.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import msgspec
+
+from loong_core.records import TokenSpan
+
+__all__ = ["RolloutEngine", "SamplingParams"]
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How to sample one completion.
+
+    ``logprobs`` returned with a completion are log-probabilities of the sampled tokens under the
+    distribution actually sampled from: ``log_softmax(logits / temperature)`` (top-p does not
+    renormalise them), which is what the trainer recomputes.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    stop_token_ids: list[int] = []
+
+    def __post_init__(self) -> None:
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+
+
+@runtime_checkable
+class RolloutEngine(Protocol):
+    """Token-level generation with per-token logprobs and weight versions.
+
+    Lifecycle: create, then ``generate`` concurrently from many episodes; around a weight update
+    the owner calls ``pause()`` (in-flight requests hold between decode steps), applies weights,
+    then ``resume()``. Every returned model span carries the version that produced its tokens.
+    """
+
+    @property
+    def weight_version(self) -> int: ...
+
+    async def generate(self, input_ids: list[int], sampling: SamplingParams) -> TokenSpan:
+        """Complete ``input_ids``; returns a model span (stop token included when hit)."""
+        ...
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...

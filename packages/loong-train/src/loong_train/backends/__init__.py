@@ -1,0 +1,1 @@
+"""Train backends: ``torch`` (CPU / one GPU)."""

@@ -1,0 +1,55 @@
+"""``loong-train``: run a recipe.
+
+    loong-train run tiny-calc-agent [--out runs/NAME] [--set train.steps=50]...
+    loong-train recipes
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from pathlib import Path
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="loong-train", description="Loong: asynchronous RL for LLM agents.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    run = sub.add_parser("run", help="train a recipe (a shipped name or a .toml path)")
+    run.add_argument("recipe")
+    run.add_argument("--out", type=Path, help="run directory (default: runs/<recipe name>)")
+    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                     help="override a recipe key, e.g. --set train.steps=50 (repeatable)")
+    run.add_argument("--cache", type=Path, default=Path(os.environ.get("LOONG_CACHE", Path.home() / ".cache/loong")),
+                     help="where built tiny models are cached (default: ~/.cache/loong or $LOONG_CACHE)")
+    sub.add_parser("recipes", help="list shipped recipes")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    from loong_core.config import ConfigError
+
+    from loong_train.config import load_recipe, recipe_names
+
+    if args.command == "recipes":
+        print("\n".join(recipe_names()))
+        return 0
+    try:
+        recipe = load_recipe(args.recipe, args.overrides)
+    except ConfigError as e:
+        print(f"loong-train: {e}", file=sys.stderr)
+        return 2
+    from loong_train.controller import run
+
+    out = run(recipe, args.out or Path("runs") / recipe.name, args.cache)
+    print(f"run directory: {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

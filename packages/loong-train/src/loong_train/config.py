@@ -1,0 +1,115 @@
+"""A recipe: every knob of a run, as typed msgspec Structs loaded from TOML.
+
+Recipes that ship with Loong live in ``loong_train/recipes/<name>.toml`` and are addressed by
+name; any other TOML path works too. ``--set key=value`` overrides a dotted key.
+"""
+
+from __future__ import annotations
+
+from importlib import resources
+from pathlib import Path
+
+import msgspec
+from loong_core.config import ConfigError, load_config
+
+__all__ = ["ModelConfig", "Recipe", "RolloutConfig", "TrainConfig", "WarmstartConfig", "load_recipe", "recipe_names"]
+
+
+class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
+    pass
+
+
+class ModelConfig(_Section):
+    """An HF checkpoint directory, or (``path = ""``) a tiny Qwen3 built from these sizes."""
+
+    path: str = ""
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 32
+
+
+class WarmstartConfig(_Section):
+    """Supervised warm start on synthetic demonstrations, stopped early once the *sampled*
+    (temperature 1) success on probe tasks reaches ``target_success``."""
+
+    steps: int = 0
+    batch_size: int = 64
+    lr: float = 3e-3
+    target_success: float = 0.3
+    eval_every: int = 20
+    eval_tasks: int = 128
+
+
+class RolloutConfig(_Section):
+    workers: int = 1
+    group_size: int = 8
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int = 64
+    max_turns: int = 3
+    max_model_tokens: int = 160
+    episode_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.group_size < 2:
+            raise ValueError(f"group_size must be >= 2 for GRPO, got {self.group_size}")
+
+
+class TrainConfig(_Section):
+    steps: int = 100
+    batch_groups: int = 16
+    max_staleness: int = 1
+    lr: float = 1e-4
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    clip_eps: float = 0.2
+    scale_adv_by_std: bool = True
+    checkpoint_every: int = 0
+
+    def __post_init__(self) -> None:
+        if self.max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+
+
+class EvalConfig(_Section):
+    every: int = 10
+    num_tasks: int = 128
+
+
+class Recipe(_Section):
+    name: str
+    task: str = "calc"
+    seed: int = 0
+    threads: int = 1
+    model: ModelConfig = ModelConfig()
+    warmstart: WarmstartConfig = WarmstartConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    train: TrainConfig = TrainConfig()
+    eval: EvalConfig = EvalConfig()
+    ray_address: str = ""
+
+    def __post_init__(self) -> None:
+        if self.task != "calc":
+            raise ValueError(f"unknown task {self.task!r} (expected one of: 'calc')")
+
+
+def recipe_names() -> list[str]:
+    return sorted(p.name.removesuffix(".toml") for p in resources.files("loong_train.recipes").iterdir()
+                  if p.name.endswith(".toml"))
+
+
+def load_recipe(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """Load a shipped recipe by name, or a TOML file by path."""
+    path = Path(name_or_path)
+    if not path.suffix:
+        if name_or_path not in recipe_names():
+            raise ConfigError(f"unknown recipe {name_or_path!r} (shipped recipes: {', '.join(recipe_names())}; "
+                              "or give a path to a .toml file)")
+        path = Path(str(resources.files("loong_train.recipes") / f"{name_or_path}.toml"))
+    elif not path.exists():
+        raise ConfigError(f"recipe file {path} does not exist")
+    return load_config(path, Recipe, overrides)

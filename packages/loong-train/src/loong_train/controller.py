@@ -1,0 +1,82 @@
+"""The single controller: one process that drives rollout workers and the trainer (Ray actors).
+
+The driver is the loop of DESIGN.md section 5:
+
+1. the controller owns the data, the staleness window and the ledger;
+2. rollout workers run agents continuously, every token stamped with its weight version;
+3. finished groups enter the window; the trainer takes a batch only of samples within
+   ``max_staleness`` versions, and admission keeps at most ``(max_staleness + 1) * batch``
+   groups in flight (``max_staleness = 0`` is synchronous on-policy training, same code);
+4. after each train step the version advances and TransferMesh carries the weights to every
+   engine, queued behind the work already admitted at the old version;
+5. everything that matters is measured every step.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import ray
+from loong_core.window import StalenessWindow
+from tqdm import tqdm
+
+from loong_train.config import Recipe
+from loong_train.pipeline import GroupSource, Pipeline
+from loong_train.rollout import RolloutWorker
+from loong_train.run_dir import RunDir
+from loong_train.tasks import calc
+from loong_train.trainer import TrainerWorker
+from loong_train.warmstart import prepare_model
+
+__all__ = ["run"]
+
+log = logging.getLogger("loong.controller")
+
+
+def run(recipe: Recipe, out: Path, cache: Path) -> Path:
+    """Train ``recipe``; writes the run directory ``out`` and returns it."""
+    run_dir = RunDir(out, recipe)
+    model_path = str(prepare_model(recipe, cache))
+    pipe = _start(recipe, model_path, run_dir.name)
+    run_dir.evaluate(pipe, version=0)
+    bar = tqdm(total=recipe.train.steps, desc=recipe.name, unit="step")
+    while pipe.window.version < recipe.train.steps:
+        pipe.admit(per_call=recipe.train.batch_groups)
+        for kind, result in pipe.wait():
+            if kind == "rollout":
+                pipe.on_rollout(*result)
+                run_dir.on_rollout(result[1])
+            else:
+                metrics, manifest = result
+                pipe.window.advance()
+                pipe.sync_weights(manifest)
+                run_dir.on_train_step(pipe, metrics)
+                bar.update(1)
+                bar.set_postfix(run_dir.postfix())
+        if pipe.train_ref is None and (trajs := pipe.start_train_step()) is not None:
+            run_dir.on_batch(pipe, trajs)
+    bar.close()
+    run_dir.finish(pipe)
+    ray.shutdown()
+    return run_dir.path
+
+
+def _start(recipe: Recipe, model_path: str, transport: str) -> Pipeline:
+    if not ray.is_initialized():
+        ray.init(address=recipe.ray_address or None, num_cpus=None if recipe.ray_address else recipe.rollout.workers + 1,
+                 include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
+    r = recipe.rollout
+    sampling = {"temperature": r.temperature, "top_p": r.top_p, "max_new_tokens": r.max_new_tokens}
+    limits = {"max_turns": r.max_turns, "max_model_tokens": r.max_model_tokens, "timeout_s": r.episode_timeout_s}
+    workers = [
+        ray.remote(num_cpus=1)(RolloutWorker).remote(model_path, seed=recipe.seed * 1000 + i, sampling=sampling,
+                                                     limits=limits, transport_name=transport, threads=recipe.threads,
+                                                     worker_id=i)
+        for i in range(r.workers)
+    ]
+    trainer = ray.remote(num_cpus=1)(TrainerWorker).remote(model_path, recipe, transport)
+    held_out = calc.eval_tasks(recipe.eval.num_tasks)
+    source = GroupSource(calc.train_tasks(recipe.seed + 1, held_out), r.group_size)
+    window = StalenessWindow(recipe.train.max_staleness, recipe.train.batch_groups)
+    return Pipeline(recipe, workers, trainer, window, source)

@@ -1,0 +1,1 @@
+"""Rollout engines: ``embedded`` (in-process torch)."""

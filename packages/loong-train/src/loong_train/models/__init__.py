@@ -1,0 +1,1 @@
+"""Model implementations in plain torch with Hugging Face names and files."""

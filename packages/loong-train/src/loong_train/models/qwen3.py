@@ -1,0 +1,239 @@
+"""A Qwen3-architecture causal LM in plain torch, with Hugging Face names and files.
+
+The same module serves the trainer (full-sequence forward) and the embedded engine
+(prefill + decode against a preallocated KV cache), so rollout and training logprobs come
+from one implementation. Parameter names equal ``transformers``' ``Qwen3ForCausalLM``, so a
+checkpoint directory (``config.json`` + ``model.safetensors``) loads in either; a test checks
+logits against ``transformers`` as an independent reference.
+
+Architecture (Qwen3): pre-norm decoder; RMSNorm; grouped-query attention with per-head RMSNorm
+on queries and keys; rotary position embedding (rotate-half form); SwiGLU MLP; optional tied
+embeddings.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["KVCache", "Qwen3Config", "Qwen3ForCausalLM"]
+
+
+@dataclass
+class Qwen3Config:
+    """The subset of Hugging Face's ``Qwen3Config`` this implementation needs."""
+
+    vocab_size: int
+    hidden_size: int = 128
+    intermediate_size: int = 384
+    num_hidden_layers: int = 4
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    head_dim: int = 32
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 512
+    tie_word_embeddings: bool = True
+
+    @classmethod
+    def from_hf(cls, data: dict) -> Qwen3Config:
+        if data.get("model_type") != "qwen3":
+            raise ValueError(f"expected a Qwen3 config (model_type 'qwen3'), got {data.get('model_type')!r}")
+        names = {f.name for f in fields(cls)}
+        cfg = {k: v for k, v in data.items() if k in names}
+        rope = data.get("rope_parameters") or data.get("rope_scaling") or {}
+        if "rope_theta" not in cfg and "rope_theta" in rope:
+            cfg["rope_theta"] = rope["rope_theta"]
+        return cls(**cfg)
+
+    def to_hf(self) -> dict:
+        return {
+            "architectures": ["Qwen3ForCausalLM"],
+            "model_type": "qwen3",
+            "hidden_act": "silu",
+            "attention_bias": False,
+            "torch_dtype": "float32",
+            **asdict(self),
+        }
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        var = x.float().pow(2).mean(-1, keepdim=True)
+        return self.weight * (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+class Rotary(nn.Module):
+    def __init__(self, head_dim: int, theta: float) -> None:
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [batch, seq] -> cos, sin [batch, 1, seq, head_dim]."""
+        freqs = positions[..., None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None]
+        return emb.cos(), emb.sin()
+
+
+class KVCache:
+    """Preallocated keys/values: per layer [batch, kv_heads, max_len, head_dim]."""
+
+    def __init__(self, cfg: Qwen3Config, batch: int, max_len: int, dtype: torch.dtype, device) -> None:
+        shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.max_len = max_len
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: Qwen3Config) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
+        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, cache: tuple[torch.Tensor, torch.Tensor] | None, start: int):
+        b, t, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, t, self.n_heads, self.head_dim)).transpose(1, 2)
+        k = self.k_norm(self.k_proj(x).view(b, t, self.n_kv, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        if cache is not None:
+            cache[0][:, :, start : start + t] = k
+            cache[1][:, :, start : start + t] = v
+            k, v = cache[0][:, :, : start + t], cache[1][:, :, : start + t]
+        groups = self.n_heads // self.n_kv
+        k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        if mask is None:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: Qwen3Config) -> None:
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Qwen3Config) -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg)
+        self.mlp = MLP(cfg)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, cache, start):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, mask, cache, start)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class _Body(nn.Module):
+    def __init__(self, cfg: Qwen3Config) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+
+
+class Qwen3ForCausalLM(nn.Module):
+    """Qwen3 causal LM. ``forward`` returns logits [batch, seq, vocab].
+
+    Training: ``forward(ids)`` with right padding needs no mask (causal attention never lets a
+    real token see a later pad). Generation: ``forward(ids, positions, mask, cache, start)`` with a
+    boolean ``mask`` [batch, 1, seq, start + seq] that is True where attention is allowed.
+    """
+
+    def __init__(self, cfg: Qwen3Config) -> None:
+        super().__init__()
+        self.config = cfg
+        self.model = _Body(cfg)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def init_weights(self, seed: int, std: float = 0.02) -> None:
+        """Deterministic random init (normal(0, std) matrices, ones for norms), as HF does."""
+        gen = torch.Generator().manual_seed(seed)
+        with torch.no_grad():
+            for name, p in self.named_parameters():
+                if name.endswith("norm.weight"):
+                    p.fill_(1.0)
+                else:
+                    p.copy_(torch.randn(p.shape, generator=gen) * std)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        mask: torch.Tensor | None = None,
+        cache: KVCache | None = None,
+        start: int = 0,
+    ) -> torch.Tensor:
+        if positions is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device).expand_as(input_ids)
+        x = self.model.embed_tokens(input_ids)
+        cos, sin = self.model.rotary(positions)
+        for i, layer in enumerate(self.model.layers):
+            layer_cache = (cache.k[i], cache.v[i]) if cache is not None else None
+            x = layer(x, cos, sin, mask, layer_cache, start)
+        return self.lm_head(self.model.norm(x))
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Parameters in Hugging Face naming (tied lm_head omitted, as HF saves it)."""
+        sd = {k: v for k, v in self.state_dict().items() if "rotary" not in k}
+        if self.config.tie_word_embeddings:
+            sd.pop("lm_head.weight", None)
+        return sd
+
+    def save_pretrained(self, path: str | Path) -> None:
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        (path / "config.json").write_text(json.dumps(self.config.to_hf(), indent=2))
+        save_file({k: v.contiguous() for k, v in self.hf_state_dict().items()}, str(path / "model.safetensors"))
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path) -> Qwen3ForCausalLM:
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        cfg = Qwen3Config.from_hf(json.loads((path / "config.json").read_text()))
+        model = cls(cfg)
+        missing, unexpected = model.load_state_dict(load_file(str(path / "model.safetensors")), strict=False)
+        missing = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
+        if missing or unexpected:
+            raise ValueError(f"checkpoint {path} does not match Qwen3: missing {missing}, unexpected {unexpected}")
+        return model
+
+    def num_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters())

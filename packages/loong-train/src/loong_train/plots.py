@@ -1,0 +1,53 @@
+"""End-of-run plots: reward and held-out eval reward, staleness, and utilization over steps."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from loong_core.telemetry import read_metrics
+
+__all__ = ["plot_run"]
+
+
+def plot_run(run_dir: Path, evals: dict[int, float]) -> list[Path]:
+    """Write ``plots/reward.png``, ``plots/staleness.png`` and ``plots/utilization.png``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(run_dir / "metrics.jsonl")
+    steps = [r["step"] for r in rows]
+    out = []
+
+    def save(fig, name: str) -> None:
+        path = run_dir / "plots" / name
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        out.append(path)
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot(steps, [r["reward_mean"] for r in rows], label="train reward (batch mean)", alpha=0.7)
+    ax.plot(list(evals), list(evals.values()), "o-", label="held-out eval reward", color="C3")
+    ax.set(xlabel="train step (policy version)", ylabel="reward", ylim=(-0.02, 1.02), title="Reward")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    save(fig, "reward.png")
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot(steps, [r["staleness_mean"] for r in rows], label="mean")
+    ax.step(steps, [r["staleness_max"] for r in rows], where="mid", label="max")
+    ax.set(xlabel="train step", ylabel="staleness (versions)", title="Sample staleness")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    save(fig, "staleness.png")
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    ax.plot(steps, [r["trainer_busy_frac"] for r in rows], label="trainer busy")
+    ax.plot(steps, [r["rollout_busy_frac"] for r in rows], label="rollout busy")
+    ax.set(xlabel="train step", ylabel="busy fraction", ylim=(0, 1.05), title="Utilization")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    save(fig, "utilization.png")
+    return out

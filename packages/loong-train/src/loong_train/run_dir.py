@@ -1,0 +1,153 @@
+"""The run directory (DESIGN.md section 6) and the per-step measurements that fill it.
+
+``runs/<name>/``: ``config.toml`` (resolved recipe), ``metrics.jsonl`` (one object per train
+step), ``trace.json`` (Perfetto: rollout, eval, train and sync spans per actor), ``plots/*.png``,
+``checkpoints/final`` (Hugging Face format), ``summary.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import ray
+from loong_agentflow import EpisodeSpec
+from loong_core.config import dump_toml
+from loong_core.records import EpisodeStatus, Trajectory
+from loong_core.telemetry import MetricsWriter, TraceWriter
+
+from loong_train.config import Recipe
+from loong_train.pipeline import Pipeline
+from loong_train.plots import plot_run
+from loong_train.tasks import calc
+
+__all__ = ["RunDir"]
+
+
+class RunDir:
+    """Writes config, metrics, trace, plots and the final checkpoint of one run."""
+
+    def __init__(self, path: Path, recipe: Recipe) -> None:
+        self.path, self.recipe = path, recipe
+        (path / "plots").mkdir(parents=True, exist_ok=True)
+        (path / "checkpoints").mkdir(exist_ok=True)
+        (path / "config.toml").write_text(dump_toml(recipe))
+        self.name = f"{recipe.name}-{os.getpid()}-{int(time.time())}"
+        self.metrics = MetricsWriter(path / "metrics.jsonl")
+        self.trace = TraceWriter(path / "trace.json")
+        self.held_out = calc.eval_tasks(recipe.eval.num_tasks)
+        self.evals: dict[int, Any] = {}
+        self.eval_results: dict[int, float] = {}
+        self.reported_evals: set[int] = set()
+        self.start = self.last_step_end = time.time()
+        self.rollout_busy = 0.0
+        self.batch: dict[str, Any] = {}
+        self.last: dict[str, Any] = {}
+
+    def evaluate(self, pipe: Pipeline, version: int) -> None:
+        """Queue a held-out evaluation on worker 0 behind the weight update to ``version``."""
+        specs = [EpisodeSpec(f"eval-v{version}-{i}", f"eval-v{version}-{i}", t) for i, t in enumerate(self.held_out)]
+        self.evals[version] = pipe.workers[0].rollout.remote(specs)
+
+    def on_rollout(self, result: dict[str, Any]) -> None:
+        self.rollout_busy += result["end"] - result["start"]
+        self.trace.span("rollout", "rollout", f"rollout-worker-{result['worker']}", "engine", result["start"],
+                        result["end"], {"episodes": len(result["trajectories"]), "version": result["version"]})
+
+    def on_batch(self, pipe: Pipeline, trajs: list[Trajectory]) -> None:
+        statuses = Counter(t.status for t in trajs)
+        ok = [t for t in trajs if t.status.trainable]
+        staleness = pipe.window.last_batch_staleness
+        self.batch = {
+            "reward_mean": sum(t.reward for t in ok) / max(1, len(ok)),
+            "staleness_mean": sum(staleness) / len(staleness),
+            "staleness_max": max(staleness),
+            "staleness_hist": dict(Counter(str(s) for s in staleness)),
+            "samples": len(trajs),
+            "failed": statuses[EpisodeStatus.FAILED],
+            "timeouts": statuses[EpisodeStatus.TIMEOUT],
+            "truncated": statuses[EpisodeStatus.TRUNCATED],
+            "response_tokens_mean": sum(t.num_model_tokens for t in ok) / max(1, len(ok)),
+        }
+
+    def on_train_step(self, pipe: Pipeline, m: dict[str, Any]) -> None:
+        version = pipe.window.version
+        now = time.time()
+        interval = max(now - self.last_step_end, 1e-9)
+        self.trace.span("train_step", "train", "trainer", "train", m["train_start"], m["train_end"], {"version": version})
+        self.trace.span("push_weights", "sync", "trainer", "sync", m["train_end"], m["push_end"], {"version": version})
+        line = {
+            "step": version,
+            "policy_version": version,
+            **self.batch,
+            "mismatch_kl": m["mismatch_kl"],
+            "onpolicy_mismatch_kl": m["onpolicy_mismatch_kl"],
+            "mismatch_abs_logp": m["mismatch_abs_logp"],
+            "onpolicy_mismatch_abs_logp": m["onpolicy_mismatch_abs_logp"],
+            "loss": m["loss"],
+            "grad_norm": m["grad_norm"],
+            "clip_frac": m["clip_frac"],
+            "lr": m["lr"],
+            "trainer_busy_frac": min(1.0, (m["train_end"] - m["train_start"] + m["push_s"]) / interval),
+            "rollout_busy_frac": min(1.0, self.rollout_busy / (interval * len(pipe.workers))),
+            "samples_per_s": self.batch["samples"] / interval,
+            "weight_sync_s": m["push_s"] + pipe.last_apply_s(),
+            "elapsed_s": now - self.start,
+        }
+        self.rollout_busy, self.last_step_end = 0.0, now
+        if version % self.recipe.eval.every == 0 or version == self.recipe.train.steps:
+            self.evaluate(pipe, version)
+        if version == self.recipe.train.steps:
+            ray.get(list(self.evals.values()))
+        self._collect_evals(wait=False)
+        line |= self._unreported_eval()
+        self.metrics.write(line)
+        self.last = line
+
+    def _collect_evals(self, wait: bool) -> None:
+        pending = [v for v in self.evals if v not in self.eval_results]
+        refs = [self.evals[v] for v in pending]
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=None if wait else 0)[0]) if refs else set()
+        for v in pending:
+            if self.evals[v] in ready:
+                result = ray.get(self.evals[v])
+                trajs = result["trajectories"]
+                self.eval_results[v] = sum(t.reward for t in trajs) / len(trajs)
+                self.trace.span("eval", "eval", f"rollout-worker-{result['worker']}", "engine", result["start"],
+                                result["end"], {"version": v, "reward": self.eval_results[v]})
+
+    def _unreported_eval(self) -> dict[str, Any]:
+        """The newest finished evaluation not yet written to metrics (earlier ones go to summary)."""
+        fresh = [v for v in self.eval_results if v not in self.reported_evals]
+        if not fresh:
+            return {}
+        self.reported_evals.update(fresh)
+        v = max(fresh)
+        return {"eval_reward_mean": self.eval_results[v], "eval_policy_version": v}
+
+    def postfix(self) -> dict[str, str]:
+        out = {"reward": f"{self.last.get('reward_mean', 0):.2f}", "stale": str(self.last.get("staleness_max", 0))}
+        if self.eval_results:
+            out["eval"] = f"{self.eval_results[max(self.eval_results)]:.2f}"
+        return out
+
+    def finish(self, pipe: Pipeline) -> None:
+        pipe.drain()
+        self._collect_evals(wait=True)
+        final = self.path / "checkpoints" / "final"
+        ray.get(pipe.trainer.save.remote(str(final)))
+        ray.get(pipe.trainer.close.remote())
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(Path(ray.get(pipe.workers[0].model_path.remote())) / name, final / name)
+        self.metrics.close()
+        self.trace.save()
+        evals = dict(sorted(self.eval_results.items()))
+        summary = {"eval_reward_by_version": evals, "first_eval": evals[min(evals)], "final_eval": evals[max(evals)],
+                   "steps": pipe.window.version, "wall_s": time.time() - self.start}
+        (self.path / "summary.json").write_text(json.dumps(summary, indent=2))
+        plot_run(self.path, evals)

@@ -1,0 +1,1 @@
+"""Synthetic agentic tasks with verifiable rewards."""

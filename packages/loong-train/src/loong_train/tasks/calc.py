@@ -1,0 +1,82 @@
+"""The calculator-agent task: the model must call a ``calc`` tool and answer with its result.
+
+A question is ``compute A<op>B`` with two-digit operands and ``op`` in ``+ - *``. A tiny
+model cannot multiply, so the reliable way to earn the reward is a well-formed Hermes tool call
+that copies the expression, then copying the tool's result as the final answer. Reward 1 when
+the final answer equals the true value, else 0. Held-out questions are drawn from a separate
+seed and never appear in training.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import operator
+import random
+from collections.abc import Iterator
+from typing import Any
+
+from loong_agentflow import ChatML, Tool, ToolRegistry, ToolResult
+
+__all__ = ["calc", "demonstration", "eval_tasks", "reward", "tool_registry", "train_tasks"]
+
+_OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
+
+
+def calc(expr: str) -> str:
+    """Evaluate an integer expression of + - * and parentheses; anything else is an error."""
+
+    def ev(node: ast.AST) -> int:
+        if isinstance(node, ast.Constant) and type(node.value) is int:
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPS:
+            return _OPS[type(node.op)](ev(node.left), ev(node.right))
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            return -ev(node.operand)
+        raise ValueError(f"unsupported expression {expr!r}")
+
+    if len(expr) > 64:
+        raise ValueError("expression longer than 64 characters")
+    return str(ev(ast.parse(expr, mode="eval").body))
+
+
+def tool_registry() -> ToolRegistry:
+    return ToolRegistry([Tool("calc", calc, "Evaluate an integer arithmetic expression.")], timeout_s=5.0)
+
+
+def _task(rng: random.Random) -> dict[str, Any]:
+    a, b, op = rng.randint(10, 99), rng.randint(10, 99), rng.choice("+-*")
+    expr = f"{a}{op}{b}"
+    return {"messages": [{"role": "user", "content": f"compute {expr}"}], "expr": expr, "answer": calc(expr)}
+
+
+def eval_tasks(n: int, seed: int = 1_000_003) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    return [_task(rng) for _ in range(n)]
+
+
+def train_tasks(seed: int, held_out: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    """An endless stream of training questions, skipping any held-out expression."""
+    rng, banned = random.Random(seed), {t["expr"] for t in held_out}
+    while True:
+        task = _task(rng)
+        if task["expr"] not in banned:
+            yield task
+
+
+def reward(task: dict[str, Any], answer: str) -> float:
+    return float(answer.strip() == task["answer"])
+
+
+def demonstration(task: dict[str, Any]) -> list[tuple[str, bool]]:
+    """An expert episode as (text, is_model) pieces, in exactly the agent's token layout."""
+    call = json.dumps({"name": "calc", "arguments": {"expr": task["expr"]}})
+    result = calc(task["expr"])
+    tool_turn = ChatML.tool_turn([ToolResult(None, result, ok=True)])
+    return [
+        (ChatML.prompt(task["messages"]), False),
+        (f"<tool_call>{call}</tool_call>{ChatML.END}", True),
+        (tool_turn, False),
+        (f"{result}{ChatML.END}", True),
+    ]
+

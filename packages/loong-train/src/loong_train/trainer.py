@@ -1,0 +1,51 @@
+"""The trainer worker: a train backend plus the TransferMesh sender that publishes its weights."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from loong_core.records import TrainBatch, WeightManifest
+
+from loong_train.backends.torch_backend import TorchBackend
+from loong_train.config import Recipe
+from loong_train.models.qwen3 import Qwen3ForCausalLM
+
+__all__ = ["TrainerWorker"]
+
+
+class TrainerWorker:
+    """Runs one optimizer step per batch, then pushes the new weights (version + 1) to shm."""
+
+    def __init__(self, model_path: str, recipe: Recipe, transport_name: str) -> None:
+        from loong_transfermesh import ShmSender
+
+        torch.set_num_threads(recipe.threads)
+        torch.manual_seed(recipe.seed)
+        t = recipe.train
+        self.backend = TorchBackend(Qwen3ForCausalLM.from_pretrained(model_path), lr=t.lr,
+                                    warmup_steps=t.warmup_steps, weight_decay=t.weight_decay,
+                                    grad_clip=t.grad_clip, clip_eps=t.clip_eps,
+                                    temperature=recipe.rollout.temperature)
+        self.sender = ShmSender(transport_name)
+        self.version = 0
+
+    def train_step(self, batch: TrainBatch) -> tuple[dict[str, float], WeightManifest]:
+        start = time.time()
+        metrics = self.backend.train_step(batch)
+        mid = time.time()
+        self.version += 1
+        manifest = self.sender.push(self.backend.named_weights(), self.version)
+        end = time.time()
+        return {**metrics, "train_start": start, "train_end": mid, "push_s": end - mid, "push_end": end}, manifest
+
+    def logprobs(self, batch: TrainBatch) -> list[float]:
+        """Recomputed logprobs, flattened like the batch's per-token lists."""
+        lp = self.backend.logprobs(batch)
+        return [v for i, n in enumerate(batch.row_lens) for v in lp[i, :n].tolist()]
+
+    def save(self, path: str) -> None:
+        self.backend.save(path)
+
+    def close(self) -> None:
+        self.sender.close()

@@ -1,0 +1,124 @@
+"""Build the tiny model and tokenizer, then warm-start it with supervised demonstrations.
+
+RL on a model this small needs a policy whose *sampled* episodes sometimes succeed, so GRPO
+groups carry signal. The warm start trains on expert episodes (loss on model tokens only, laid
+out exactly as the agent's token buffer lays them out) and stops at the first evaluation whose
+sampled (temperature 1) success reaches the target. Everything is deterministic given the seed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import msgspec
+import torch
+from loong_agentflow import EpisodeLimits, EpisodeSpec, ToolAgent, run_episodes
+from loong_core.protocols import SamplingParams
+from tqdm import tqdm
+
+from loong_train.backends.torch_backend import token_logprobs
+from loong_train.config import Recipe
+from loong_train.engines.embedded import EmbeddedEngine
+from loong_train.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from loong_train.rollout import HFCodec
+from loong_train.tasks import calc
+from loong_train.tokenizer import build_tokenizer, load_tokenizer
+
+__all__ = ["build_tiny", "prepare_model", "sampled_success"]
+
+log = logging.getLogger("loong.warmstart")
+
+
+def build_tiny(path: Path, recipe: Recipe) -> Path:
+    """A random-init tiny Qwen3 + char tokenizer, saved as a Hugging Face directory."""
+    build_tokenizer(path)
+    vocab = len(load_tokenizer(path))
+    sizes = msgspec.structs.asdict(recipe.model)
+    sizes.pop("path")
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab, **sizes))
+    model.init_weights(recipe.seed)
+    model.save_pretrained(path)
+    return path
+
+
+def sampled_success(model: Qwen3ForCausalLM, tokenizer, recipe: Recipe, tasks: list[dict], seed: int) -> float:
+    """Mean reward of one temperature-``T`` episode per task (held-out or probe tasks)."""
+    engine = EmbeddedEngine(model, seed=seed, pad_id=tokenizer.pad_token_id)
+    r = recipe.rollout
+    sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
+                              stop_token_ids=[tokenizer.convert_tokens_to_ids("<|im_end|>")])
+    specs = [EpisodeSpec(f"probe-{i}", f"probe-{i}", t) for i, t in enumerate(tasks)]
+    limits = EpisodeLimits(max_turns=r.max_turns, max_model_tokens=r.max_model_tokens)
+    agent = ToolAgent(calc.tool_registry(), calc.reward)
+    trajs = asyncio.run(run_episodes(agent, specs, engine, HFCodec(tokenizer), sampling, limits))
+    model.train()
+    return sum(t.reward for t in trajs) / len(trajs)
+
+
+def _sft_batch(codec: HFCodec, tasks: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+    rows = []
+    for task in tasks:
+        ids, mask = [], []
+        for text, is_model in calc.demonstration(task):
+            piece = codec.encode(text)
+            ids += piece
+            mask += [int(is_model)] * len(piece)
+        rows.append((ids, mask))
+    width = max(len(i) for i, _ in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width)
+    for k, (i, m) in enumerate(rows):
+        ids[k, : len(i)] = torch.tensor(i)
+        mask[k, : len(m)] = torch.tensor(m, dtype=torch.float32)
+    return ids, mask
+
+
+def warm_start(path: Path, recipe: Recipe) -> dict:
+    """Supervised steps until sampled success reaches the target; saves the model in place."""
+    w = recipe.warmstart
+    torch.manual_seed(recipe.seed)
+    torch.set_num_threads(recipe.threads)
+    tokenizer = load_tokenizer(path)
+    codec, model = HFCodec(tokenizer), Qwen3ForCausalLM.from_pretrained(path).train()
+    opt = torch.optim.AdamW(model.parameters(), lr=w.lr, betas=(0.9, 0.99))
+    probe = calc.eval_tasks(w.eval_tasks, seed=recipe.seed + 7)  # probe set, distinct from held-out eval
+    stream = calc.train_tasks(recipe.seed + 1, calc.eval_tasks(recipe.eval.num_tasks))
+    success, step = 0.0, 0
+    bar = tqdm(range(1, w.steps + 1), desc="warm start", unit="step", leave=False)
+    for step in bar:
+        ids, mask = _sft_batch(codec, [next(stream) for _ in range(w.batch_size)])
+        lp = token_logprobs(model, ids)
+        loss = -(lp * mask).sum() / mask.sum()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        if step % w.eval_every == 0:
+            success = sampled_success(model, tokenizer, recipe, probe, seed=step)
+            bar.set_postfix(loss=f"{loss.item():.3f}", sampled_success=f"{success:.2f}")
+            log.info("warm start step %d: loss %.4f, sampled success %.3f", step, loss.item(), success)
+            if success >= w.target_success:
+                break
+    bar.close()
+    model.save_pretrained(path)
+    return {"steps": step, "sampled_success": success}
+
+
+def prepare_model(recipe: Recipe, cache_dir: Path) -> Path:
+    """The checkpoint RL starts from: the recipe's path, or a cached tiny warm-started model."""
+    if recipe.model.path:
+        return Path(recipe.model.path)
+    key_src = json.dumps([msgspec.to_builtins(recipe.model), msgspec.to_builtins(recipe.warmstart),
+                          recipe.seed, recipe.rollout.temperature, recipe.eval.num_tasks])
+    key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
+    path = cache_dir / f"tiny-{recipe.task}-{key}"
+    if (path / "warmstart.json").exists():
+        return path
+    build_tiny(path, recipe)
+    info = warm_start(path, recipe) if recipe.warmstart.steps else {"steps": 0}
+    (path / "warmstart.json").write_text(json.dumps(info))
+    log.info("warm start: %s", info)
+    return path
