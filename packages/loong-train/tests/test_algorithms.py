@@ -8,16 +8,27 @@ from loong_train.algorithms import grpo_advantages, pack_batch, ppo_clip_loss
 
 
 def _traj(group, reward, status=EpisodeStatus.OK, n_model=2, version=0):
-    spans = [TokenSpan([1, 2], SpanSource.PROMPT),
-             TokenSpan(list(range(n_model)), SpanSource.MODEL, [-0.5] * n_model, version)]
-    return Trajectory(sample_id=f"{group}-{reward}-{status}", group_id=group, spans=spans, reward=reward, status=status)
+    spans = [
+        TokenSpan([1, 2], SpanSource.PROMPT),
+        TokenSpan(list(range(n_model)), SpanSource.MODEL, [-0.5] * n_model, version),
+    ]
+    return Trajectory(
+        sample_id=f"{group}-{reward}-{status}", group_id=group, spans=spans, reward=reward, status=status
+    )
 
 
 def test_grpo_advantages_hand_worked():
     # group a: rewards 1, 0, 0, 1 -> mean 0.5, population std 0.5 -> +-1
     # group b: all equal -> 0; a failed episode is excluded from b's statistics and gets 0
-    trajs = [_traj("a", 1), _traj("a", 0), _traj("a", 0), _traj("a", 1),
-             _traj("b", 1), _traj("b", 1), _traj("b", 0, EpisodeStatus.FAILED)]
+    trajs = [
+        _traj("a", 1),
+        _traj("a", 0),
+        _traj("a", 0),
+        _traj("a", 1),
+        _traj("b", 1),
+        _traj("b", 1),
+        _traj("b", 0, EpisodeStatus.FAILED),
+    ]
     adv = grpo_advantages(trajs, eps=0.0)
     assert adv == [1.0, -1.0, -1.0, 1.0, 0.0, 0.0, 0.0]
     assert grpo_advantages(trajs, scale_by_std=False)[:4] == [0.5, -0.5, -0.5, 0.5]

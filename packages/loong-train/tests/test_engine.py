@@ -10,8 +10,17 @@ from loong_train.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 
 
 def _model(seed=0):
-    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8))
+    model = Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=40,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=8,
+        )
+    )
     model.init_weights(seed, std=0.3)
     return model
 
@@ -57,10 +66,14 @@ def test_version_stamp_and_concurrent_requests_share_a_batch():
     engine.load_weights({k: v.clone() for k, v in model.named_parameters()}, version=7)
     calls = []
     original = engine.generate_batch
-    engine.generate_batch = lambda prompts, samplings: calls.append(len(prompts)) or original(prompts, samplings)
+    engine.generate_batch = lambda prompts, samplings: (
+        calls.append(len(prompts)) or original(prompts, samplings)
+    )
 
     async def many():
-        return await asyncio.gather(*(engine.generate([1, i], SamplingParams(max_new_tokens=3)) for i in range(5)))
+        return await asyncio.gather(
+            *(engine.generate([1, i], SamplingParams(max_new_tokens=3)) for i in range(5))
+        )
 
     spans = asyncio.run(many())
     assert calls == [5]

@@ -8,8 +8,16 @@ from loong_train.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 @pytest.mark.parametrize("tied", [True, False])
 def test_logits_match_transformers(tmp_path, tied):
     transformers = pytest.importorskip("transformers")
-    cfg = Qwen3Config(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=tied)
+    cfg = Qwen3Config(
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=tied,
+    )
     model = Qwen3ForCausalLM(cfg)
     model.init_weights(seed=3, std=0.2)
     model.save_pretrained(tmp_path)
@@ -22,8 +30,17 @@ def test_logits_match_transformers(tmp_path, tied):
 
 
 def test_save_and_load_round_trip(tmp_path):
-    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=1,
-                                         num_attention_heads=2, num_key_value_heads=1, head_dim=16))
+    model = Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=50,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            head_dim=16,
+        )
+    )
     model.init_weights(seed=1)
     model.save_pretrained(tmp_path)
     loaded = Qwen3ForCausalLM.from_pretrained(tmp_path)

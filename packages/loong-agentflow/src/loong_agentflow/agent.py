@@ -51,8 +51,14 @@ class EpisodeSpec:
 class Episode:
     """One running episode: its transcript buffer plus the policy it samples from."""
 
-    def __init__(self, spec: EpisodeSpec, engine: RolloutEngine, codec: TextCodec,
-                 sampling: SamplingParams, limits: EpisodeLimits) -> None:
+    def __init__(
+        self,
+        spec: EpisodeSpec,
+        engine: RolloutEngine,
+        codec: TextCodec,
+        sampling: SamplingParams,
+        limits: EpisodeLimits,
+    ) -> None:
         self.spec, self.engine, self.sampling, self.limits = spec, engine, sampling, limits
         self.buffer = TokenBuffer(codec)
         self.truncated = False
@@ -74,7 +80,9 @@ class Episode:
         if budget <= 0 or self.turns >= self.limits.max_turns:
             self.truncated = True
             return ""
-        sampling = msgspec.structs.replace(self.sampling, max_new_tokens=min(budget, self.sampling.max_new_tokens))
+        sampling = msgspec.structs.replace(
+            self.sampling, max_new_tokens=min(budget, self.sampling.max_new_tokens)
+        )
         span = await self.engine.generate(list(self.buffer.ids), sampling)
         self.buffer.append(span)
         self.turns += 1
@@ -82,11 +90,20 @@ class Episode:
         self.truncated = not hit_stop
         return self.buffer.codec.decode(span.token_ids)
 
-    def trajectory(self, reward: float, status: EpisodeStatus, info: dict[str, str] | None = None) -> Trajectory:
+    def trajectory(
+        self, reward: float, status: EpisodeStatus, info: dict[str, str] | None = None
+    ) -> Trajectory:
         if status is EpisodeStatus.OK and self.truncated:
             status = EpisodeStatus.TRUNCATED
-        return Trajectory(sample_id=self.spec.sample_id, group_id=self.spec.group_id, spans=list(self.buffer.spans),
-                          reward=reward, status=status, tags=dict(self.spec.tags), info=info or {})
+        return Trajectory(
+            sample_id=self.spec.sample_id,
+            group_id=self.spec.group_id,
+            spans=list(self.buffer.spans),
+            reward=reward,
+            status=status,
+            tags=dict(self.spec.tags),
+            info=info or {},
+        )
 
 
 class Agent(Protocol):
@@ -110,7 +127,9 @@ class ChatML:
     def tool_turn(results: Sequence[ToolResult]) -> str:
         """What follows an assistant turn that ended with ``<|im_end|>``: the tool responses and
         the next assistant header."""
-        body = "".join(f"<|im_start|>user\n<tool_response>{r.content}</tool_response><|im_end|>\n" for r in results)
+        body = "".join(
+            f"<|im_start|>user\n<tool_response>{r.content}</tool_response><|im_end|>\n" for r in results
+        )
         return "\n" + body + "<|im_start|>assistant\n"
 
     @classmethod
@@ -156,8 +175,14 @@ async def run_episode(agent: Agent, episode: Episode) -> Trajectory:
     return episode.trajectory(reward, status, info)
 
 
-async def run_episodes(agent: Agent, specs: Sequence[EpisodeSpec], engine: RolloutEngine, codec: TextCodec,
-                       sampling: SamplingParams, limits: EpisodeLimits = EpisodeLimits()) -> list[Trajectory]:
+async def run_episodes(
+    agent: Agent,
+    specs: Sequence[EpisodeSpec],
+    engine: RolloutEngine,
+    codec: TextCodec,
+    sampling: SamplingParams,
+    limits: EpisodeLimits = EpisodeLimits(),
+) -> list[Trajectory]:
     """Run all episodes concurrently; returns trajectories in ``specs`` order."""
     episodes = [Episode(s, engine, codec, sampling, limits) for s in specs]
     return list(await asyncio.gather(*(run_episode(agent, e) for e in episodes)))

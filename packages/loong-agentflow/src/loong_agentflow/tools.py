@@ -42,7 +42,9 @@ def parse_tool_calls(text: str) -> list[ToolCall | ToolResult]:
             out.append(ToolResult(None, f"error: tool call is not valid JSON ({e.msg})", ok=False))
             continue
         if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-            out.append(ToolResult(None, 'error: tool call needs {"name": str, "arguments": object}', ok=False))
+            out.append(
+                ToolResult(None, 'error: tool call needs {"name": str, "arguments": object}', ok=False)
+            )
             continue
         args = obj.get("arguments", {})
         if isinstance(args, str):
@@ -77,7 +79,9 @@ class ToolRegistry:
     async def call(self, call: ToolCall) -> ToolResult:
         tool = self.tools.get(call.name)
         if tool is None:
-            return ToolResult(call, f"error: unknown tool {call.name!r} (known: {sorted(self.tools)})", ok=False)
+            return ToolResult(
+                call, f"error: unknown tool {call.name!r} (known: {sorted(self.tools)})", ok=False
+            )
         try:
             out = tool.fn(**call.arguments)
             if asyncio.iscoroutine(out):

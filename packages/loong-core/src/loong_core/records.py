@@ -222,7 +222,9 @@ class WeightManifest(msgspec.Struct):
             if not 0 <= t.bucket < len(self.bucket_sizes):
                 raise ValueError(f"tensor {t.name}: bucket {t.bucket} does not exist")
             if t.offset < 0 or t.offset + t.nbytes > self.bucket_sizes[t.bucket]:
-                raise ValueError(f"tensor {t.name}: bytes [{t.offset}, {t.offset + t.nbytes}) outside its bucket")
+                raise ValueError(
+                    f"tensor {t.name}: bytes [{t.offset}, {t.offset + t.nbytes}) outside its bucket"
+                )
         if self.checksums and len(self.checksums) != len(self.bucket_sizes):
             raise ValueError("WeightManifest needs one checksum per bucket")
 

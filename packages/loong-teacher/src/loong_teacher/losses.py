@@ -17,8 +17,13 @@ import torch
 __all__ = ["reverse_kl_advantage"]
 
 
-def reverse_kl_advantage(student_logprobs: torch.Tensor, teacher_logprobs: torch.Tensor, mask: torch.Tensor,
-                         coef: float = 1.0, task_advantages: torch.Tensor | None = None) -> torch.Tensor:
+def reverse_kl_advantage(
+    student_logprobs: torch.Tensor,
+    teacher_logprobs: torch.Tensor,
+    mask: torch.Tensor,
+    coef: float = 1.0,
+    task_advantages: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Per-token advantages [batch, seq]; 0 where ``mask`` is 0. The teacher term carries no gradient."""
     gap = (student_logprobs - teacher_logprobs).detach()
     adv = -coef * gap

@@ -27,7 +27,9 @@ from loong_core.records import TrainBatch, Trajectory
 __all__ = ["grpo_advantages", "pack_batch", "ppo_clip_loss"]
 
 
-def grpo_advantages(trajectories: Sequence[Trajectory], scale_by_std: bool = True, eps: float = 1e-6) -> list[float]:
+def grpo_advantages(
+    trajectories: Sequence[Trajectory], scale_by_std: bool = True, eps: float = 1e-6
+) -> list[float]:
     """One advantage per trajectory; untrainable ones (failed, timeout) get 0 and no say."""
     groups: dict[str, list[int]] = defaultdict(list)
     for i, t in enumerate(trajectories):
@@ -44,7 +46,9 @@ def grpo_advantages(trajectories: Sequence[Trajectory], scale_by_std: bool = Tru
     return adv
 
 
-def pack_batch(trajectories: Sequence[Trajectory], advantages: Sequence[float], policy_version: int) -> TrainBatch:
+def pack_batch(
+    trajectories: Sequence[Trajectory], advantages: Sequence[float], policy_version: int
+) -> TrainBatch:
     """Concatenate trainable trajectories into a TrainBatch (one row each)."""
     keep = [(t, a) for t, a in zip(trajectories, advantages, strict=True) if t.status.trainable]
     token_ids, mask, adv, lps, versions, lens = [], [], [], [], [], []
@@ -56,13 +60,25 @@ def pack_batch(trajectories: Sequence[Trajectory], advantages: Sequence[float], 
         lps += t.logprobs
         versions += t.token_versions
         lens.append(len(m))
-    return TrainBatch(token_ids=token_ids, loss_mask=mask, advantages=adv, behaviour_logprobs=lps,
-                      versions=versions, row_lens=lens, sample_ids=[t.sample_id for t, _ in keep],
-                      policy_version=policy_version)
+    return TrainBatch(
+        token_ids=token_ids,
+        loss_mask=mask,
+        advantages=adv,
+        behaviour_logprobs=lps,
+        versions=versions,
+        row_lens=lens,
+        sample_ids=[t.sample_id for t, _ in keep],
+        policy_version=policy_version,
+    )
 
 
-def ppo_clip_loss(logprobs: torch.Tensor, behaviour: torch.Tensor, advantages: torch.Tensor,
-                  mask: torch.Tensor, clip_eps: float) -> tuple[torch.Tensor, dict[str, float]]:
+def ppo_clip_loss(
+    logprobs: torch.Tensor,
+    behaviour: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """The clipped surrogate above; all inputs [rows, seq]. Returns (loss, stats)."""
     ratio = torch.exp(logprobs - behaviour)
     surr = torch.minimum(ratio * advantages, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages)

@@ -1,7 +1,7 @@
 """``loong-train``: run a recipe.
 
-    loong-train run tiny-calc-agent [--out runs/NAME] [--set train.steps=50]...
-    loong-train recipes
+loong-train run tiny-calc-agent [--out runs/NAME] [--set train.steps=50]...
+loong-train recipes
 """
 
 from __future__ import annotations
@@ -21,10 +21,20 @@ def _parser() -> argparse.ArgumentParser:
     run = sub.add_parser("run", help="train a recipe (a shipped name or a .toml path)")
     run.add_argument("recipe")
     run.add_argument("--out", type=Path, help="run directory (default: runs/<recipe name>)")
-    run.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
-                     help="override a recipe key, e.g. --set train.steps=50 (repeatable)")
-    run.add_argument("--cache", type=Path, default=Path(os.environ.get("LOONG_CACHE", Path.home() / ".cache/loong")),
-                     help="where built tiny models are cached (default: ~/.cache/loong or $LOONG_CACHE)")
+    run.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a recipe key, e.g. --set train.steps=50 (repeatable)",
+    )
+    run.add_argument(
+        "--cache",
+        type=Path,
+        default=Path(os.environ.get("LOONG_CACHE", Path.home() / ".cache/loong")),
+        help="where built tiny models are cached (default: ~/.cache/loong or $LOONG_CACHE)",
+    )
     sub.add_parser("recipes", help="list shipped recipes")
     return parser
 

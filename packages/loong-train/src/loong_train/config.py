@@ -12,7 +12,15 @@ from pathlib import Path
 import msgspec
 from loong_core.config import ConfigError, load_config
 
-__all__ = ["ModelConfig", "Recipe", "RolloutConfig", "TrainConfig", "WarmstartConfig", "load_recipe", "recipe_names"]
+__all__ = [
+    "ModelConfig",
+    "Recipe",
+    "RolloutConfig",
+    "TrainConfig",
+    "WarmstartConfig",
+    "load_recipe",
+    "recipe_names",
+]
 
 
 class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
@@ -98,8 +106,11 @@ class Recipe(_Section):
 
 
 def recipe_names() -> list[str]:
-    return sorted(p.name.removesuffix(".toml") for p in resources.files("loong_train.recipes").iterdir()
-                  if p.name.endswith(".toml"))
+    return sorted(
+        p.name.removesuffix(".toml")
+        for p in resources.files("loong_train.recipes").iterdir()
+        if p.name.endswith(".toml")
+    )
 
 
 def load_recipe(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
@@ -107,8 +118,10 @@ def load_recipe(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) 
     path = Path(name_or_path)
     if not path.suffix:
         if name_or_path not in recipe_names():
-            raise ConfigError(f"unknown recipe {name_or_path!r} (shipped recipes: {', '.join(recipe_names())}; "
-                              "or give a path to a .toml file)")
+            raise ConfigError(
+                f"unknown recipe {name_or_path!r} (shipped recipes: {', '.join(recipe_names())}; "
+                "or give a path to a .toml file)"
+            )
         path = Path(str(resources.files("loong_train.recipes") / f"{name_or_path}.toml"))
     elif not path.exists():
         raise ConfigError(f"recipe file {path} does not exist")

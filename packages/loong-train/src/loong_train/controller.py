@@ -64,15 +64,30 @@ def run(recipe: Recipe, out: Path, cache: Path) -> Path:
 
 def _start(recipe: Recipe, model_path: str, transport: str) -> Pipeline:
     if not ray.is_initialized():
-        ray.init(address=recipe.ray_address or None, num_cpus=None if recipe.ray_address else recipe.rollout.workers + 1,
-                 include_dashboard=False, logging_level=logging.WARNING, log_to_driver=True)
+        ray.init(
+            address=recipe.ray_address or None,
+            num_cpus=None if recipe.ray_address else recipe.rollout.workers + 1,
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+            log_to_driver=True,
+        )
     r = recipe.rollout
     sampling = {"temperature": r.temperature, "top_p": r.top_p, "max_new_tokens": r.max_new_tokens}
-    limits = {"max_turns": r.max_turns, "max_model_tokens": r.max_model_tokens, "timeout_s": r.episode_timeout_s}
+    limits = {
+        "max_turns": r.max_turns,
+        "max_model_tokens": r.max_model_tokens,
+        "timeout_s": r.episode_timeout_s,
+    }
     workers = [
-        ray.remote(num_cpus=1)(RolloutWorker).remote(model_path, seed=recipe.seed * 1000 + i, sampling=sampling,
-                                                     limits=limits, transport_name=transport, threads=recipe.threads,
-                                                     worker_id=i)
+        ray.remote(num_cpus=1)(RolloutWorker).remote(
+            model_path,
+            seed=recipe.seed * 1000 + i,
+            sampling=sampling,
+            limits=limits,
+            transport_name=transport,
+            threads=recipe.threads,
+            worker_id=i,
+        )
         for i in range(r.workers)
     ]
     trainer = ray.remote(num_cpus=1)(TrainerWorker).remote(model_path, recipe, transport)

@@ -23,7 +23,9 @@ __all__ = ["GroupSource", "Pipeline"]
 class GroupSource:
     """Training prompts as GRPO groups; a group id names the window entry (the ledger key)."""
 
-    def __init__(self, tasks: Iterator[dict[str, Any]], group_size: int, tags: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, tasks: Iterator[dict[str, Any]], group_size: int, tags: dict[str, str] | None = None
+    ) -> None:
         self.tasks, self.group_size, self.tags = tasks, group_size, tags or {}
         self.issued: dict[str, dict[str, Any]] = {}
 
@@ -34,7 +36,9 @@ class GroupSource:
 
     def specs(self, group_id: str) -> list[EpisodeSpec]:
         task = self.issued[group_id]
-        return [EpisodeSpec(f"{group_id}-{j}", group_id, task, dict(self.tags)) for j in range(self.group_size)]
+        return [
+            EpisodeSpec(f"{group_id}-{j}", group_id, task, dict(self.tags)) for j in range(self.group_size)
+        ]
 
 
 @dataclass

@@ -36,14 +36,24 @@ class HFCodec:
 class RolloutWorker:
     """Runs white-box tool-agent episodes on an embedded engine; receives weights by manifest."""
 
-    def __init__(self, model_path: str, *, seed: int, sampling: dict[str, Any], limits: dict[str, Any],
-                 transport_name: str = "", threads: int = 1, worker_id: int = 0) -> None:
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        seed: int,
+        sampling: dict[str, Any],
+        limits: dict[str, Any],
+        transport_name: str = "",
+        threads: int = 1,
+        worker_id: int = 0,
+    ) -> None:
         torch.set_num_threads(threads)
         self.worker_id, self._model_path = worker_id, model_path
         tokenizer = load_tokenizer(model_path)
         self.codec = HFCodec(tokenizer)
-        self.engine = EmbeddedEngine(Qwen3ForCausalLM.from_pretrained(model_path), seed=seed,
-                                     pad_id=tokenizer.pad_token_id)
+        self.engine = EmbeddedEngine(
+            Qwen3ForCausalLM.from_pretrained(model_path), seed=seed, pad_id=tokenizer.pad_token_id
+        )
         end = tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.sampling = SamplingParams(**sampling, stop_token_ids=[end])
         self.limits = EpisodeLimits(**limits)
@@ -54,11 +64,18 @@ class RolloutWorker:
     def rollout(self, specs: list[EpisodeSpec]) -> dict[str, Any]:
         """Run episodes; returns their trajectories and the call's wall-clock span."""
         start = time.time()
-        out = asyncio.run(run_episodes(self.agent, specs, self.engine, self.codec, self.sampling, self.limits))
+        out = asyncio.run(
+            run_episodes(self.agent, specs, self.engine, self.codec, self.sampling, self.limits)
+        )
         end = time.time()
         self.busy_s += end - start
-        return {"trajectories": out, "start": start, "end": end, "version": self.engine.weight_version,
-                "worker": self.worker_id}
+        return {
+            "trajectories": out,
+            "start": start,
+            "end": end,
+            "version": self.engine.weight_version,
+            "worker": self.worker_id,
+        }
 
     def apply_weights(self, manifest: WeightManifest) -> dict[str, float]:
         """Receive an update from TransferMesh's shm transport; returns the apply time."""

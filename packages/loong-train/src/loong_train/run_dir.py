@@ -51,13 +51,23 @@ class RunDir:
 
     def evaluate(self, pipe: Pipeline, version: int) -> None:
         """Queue a held-out evaluation on worker 0 behind the weight update to ``version``."""
-        specs = [EpisodeSpec(f"eval-v{version}-{i}", f"eval-v{version}-{i}", t) for i, t in enumerate(self.held_out)]
+        specs = [
+            EpisodeSpec(f"eval-v{version}-{i}", f"eval-v{version}-{i}", t)
+            for i, t in enumerate(self.held_out)
+        ]
         self.evals[version] = pipe.workers[0].rollout.remote(specs)
 
     def on_rollout(self, result: dict[str, Any]) -> None:
         self.rollout_busy += result["end"] - result["start"]
-        self.trace.span("rollout", "rollout", f"rollout-worker-{result['worker']}", "engine", result["start"],
-                        result["end"], {"episodes": len(result["trajectories"]), "version": result["version"]})
+        self.trace.span(
+            "rollout",
+            "rollout",
+            f"rollout-worker-{result['worker']}",
+            "engine",
+            result["start"],
+            result["end"],
+            {"episodes": len(result["trajectories"]), "version": result["version"]},
+        )
 
     def on_batch(self, pipe: Pipeline, trajs: list[Trajectory]) -> None:
         statuses = Counter(t.status for t in trajs)
@@ -79,8 +89,12 @@ class RunDir:
         version = pipe.window.version
         now = time.time()
         interval = max(now - self.last_step_end, 1e-9)
-        self.trace.span("train_step", "train", "trainer", "train", m["train_start"], m["train_end"], {"version": version})
-        self.trace.span("push_weights", "sync", "trainer", "sync", m["train_end"], m["push_end"], {"version": version})
+        self.trace.span(
+            "train_step", "train", "trainer", "train", m["train_start"], m["train_end"], {"version": version}
+        )
+        self.trace.span(
+            "push_weights", "sync", "trainer", "sync", m["train_end"], m["push_end"], {"version": version}
+        )
         line = {
             "step": version,
             "policy_version": version,
@@ -118,8 +132,15 @@ class RunDir:
                 result = ray.get(self.evals[v])
                 trajs = result["trajectories"]
                 self.eval_results[v] = sum(t.reward for t in trajs) / len(trajs)
-                self.trace.span("eval", "eval", f"rollout-worker-{result['worker']}", "engine", result["start"],
-                                result["end"], {"version": v, "reward": self.eval_results[v]})
+                self.trace.span(
+                    "eval",
+                    "eval",
+                    f"rollout-worker-{result['worker']}",
+                    "engine",
+                    result["start"],
+                    result["end"],
+                    {"version": v, "reward": self.eval_results[v]},
+                )
 
     def _unreported_eval(self) -> dict[str, Any]:
         """The newest finished evaluation not yet written to metrics (earlier ones go to summary)."""
@@ -131,7 +152,10 @@ class RunDir:
         return {"eval_reward_mean": self.eval_results[v], "eval_policy_version": v}
 
     def postfix(self) -> dict[str, str]:
-        out = {"reward": f"{self.last.get('reward_mean', 0):.2f}", "stale": str(self.last.get("staleness_max", 0))}
+        out = {
+            "reward": f"{self.last.get('reward_mean', 0):.2f}",
+            "stale": str(self.last.get("staleness_max", 0)),
+        }
         if self.eval_results:
             out["eval"] = f"{self.eval_results[max(self.eval_results)]:.2f}"
         return out
@@ -147,7 +171,12 @@ class RunDir:
         self.metrics.close()
         self.trace.save()
         evals = dict(sorted(self.eval_results.items()))
-        summary = {"eval_reward_by_version": evals, "first_eval": evals[min(evals)], "final_eval": evals[max(evals)],
-                   "steps": pipe.window.version, "wall_s": time.time() - self.start}
+        summary = {
+            "eval_reward_by_version": evals,
+            "first_eval": evals[min(evals)],
+            "final_eval": evals[max(evals)],
+            "steps": pipe.window.version,
+            "wall_s": time.time() - self.start,
+        }
         (self.path / "summary.json").write_text(json.dumps(summary, indent=2))
         plot_run(self.path, evals)

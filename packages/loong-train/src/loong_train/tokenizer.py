@@ -25,7 +25,7 @@ CHAT_TEMPLATE = (
     "{{- '<|im_start|>assistant\\n' + (message.content or '') }}"
     "{%- for tc in message.tool_calls or [] %}"
     "{%- set f = tc.function if tc.function is defined else tc %}"
-    "{{- '<tool_call>{\"name\": \"' + f.name + '\", \"arguments\": ' }}"
+    '{{- \'<tool_call>{"name": "\' + f.name + \'", "arguments": \' }}'
     "{%- if f.arguments is string %}{{- f.arguments }}{%- else %}{{- f.arguments | tojson }}{%- endif %}"
     "{{- '}</tool_call>' }}"
     "{%- endfor %}"

@@ -23,10 +23,15 @@ class TrainerWorker:
         torch.set_num_threads(recipe.threads)
         torch.manual_seed(recipe.seed)
         t = recipe.train
-        self.backend = TorchBackend(Qwen3ForCausalLM.from_pretrained(model_path), lr=t.lr,
-                                    warmup_steps=t.warmup_steps, weight_decay=t.weight_decay,
-                                    grad_clip=t.grad_clip, clip_eps=t.clip_eps,
-                                    temperature=recipe.rollout.temperature)
+        self.backend = TorchBackend(
+            Qwen3ForCausalLM.from_pretrained(model_path),
+            lr=t.lr,
+            warmup_steps=t.warmup_steps,
+            weight_decay=t.weight_decay,
+            grad_clip=t.grad_clip,
+            clip_eps=t.clip_eps,
+            temperature=recipe.rollout.temperature,
+        )
         self.sender = ShmSender(transport_name)
         self.version = 0
 
@@ -37,7 +42,13 @@ class TrainerWorker:
         self.version += 1
         manifest = self.sender.push(self.backend.named_weights(), self.version)
         end = time.time()
-        return {**metrics, "train_start": start, "train_end": mid, "push_s": end - mid, "push_end": end}, manifest
+        return {
+            **metrics,
+            "train_start": start,
+            "train_end": mid,
+            "push_s": end - mid,
+            "push_end": end,
+        }, manifest
 
     def logprobs(self, batch: TrainBatch) -> list[float]:
         """Recomputed logprobs, flattened like the batch's per-token lists."""

@@ -45,12 +45,18 @@ def build_tiny(path: Path, recipe: Recipe) -> Path:
     return path
 
 
-def sampled_success(model: Qwen3ForCausalLM, tokenizer, recipe: Recipe, tasks: list[dict], seed: int) -> float:
+def sampled_success(
+    model: Qwen3ForCausalLM, tokenizer, recipe: Recipe, tasks: list[dict], seed: int
+) -> float:
     """Mean reward of one temperature-``T`` episode per task (held-out or probe tasks)."""
     engine = EmbeddedEngine(model, seed=seed, pad_id=tokenizer.pad_token_id)
     r = recipe.rollout
-    sampling = SamplingParams(temperature=r.temperature, top_p=r.top_p, max_new_tokens=r.max_new_tokens,
-                              stop_token_ids=[tokenizer.convert_tokens_to_ids("<|im_end|>")])
+    sampling = SamplingParams(
+        temperature=r.temperature,
+        top_p=r.top_p,
+        max_new_tokens=r.max_new_tokens,
+        stop_token_ids=[tokenizer.convert_tokens_to_ids("<|im_end|>")],
+    )
     specs = [EpisodeSpec(f"probe-{i}", f"probe-{i}", t) for i, t in enumerate(tasks)]
     limits = EpisodeLimits(max_turns=r.max_turns, max_model_tokens=r.max_model_tokens)
     agent = ToolAgent(calc.tool_registry(), calc.reward)
@@ -111,8 +117,15 @@ def prepare_model(recipe: Recipe, cache_dir: Path) -> Path:
     """The checkpoint RL starts from: the recipe's path, or a cached tiny warm-started model."""
     if recipe.model.path:
         return Path(recipe.model.path)
-    key_src = json.dumps([msgspec.to_builtins(recipe.model), msgspec.to_builtins(recipe.warmstart),
-                          recipe.seed, recipe.rollout.temperature, recipe.eval.num_tasks])
+    key_src = json.dumps(
+        [
+            msgspec.to_builtins(recipe.model),
+            msgspec.to_builtins(recipe.warmstart),
+            recipe.seed,
+            recipe.rollout.temperature,
+            recipe.eval.num_tasks,
+        ]
+    )
     key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
     path = cache_dir / f"tiny-{recipe.task}-{key}"
     if (path / "warmstart.json").exists():

@@ -57,9 +57,13 @@ def check_against(manifest: WeightManifest, targets: Mapping[str, torch.Tensor])
         if t is None:
             raise ManifestMismatch(f"tensor {e.name!r} is not in the receiver's model")
         if list(t.shape) != e.shape:
-            raise ManifestMismatch(f"tensor {e.name!r}: shape {e.shape} does not match receiver's {list(t.shape)}")
+            raise ManifestMismatch(
+                f"tensor {e.name!r}: shape {e.shape} does not match receiver's {list(t.shape)}"
+            )
         if dtype_name(t.dtype) != e.dtype:
-            raise ManifestMismatch(f"tensor {e.name!r}: dtype {e.dtype} does not match receiver's {dtype_name(t.dtype)}")
+            raise ManifestMismatch(
+                f"tensor {e.name!r}: dtype {e.dtype} does not match receiver's {dtype_name(t.dtype)}"
+            )
 
 
 def crc32(buf: torch.Tensor) -> int:

@@ -64,7 +64,9 @@ class ShmSender:
         for entry, tensor in zip(manifest.tensors, named.values(), strict=True):
             begin = starts[entry.bucket] + entry.offset
             flat[begin : begin + entry.nbytes].copy_(tensor.detach().reshape(-1).view(torch.uint8))
-        manifest.checksums = [crc32(flat[s : s + n]) for s, n in zip(starts, manifest.bucket_sizes, strict=True)]
+        manifest.checksums = [
+            crc32(flat[s : s + n]) for s, n in zip(starts, manifest.bucket_sizes, strict=True)
+        ]
         return manifest
 
     def _slot(self, slot: int, size: int) -> torch.Tensor:

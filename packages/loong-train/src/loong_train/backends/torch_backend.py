@@ -38,11 +38,22 @@ def _pad(values: list, lens: list[int], fill, dtype) -> torch.Tensor:
 class TorchBackend:
     """AdamW with linear warmup, gradient clipping, one optimizer step per batch."""
 
-    def __init__(self, model: Qwen3ForCausalLM, *, lr: float, warmup_steps: int = 0, weight_decay: float = 0.0,
-                 grad_clip: float = 1.0, clip_eps: float = 0.2, temperature: float = 1.0) -> None:
+    def __init__(
+        self,
+        model: Qwen3ForCausalLM,
+        *,
+        lr: float,
+        warmup_steps: int = 0,
+        weight_decay: float = 0.0,
+        grad_clip: float = 1.0,
+        clip_eps: float = 0.2,
+        temperature: float = 1.0,
+    ) -> None:
         self.model = model.train()
         self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
-        self.sched = torch.optim.lr_scheduler.LambdaLR(self.opt, lambda s: min(1.0, (s + 1) / max(1, warmup_steps)))
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, lambda s: min(1.0, (s + 1) / max(1, warmup_steps))
+        )
         self.grad_clip, self.clip_eps, self.temperature = grad_clip, clip_eps, temperature
         self.steps = 0
 
@@ -72,7 +83,12 @@ class TorchBackend:
         self.sched.step()
         self.steps += 1
         stats |= mismatch_stats(lp.detach(), t["behaviour"], t["mask"], t["versions"], batch.policy_version)
-        return {"loss": float(loss), "grad_norm": float(grad_norm), "lr": self.sched.get_last_lr()[0], **stats}
+        return {
+            "loss": float(loss),
+            "grad_norm": float(grad_norm),
+            "lr": self.sched.get_last_lr()[0],
+            **stats,
+        }
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.model.named_parameters()}
@@ -80,12 +96,15 @@ class TorchBackend:
     def save(self, path: str | Path) -> None:
         path = Path(path)
         self.model.save_pretrained(path)
-        torch.save({"opt": self.opt.state_dict(), "sched": self.sched.state_dict(), "steps": self.steps},
-                   path / "optimizer.pt")
+        torch.save(
+            {"opt": self.opt.state_dict(), "sched": self.sched.state_dict(), "steps": self.steps},
+            path / "optimizer.pt",
+        )
 
 
-def mismatch_stats(lp: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor, versions: torch.Tensor,
-                   policy_version: int) -> dict[str, float]:
+def mismatch_stats(
+    lp: torch.Tensor, behaviour: torch.Tensor, mask: torch.Tensor, versions: torch.Tensor, policy_version: int
+) -> dict[str, float]:
     """Train-inference gap before the update, over loss tokens.
 
     ``mismatch_kl`` is the k3 estimate of KL(rollout || train): mean of r - 1 - log r with

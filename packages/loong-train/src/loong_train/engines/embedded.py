@@ -27,7 +27,9 @@ __all__ = ["EmbeddedEngine"]
 class EmbeddedEngine:
     """In-process engine implementing ``loong_core.protocols.RolloutEngine``."""
 
-    def __init__(self, model: Qwen3ForCausalLM, *, seed: int = 0, max_batch: int = 256, pad_id: int = 0) -> None:
+    def __init__(
+        self, model: Qwen3ForCausalLM, *, seed: int = 0, max_batch: int = 256, pad_id: int = 0
+    ) -> None:
         self.model = model.eval()
         self.generator = torch.Generator().manual_seed(seed)
         self.max_batch, self.pad_id = max_batch, pad_id
@@ -71,7 +73,9 @@ class EmbeddedEngine:
             await self._running.wait()
             batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch :]
             try:
-                spans = await asyncio.to_thread(self.generate_batch, [b[0] for b in batch], [b[1] for b in batch])
+                spans = await asyncio.to_thread(
+                    self.generate_batch, [b[0] for b in batch], [b[1] for b in batch]
+                )
             except Exception as e:
                 for _, _, fut in batch:
                     fut.set_exception(e)
@@ -80,7 +84,9 @@ class EmbeddedEngine:
                 fut.set_result(span)
 
     @torch.no_grad()
-    def generate_batch(self, prompts: Sequence[list[int]], samplings: Sequence[SamplingParams]) -> list[TokenSpan]:
+    def generate_batch(
+        self, prompts: Sequence[list[int]], samplings: Sequence[SamplingParams]
+    ) -> list[TokenSpan]:
         """Generate one completion per prompt, all in one batch."""
         device = self.model.lm_head.weight.device
         b, p = len(prompts), max(len(x) for x in prompts)
@@ -114,7 +120,9 @@ class EmbeddedEngine:
                 break
             valid[:, p + t] = True
             pos = pos + 1
-            logits = self.model(tokens[:, None], pos[:, None], valid[:, None, None, : p + t + 1], cache, p + t)[:, -1]
+            logits = self.model(
+                tokens[:, None], pos[:, None], valid[:, None, None, : p + t + 1], cache, p + t
+            )[:, -1]
         self.tokens_generated += sum(len(x) for x in out_ids)
         return [
             TokenSpan(token_ids=i, logprobs=lp, source=SpanSource.MODEL, weight_version=self._version)

@@ -104,7 +104,11 @@ class KVCache:
 class Attention(nn.Module):
     def __init__(self, cfg: Qwen3Config) -> None:
         super().__init__()
-        self.n_heads, self.n_kv, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.n_heads, self.n_kv, self.head_dim = (
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.head_dim,
+        )
         self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=False)
         self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
         self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
@@ -220,7 +224,9 @@ class Qwen3ForCausalLM(nn.Module):
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
         (path / "config.json").write_text(json.dumps(self.config.to_hf(), indent=2))
-        save_file({k: v.contiguous() for k, v in self.hf_state_dict().items()}, str(path / "model.safetensors"))
+        save_file(
+            {k: v.contiguous() for k, v in self.hf_state_dict().items()}, str(path / "model.safetensors")
+        )
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Qwen3ForCausalLM:
@@ -232,7 +238,9 @@ class Qwen3ForCausalLM(nn.Module):
         missing, unexpected = model.load_state_dict(load_file(str(path / "model.safetensors")), strict=False)
         missing = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
         if missing or unexpected:
-            raise ValueError(f"checkpoint {path} does not match Qwen3: missing {missing}, unexpected {unexpected}")
+            raise ValueError(
+                f"checkpoint {path} does not match Qwen3: missing {missing}, unexpected {unexpected}"
+            )
         return model
 
     def num_parameters(self) -> int:

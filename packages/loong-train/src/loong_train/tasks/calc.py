@@ -79,4 +79,3 @@ def demonstration(task: dict[str, Any]) -> list[tuple[str, bool]]:
         (tool_turn, False),
         (f"{result}{ChatML.END}", True),
     ]
-
