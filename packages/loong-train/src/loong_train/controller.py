@@ -39,7 +39,7 @@ def run(recipe: Recipe, out: Path, cache: Path) -> Path:
     run_dir = RunDir(out, recipe)
     model_path = str(prepare_model(recipe, cache))
     pipe = _start(recipe, model_path, run_dir.name)
-    run_dir.evaluate(pipe, version=0)
+    run_dir.begin(pipe)
     bar = tqdm(total=recipe.train.steps, desc=recipe.name, unit="step")
     while pipe.window.version < recipe.train.steps:
         pipe.admit(per_call=recipe.train.batch_groups)

@@ -3,6 +3,9 @@
 ``runs/<name>/``: ``config.toml`` (resolved recipe), ``metrics.jsonl`` (one object per train
 step), ``trace.json`` (Perfetto: rollout, eval, train and sync spans per actor), ``plots/*.png``,
 ``checkpoints/final`` (Hugging Face format), ``summary.json``.
+
+Busy fractions are cumulative: busy seconds of the trainer (or the mean rollout worker) over
+the wall time since the run started, so they read as the run's utilization so far.
 """
 
 from __future__ import annotations
@@ -45,9 +48,14 @@ class RunDir:
         self.eval_results: dict[int, float] = {}
         self.reported_evals: set[int] = set()
         self.start = self.last_step_end = time.time()
-        self.rollout_busy = 0.0
+        self.rollout_busy = self.trainer_busy = 0.0
         self.batch: dict[str, Any] = {}
         self.last: dict[str, Any] = {}
+
+    def begin(self, pipe: Pipeline) -> None:
+        """Start the clocks and evaluate the initial policy (version 0) on held-out tasks."""
+        self.start = self.last_step_end = time.time()
+        self.evaluate(pipe, version=0)
 
     def evaluate(self, pipe: Pipeline, version: int) -> None:
         """Queue a held-out evaluation on worker 0 behind the weight update to ``version``."""
@@ -89,6 +97,8 @@ class RunDir:
         version = pipe.window.version
         now = time.time()
         interval = max(now - self.last_step_end, 1e-9)
+        wall = max(now - self.start, 1e-9)
+        self.trainer_busy += m["train_end"] - m["train_start"] + m["push_s"]
         self.trace.span(
             "train_step", "train", "trainer", "train", m["train_start"], m["train_end"], {"version": version}
         )
@@ -107,13 +117,13 @@ class RunDir:
             "grad_norm": m["grad_norm"],
             "clip_frac": m["clip_frac"],
             "lr": m["lr"],
-            "trainer_busy_frac": min(1.0, (m["train_end"] - m["train_start"] + m["push_s"]) / interval),
-            "rollout_busy_frac": min(1.0, self.rollout_busy / (interval * len(pipe.workers))),
+            "trainer_busy_frac": min(1.0, self.trainer_busy / wall),
+            "rollout_busy_frac": min(1.0, self.rollout_busy / (wall * len(pipe.workers))),
             "samples_per_s": self.batch["samples"] / interval,
             "weight_sync_s": m["push_s"] + pipe.last_apply_s(),
             "elapsed_s": now - self.start,
         }
-        self.rollout_busy, self.last_step_end = 0.0, now
+        self.last_step_end = now
         if version % self.recipe.eval.every == 0 or version == self.recipe.train.steps:
             self.evaluate(pipe, version)
         if version == self.recipe.train.steps:
