@@ -71,8 +71,17 @@ def _example_manifest() -> WeightManifest:
 
 def test_exports() -> None:
     assert sorted(records_module.__all__) == sorted(
-        ["EpisodeStatus", "SpanSource", "TensorEntry", "TokenSpan", "TrainBatch", "Trajectory",
-         "WeightManifest", "decode", "encode"]
+        [
+            "EpisodeStatus",
+            "SpanSource",
+            "TensorEntry",
+            "TokenSpan",
+            "TrainBatch",
+            "Trajectory",
+            "WeightManifest",
+            "decode",
+            "encode",
+        ]
     )
 
 
@@ -81,8 +90,13 @@ def test_exports() -> None:
 
 @pytest.mark.parametrize(
     "record",
-    [_example_trajectory(), _example_batch(), _example_manifest(), TensorEntry("x", [], "int64", 0, 0, 8),
-     TokenSpan([1, 2], M, logprobs=[-0.5, -1.5], weight_version=0)],
+    [
+        _example_trajectory(),
+        _example_batch(),
+        _example_manifest(),
+        TensorEntry("x", [], "int64", 0, 0, 8),
+        TokenSpan([1, 2], M, logprobs=[-0.5, -1.5], weight_version=0),
+    ],
     ids=["trajectory", "batch", "manifest", "entry", "span"],
 )
 def test_msgpack_and_json_round_trip(record: msgspec.Struct) -> None:
@@ -108,8 +122,9 @@ def test_wire_format_uses_enum_values() -> None:
 
 
 def test_defaults_are_filled_when_absent_on_the_wire() -> None:
-    minimal = msgspec.msgpack.encode({"sample_id": "a", "group_id": "g", "spans": [{"token_ids": [1],
-                                                                                      "source": "prompt"}]})
+    minimal = msgspec.msgpack.encode(
+        {"sample_id": "a", "group_id": "g", "spans": [{"token_ids": [1], "source": "prompt"}]}
+    )
     t = decode(minimal, Trajectory)
     assert (t.reward, t.status, t.turn_rewards, t.tags, t.info) == (0.0, EpisodeStatus.OK, [], {}, {})
     assert t.spans[0] == TokenSpan([1], P, logprobs=[], weight_version=-1, versions=[])
@@ -120,7 +135,10 @@ def test_defaults_are_filled_when_absent_on_the_wire() -> None:
     [
         ({"sample_id": "a", "group_id": "g", "spans": [{"token_ids": [1], "source": "robot"}]}, Trajectory),
         ({"sample_id": "a", "group_id": "g", "spans": [], "status": "crashed"}, Trajectory),
-        ({"sample_id": "a", "group_id": "g", "spans": [{"token_ids": ["x"], "source": "prompt"}]}, Trajectory),
+        (
+            {"sample_id": "a", "group_id": "g", "spans": [{"token_ids": ["x"], "source": "prompt"}]},
+            Trajectory,
+        ),
         ({"sample_id": "a", "spans": []}, Trajectory),  # group_id missing
         ({"version": 1, "tensors": [], "bucket_sizes": "no"}, WeightManifest),
     ],
@@ -152,7 +170,9 @@ def _spans(draw: st.DrawFn) -> TokenSpan:
         M,
         logprobs=draw(st.lists(_finite, min_size=len(ids), max_size=len(ids))),
         weight_version=draw(st.integers(0, 1000)),
-        versions=draw(st.lists(st.integers(0, 1000), min_size=len(ids), max_size=len(ids))) if per_token else [],
+        versions=draw(st.lists(st.integers(0, 1000), min_size=len(ids), max_size=len(ids)))
+        if per_token
+        else [],
     )
 
 
@@ -161,9 +181,9 @@ _trajectories = st.builds(
     Trajectory,
     sample_id=_text,
     group_id=_text,
-    spans=st.tuples(st.builds(TokenSpan, _ids, st.sampled_from([P, T, E])), st.lists(_spans(), max_size=5)).map(
-        lambda pair: [pair[0], *pair[1]]
-    ),
+    spans=st.tuples(
+        st.builds(TokenSpan, _ids, st.sampled_from([P, T, E])), st.lists(_spans(), max_size=5)
+    ).map(lambda pair: [pair[0], *pair[1]]),
     reward=_finite,
     status=st.sampled_from(list(EpisodeStatus)),
     turn_rewards=st.lists(_finite, max_size=3),
@@ -209,12 +229,14 @@ def test_trajectory_derived_views_hand_built() -> None:
 
 
 def test_prompt_len_counts_every_non_model_span_before_the_first_model_token() -> None:
-    t = Trajectory("s", "g", [TokenSpan([1, 2], P), TokenSpan([3], E), TokenSpan([4], M, [-1.0], 0),
-                              TokenSpan([5, 6], T)])
+    t = Trajectory(
+        "s",
+        "g",
+        [TokenSpan([1, 2], P), TokenSpan([3], E), TokenSpan([4], M, [-1.0], 0), TokenSpan([5, 6], T)],
+    )
     assert t.prompt_len == 3
 
 
-@pytest.mark.xfail(strict=True, reason="prompt_len stops at the first model span even when it holds no token")
 def test_prompt_len_ignores_an_empty_model_span() -> None:
     # "Tokens before the first model token": an empty model span holds no token, so all 3 count.
     t = Trajectory("s", "g", [TokenSpan([1, 2], P), TokenSpan([], M, [], 0), TokenSpan([3], T)])
@@ -229,8 +251,15 @@ def test_trajectory_without_model_tokens() -> None:
 
 
 def test_oldest_version_uses_per_token_versions() -> None:
-    t = Trajectory("s", "g", [TokenSpan([1], P), TokenSpan([2, 3], M, [-1.0, -1.0], 9, versions=[9, 2]),
-                              TokenSpan([4], M, [-1.0], 5)])
+    t = Trajectory(
+        "s",
+        "g",
+        [
+            TokenSpan([1], P),
+            TokenSpan([2, 3], M, [-1.0, -1.0], 9, versions=[9, 2]),
+            TokenSpan([4], M, [-1.0], 5),
+        ],
+    )
     assert t.oldest_version == 2
     assert t.token_versions == [-1, 9, 2, 5]
 
@@ -256,8 +285,12 @@ def test_manifest_total_bytes() -> None:
 
 @pytest.mark.parametrize(
     ("status", "trainable"),
-    [(EpisodeStatus.OK, True), (EpisodeStatus.TRUNCATED, True), (EpisodeStatus.FAILED, False),
-     (EpisodeStatus.TIMEOUT, False)],
+    [
+        (EpisodeStatus.OK, True),
+        (EpisodeStatus.TRUNCATED, True),
+        (EpisodeStatus.FAILED, False),
+        (EpisodeStatus.TIMEOUT, False),
+    ],
 )
 def test_episode_status_trainable(status: EpisodeStatus, trainable: bool) -> None:
     assert status.trainable is trainable
@@ -271,12 +304,22 @@ def test_episode_status_trainable(status: EpisodeStatus, trainable: bool) -> Non
     [
         (TokenSpan([1, 2], M, logprobs=[-1.0], weight_version=0), "2 tokens but 1 logprobs"),
         (TokenSpan([1], M, logprobs=[-1.0], weight_version=-1), "weight_version >= 0"),
-        (TokenSpan([1, 2], M, logprobs=[-1.0, -1.0], weight_version=0, versions=[0]), "2 tokens but 1 versions"),
+        (
+            TokenSpan([1, 2], M, logprobs=[-1.0, -1.0], weight_version=0, versions=[0]),
+            "2 tokens but 1 versions",
+        ),
         (TokenSpan([1], P, logprobs=[-1.0]), "must not carry"),
         (TokenSpan([1], T, versions=[3]), "must not carry"),
         (TokenSpan([1], E, weight_version=0), "must not carry"),
     ],
-    ids=["model-logprobs", "model-version", "model-versions", "prompt-logprobs", "tool-versions", "env-version"],
+    ids=[
+        "model-logprobs",
+        "model-version",
+        "model-versions",
+        "prompt-logprobs",
+        "tool-versions",
+        "env-version",
+    ],
 )
 def test_token_span_validate_rejects(span: TokenSpan, message: str) -> None:
     with pytest.raises(ValueError, match=message):
@@ -321,22 +364,30 @@ def test_train_batch_validate_rejects(field: str, value: list, message: str) -> 
         msgspec.structs.replace(_example_batch(), **{field: value}).validate()
 
 
-def _manifest_with(*tensors: TensorEntry, sizes: list[int], checksums: list[int] | None = None) -> WeightManifest:
+def _manifest_with(
+    *tensors: TensorEntry, sizes: list[int], checksums: list[int] | None = None
+) -> WeightManifest:
     return WeightManifest(version=1, tensors=list(tensors), bucket_sizes=sizes, checksums=checksums or [])
 
 
 @pytest.mark.parametrize(
     ("manifest", "message"),
     [
-        (_manifest_with(TensorEntry("a", [1], "int64", 0, 0, 8), TensorEntry("a", [1], "int64", 0, 64, 8),
-                        sizes=[128]), "duplicate tensor names"),
+        (
+            _manifest_with(
+                TensorEntry("a", [1], "int64", 0, 0, 8), TensorEntry("a", [1], "int64", 0, 64, 8), sizes=[128]
+            ),
+            "duplicate tensor names",
+        ),
         (_manifest_with(TensorEntry("a", [1], "int64", 1, 0, 8), sizes=[64]), "bucket 1 does not exist"),
         (_manifest_with(TensorEntry("a", [1], "int64", -1, 0, 8), sizes=[64]), "bucket -1 does not exist"),
         (_manifest_with(TensorEntry("a", [16], "int64", 0, 0, 128), sizes=[64]), r"\[0, 128\) outside"),
         (_manifest_with(TensorEntry("a", [1], "int64", 0, 60, 8), sizes=[64]), r"\[60, 68\) outside"),
         (_manifest_with(TensorEntry("a", [1], "int64", 0, -8, 8), sizes=[64]), "outside its bucket"),
-        (_manifest_with(TensorEntry("a", [1], "int64", 0, 0, 8), sizes=[64, 64], checksums=[1]),
-         "one checksum per bucket"),
+        (
+            _manifest_with(TensorEntry("a", [1], "int64", 0, 0, 8), sizes=[64, 64], checksums=[1]),
+            "one checksum per bucket",
+        ),
     ],
     ids=["dup-name", "no-bucket", "negative-bucket", "too-big", "past-end", "negative-offset", "checksums"],
 )
@@ -345,14 +396,15 @@ def test_manifest_validate_rejects(manifest: WeightManifest, message: str) -> No
         manifest.validate()
 
 
-@pytest.mark.xfail(strict=True, reason="WeightManifest.validate() does not check its stated no-overlap invariant")
 def test_manifest_validate_rejects_overlapping_tensors() -> None:
-    overlapping = _manifest_with(TensorEntry("a", [4], "int64", 0, 0, 32), TensorEntry("b", [4], "int64", 0, 16, 32),
-                                 sizes=[64])
+    overlapping = _manifest_with(
+        TensorEntry("a", [4], "int64", 0, 0, 32), TensorEntry("b", [4], "int64", 0, 16, 32), sizes=[64]
+    )
     with pytest.raises(ValueError):
         overlapping.validate()
 
 
 def test_manifest_validate_accepts_adjacent_tensors_and_no_checksums() -> None:
-    _manifest_with(TensorEntry("a", [4], "int64", 0, 0, 32), TensorEntry("b", [4], "int64", 0, 32, 32),
-                   sizes=[64]).validate()
+    _manifest_with(
+        TensorEntry("a", [4], "int64", 0, 0, 32), TensorEntry("b", [4], "int64", 0, 32, 32), sizes=[64]
+    ).validate()

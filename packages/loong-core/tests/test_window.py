@@ -7,7 +7,7 @@ import json
 
 import loong_core.window as window_module
 import pytest
-from hypothesis import settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 from loong_core.window import StalenessWindow, WindowStats
@@ -174,6 +174,40 @@ def test_restore_with_smaller_window_evicts_over_stale() -> None:
 def _schedulable(deadlines: list[int], first_version: int, batch_size: int) -> bool:
     """Counting form of the window's fit test: B per step from ``first_version`` meets them all."""
     return all(sum(d <= dl for d in deadlines) <= (dl - first_version + 1) * batch_size for dl in deadlines)
+
+
+@settings(max_examples=150, deadline=None)
+@given(k=st.integers(0, 3), b=st.integers(1, 3), data=st.data())
+def test_controller_loop_with_stragglers(k: int, b: int, data: st.DataObject) -> None:
+    """The real controller's loop with adversarial engines: keep the window full, finish the
+    newest entries first so the oldest straggle, train whenever a batch is ready, sync weights
+    after a random delay. Nothing is evicted or trained twice, and staleness stays <= k."""
+    w = StalenessWindow(k, b)
+    start: dict[str, int] = {}
+    oldest: dict[str, int] = {}
+    trained: list[str] = []
+    engine = 0
+    for step in range(30):
+        while w.can_admit(engine):
+            entry_id = w.reissue[0] if w.reissue else f"e{len(start)}"
+            w.admit(entry_id, engine)
+            start[entry_id] = engine
+        newest_first = sorted(w.in_flight, key=lambda i: -start[i])
+        for entry_id in newest_first[: data.draw(st.integers(0, len(newest_first)))]:
+            oldest[entry_id] = data.draw(st.integers(start[entry_id], engine))
+            w.finish(entry_id, oldest[entry_id])
+        if step % 7 == 6 and w.in_flight:
+            w.abort(next(iter(w.in_flight)))
+        batch = w.take_batch()
+        if batch is not None:
+            assert [w.version - oldest[i] for i in batch] == w.last_batch_staleness
+            assert max(w.last_batch_staleness) <= k
+            trained += batch
+            w.advance()
+        if data.draw(st.booleans()):
+            engine = w.version
+        assert w.stats.evicted == 0
+    assert len(trained) == len(set(trained)) == len(w.trained)
 
 
 _STATES = ("in_flight", "buffered", "taken", "trained", "reissue")

@@ -83,9 +83,10 @@ class ToolRegistry:
                 call, f"error: unknown tool {call.name!r} (known: {sorted(self.tools)})", ok=False
             )
         try:
-            out = tool.fn(**call.arguments)
-            if asyncio.iscoroutine(out):
-                out = await asyncio.wait_for(out, self.timeout_s)
+            if asyncio.iscoroutinefunction(tool.fn):
+                out = await asyncio.wait_for(tool.fn(**call.arguments), self.timeout_s)
+            else:  # off the event loop, so a slow sync tool cannot stall other episodes
+                out = await asyncio.wait_for(asyncio.to_thread(tool.fn, **call.arguments), self.timeout_s)
             return ToolResult(call, str(out), ok=True)
         except TimeoutError:
             return ToolResult(call, f"error: tool {call.name!r} timed out after {self.timeout_s}s", ok=False)

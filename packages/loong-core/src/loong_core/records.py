@@ -66,7 +66,7 @@ class TokenSpan(msgspec.Struct, frozen=True):
 
     @property
     def is_model(self) -> bool:
-        return self.source is SpanSource.MODEL
+        return self.source == SpanSource.MODEL
 
     def token_versions(self) -> list[int]:
         """The weight version of every token ([len(token_ids)]); -1 for non-model tokens."""
@@ -126,7 +126,7 @@ class Trajectory(msgspec.Struct):
         """Tokens before the first model token."""
         n = 0
         for s in self.spans:
-            if s.is_model:
+            if s.is_model and s.token_ids:
                 break
             n += len(s.token_ids)
         return n
@@ -225,6 +225,14 @@ class WeightManifest(msgspec.Struct):
                 raise ValueError(
                     f"tensor {t.name}: bytes [{t.offset}, {t.offset + t.nbytes}) outside its bucket"
                 )
+        by_bucket: dict[int, list[TensorEntry]] = {}
+        for t in self.tensors:
+            by_bucket.setdefault(t.bucket, []).append(t)
+        for bucket, entries in by_bucket.items():
+            entries.sort(key=lambda e: e.offset)
+            for prev, cur in zip(entries, entries[1:]):
+                if prev.offset + prev.nbytes > cur.offset:
+                    raise ValueError(f"tensors {prev.name} and {cur.name} overlap in bucket {bucket}")
         if self.checksums and len(self.checksums) != len(self.bucket_sizes):
             raise ValueError("WeightManifest needs one checksum per bucket")
 

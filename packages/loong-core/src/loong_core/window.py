@@ -229,7 +229,7 @@ class StalenessWindow:
         window._version = state["version"]
         window._buffered = {**state["taken"], **state["buffered"]}
         window._trained = set(state["trained"])
-        window._reissue = dict.fromkeys([*state["reissue"], *state["in_flight"]])
+        window._reissue = dict.fromkeys([*state["reissue"]])
         window._evicted = state["evicted"]
         return window
 

@@ -40,7 +40,7 @@ def build_manifest(named: Mapping[str, torch.Tensor], version: int, bucket_bytes
     offset = bucket_bytes  # forces a first bucket
     for name, t in named.items():
         nbytes = t.numel() * t.element_size()
-        if offset + nbytes > bucket_bytes and offset > 0:
+        if not sizes or (offset + nbytes > bucket_bytes and offset > 0):
             sizes.append(0)
             offset = 0
         entries.append(TensorEntry(name, list(t.shape), dtype_name(t.dtype), len(sizes) - 1, offset, nbytes))

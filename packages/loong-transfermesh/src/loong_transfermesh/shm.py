@@ -42,8 +42,8 @@ def _map(path: Path, size: int, create: bool) -> tuple[mmap.mmap, torch.Tensor]:
     fd = os.open(path, flags, 0o600)
     try:
         if create:
-            os.ftruncate(fd, size)
-        mm = mmap.mmap(fd, size)
+            os.ftruncate(fd, max(size, 1))
+        mm = mmap.mmap(fd, max(size, 1))
     finally:
         os.close(fd)
     return mm, torch.frombuffer(mm, dtype=torch.uint8)
@@ -78,8 +78,8 @@ class ShmSender:
         return self._slots[slot][1][:size]
 
     def close(self) -> None:
-        for slot in list(self._slots):
-            self._slots.pop(slot)
+        self._slots.clear()
+        for slot in (0, 1):
             _slot_path(self.name, slot).unlink(missing_ok=True)
 
 

@@ -84,7 +84,7 @@ class TorchBackend:
         self.steps += 1
         stats |= mismatch_stats(lp.detach(), t["behaviour"], t["mask"], t["versions"], batch.policy_version)
         return {
-            "loss": float(loss),
+            "loss": loss.item(),
             "grad_norm": float(grad_norm),
             "lr": self.sched.get_last_lr()[0],
             **stats,

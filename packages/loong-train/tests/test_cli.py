@@ -1,0 +1,58 @@
+"""Bad input to ``loong-train run`` gets a clear error naming what is wrong (exit code 2)."""
+
+import subprocess
+import sys
+
+import pytest
+
+from loong_train.cli import main
+
+
+def _run(capsys, *argv):
+    code = main(list(argv))
+    return code, capsys.readouterr().err
+
+
+def test_unknown_recipe_lists_shipped_ones(capsys):
+    code, err = _run(capsys, "run", "no-such-recipe")
+    assert code == 2
+    assert "unknown recipe 'no-such-recipe'" in err and "tiny-calc-agent" in err
+
+
+def test_bad_toml_names_file_and_line(tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('name = "x"\n[train]\nsteps = = 3\n')
+    code, err = _run(capsys, "run", str(bad))
+    assert code == 2
+    assert "bad.toml" in err and "line 3" in err
+
+
+def test_wrong_type_names_the_key_and_expected_type(capsys):
+    code, err = _run(capsys, "run", "tiny-calc-agent", "--set", "train.lr=fast")
+    assert code == 2
+    assert "train.lr" in err and "float" in err
+
+
+def test_unknown_key_names_it_and_the_valid_ones(capsys):
+    code, err = _run(capsys, "run", "tiny-calc-agent", "--set", "train.max_stalenes=2")
+    assert code == 2
+    assert "train.max_stalenes" in err and "max_staleness" in err
+
+
+def test_invalid_value_is_refused(capsys):
+    code, err = _run(capsys, "run", "tiny-calc-agent", "--set", "train.max_staleness=-1")
+    assert code == 2
+    assert "max_staleness must be >= 0" in err
+
+
+def test_missing_recipe_file(capsys):
+    code, err = _run(capsys, "run", "nowhere/recipe.toml")
+    assert code == 2 and "does not exist" in err
+
+
+@pytest.mark.integration
+def test_console_script_reports_errors_without_traceback():
+    proc = subprocess.run([sys.executable, "-m", "loong_train.cli", "run", "tiny-calc-agent", "--set", "seed=abc"],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "seed" in proc.stderr and "int" in proc.stderr and "Traceback" not in proc.stderr
