@@ -148,7 +148,7 @@ class StalenessWindow:
             return None
         order = sorted(self._buffered, key=self._buffered.__getitem__)  # stable: ties by finish
         rest = [self._buffered[i] + k for i in order[b:]] + [s + k for s in self._in_flight.values()]
-        if not _fits(rest, t + 1, b) and _fits(self._live_deadlines(), t, b):
+        if self._in_flight:
             return None  # a straggler in flight must join this batch to meet its deadline
         self._taken = {i: self._buffered.pop(i) for i in order[:b]}
         self._last_staleness = [t - oldest for oldest in self._taken.values()]
@@ -229,7 +229,7 @@ class StalenessWindow:
         window._version = state["version"]
         window._buffered = {**state["taken"], **state["buffered"]}
         window._trained = set(state["trained"])
-        window._reissue = dict.fromkeys([*state["reissue"]])
+        window._reissue = dict.fromkeys([*state["reissue"], *state["in_flight"]])
         window._evicted = state["evicted"]
         return window
 
