@@ -7,8 +7,9 @@ import asyncio
 import json
 import time
 
-import loong_agentflow
 import pytest
+
+import loong_agentflow
 from loong_agentflow import Tool, ToolCall, ToolRegistry, ToolResult, parse_tool_calls
 
 _NEEDS_NAME = 'error: tool call needs {"name": str, "arguments": object}'

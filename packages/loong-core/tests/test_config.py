@@ -12,6 +12,7 @@ import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from loong_core.config import ConfigError, apply_override, dump_toml, load_config
 
 

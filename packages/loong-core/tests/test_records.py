@@ -3,11 +3,12 @@
 
 from __future__ import annotations
 
-import loong_core.records as records_module
 import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
+import loong_core.records as records_module
 from loong_core.records import (
     EpisodeStatus,
     SpanSource,

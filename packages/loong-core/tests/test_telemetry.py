@@ -9,6 +9,7 @@ import threading
 import time
 
 import pytest
+
 from loong_core.telemetry import MetricsWriter, TraceWriter, read_metrics
 
 # ------------------------------------------------------------------------------------------ metrics

@@ -3,6 +3,7 @@
 import math
 
 import torch
+
 from loong_teacher import reverse_kl_advantage
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+
 from loong_train.config import load_recipe
 from loong_train.warmstart import build_tiny
 

@@ -3,6 +3,7 @@
 import math
 
 import torch
+
 from loong_core.records import EpisodeStatus, SpanSource, TokenSpan, Trajectory
 from loong_train.algorithms import grpo_advantages, pack_batch, ppo_clip_loss
 

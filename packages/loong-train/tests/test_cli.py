@@ -52,7 +52,11 @@ def test_missing_recipe_file(capsys):
 
 @pytest.mark.integration
 def test_console_script_reports_errors_without_traceback():
-    proc = subprocess.run([sys.executable, "-m", "loong_train.cli", "run", "tiny-calc-agent", "--set", "seed=abc"],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "loong_train.cli", "run", "tiny-calc-agent", "--set", "seed=abc"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     assert "seed" in proc.stderr and "int" in proc.stderr and "Traceback" not in proc.stderr

@@ -3,6 +3,7 @@
 import asyncio
 
 import torch
+
 from loong_core.protocols import SamplingParams
 from loong_core.records import SpanSource
 from loong_train.engines.embedded import EmbeddedEngine

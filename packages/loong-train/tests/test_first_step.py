@@ -13,20 +13,29 @@ from loong_train.trainer import TrainerWorker
 
 
 def _rollout(tiny_dir, groups=4):
-    worker = RolloutWorker(str(tiny_dir), seed=0, sampling={"temperature": 1.0, "max_new_tokens": 24},
-                           limits={"max_turns": 2, "max_model_tokens": 40}, transport_name="first-step-test")
+    worker = RolloutWorker(
+        str(tiny_dir),
+        seed=0,
+        sampling={"temperature": 1.0, "max_new_tokens": 24},
+        limits={"max_turns": 2, "max_model_tokens": 40},
+        transport_name="first-step-test",
+    )
     source = GroupSource(calc.train_tasks(0, []), group_size=4)
     specs = [s for _ in range(groups) for s in source.specs(source.next_group())]
     return worker, worker.rollout(specs)["trajectories"]
 
 
 def test_trainer_logprobs_equal_engine_logprobs_on_first_step(tiny_dir, recipe):
-    worker, trajs = _rollout(tiny_dir)
+    _, trajs = _rollout(tiny_dir)
     batch = pack_batch(trajs, grpo_advantages(trajs), policy_version=0)
     trainer = TrainerWorker(str(tiny_dir), recipe, "first-step-test")
     try:
         recomputed = trainer.logprobs(batch)
-        gaps = [abs(a - b) for a, b, m in zip(recomputed, batch.behaviour_logprobs, batch.loss_mask, strict=True) if m]
+        gaps = [
+            abs(a - b)
+            for a, b, m in zip(recomputed, batch.behaviour_logprobs, batch.loss_mask, strict=True)
+            if m
+        ]
         assert len(gaps) > 100
         assert max(gaps) <= 2e-6
         metrics, manifest = trainer.train_step(batch)

@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+
 from loong_train.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 
 

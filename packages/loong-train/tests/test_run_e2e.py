@@ -8,11 +8,29 @@ from loong_core.telemetry import read_metrics
 from loong_train.config import load_recipe
 from loong_train.controller import run
 
-REQUIRED = ["step", "policy_version", "reward_mean", "staleness_mean", "staleness_max", "mismatch_kl",
-            "trainer_busy_frac", "rollout_busy_frac", "samples_per_s", "weight_sync_s"]
+REQUIRED = [
+    "step",
+    "policy_version",
+    "reward_mean",
+    "staleness_mean",
+    "staleness_max",
+    "mismatch_kl",
+    "trainer_busy_frac",
+    "rollout_busy_frac",
+    "samples_per_s",
+    "weight_sync_s",
+]
 
-SMALL = ["warmstart.steps=0", "train.steps=4", "train.batch_groups=2", "rollout.group_size=2",
-         "rollout.max_new_tokens=12", "rollout.max_model_tokens=24", "eval.every=2", "eval.num_tasks=8"]
+SMALL = [
+    "warmstart.steps=0",
+    "train.steps=4",
+    "train.batch_groups=2",
+    "rollout.group_size=2",
+    "rollout.max_new_tokens=12",
+    "rollout.max_model_tokens=24",
+    "eval.every=2",
+    "eval.num_tasks=8",
+]
 
 
 @pytest.mark.integration

@@ -5,9 +5,10 @@ from __future__ import annotations
 import itertools
 import zlib
 
-import loong_transfermesh
 import pytest
 import torch
+
+import loong_transfermesh
 from loong_core.records import TensorEntry
 from loong_transfermesh import ManifestMismatch, build_manifest, check_against
 from loong_transfermesh.manifest import crc32, dtype_name, torch_dtype

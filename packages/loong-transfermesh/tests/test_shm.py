@@ -12,6 +12,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+
 from loong_core.records import decode, encode
 from loong_transfermesh import ManifestMismatch, ShmReceiver, ShmSender
 from loong_transfermesh.shm import _SHM_DIR, _slot_path

@@ -20,11 +20,11 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import msgspec
-from loong_core.protocols import RolloutEngine, SamplingParams
-from loong_core.records import EpisodeStatus, SpanSource, Trajectory
 
 from loong_agentflow.tokens import TextCodec, TokenBuffer
 from loong_agentflow.tools import ToolRegistry, ToolResult, parse_tool_calls
+from loong_core.protocols import RolloutEngine, SamplingParams
+from loong_core.records import EpisodeStatus, SpanSource, Trajectory
 
 __all__ = ["Agent", "ChatML", "Episode", "EpisodeLimits", "EpisodeSpec", "ToolAgent", "run_episodes"]
 

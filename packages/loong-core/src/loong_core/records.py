@@ -8,6 +8,7 @@ round-trip test. Invariants are checked by ``validate()``, which is called at bo
 from __future__ import annotations
 
 import enum
+import itertools
 from collections.abc import Iterable
 from typing import TypeVar
 
@@ -230,7 +231,7 @@ class WeightManifest(msgspec.Struct):
             by_bucket.setdefault(t.bucket, []).append(t)
         for bucket, entries in by_bucket.items():
             entries.sort(key=lambda e: e.offset)
-            for prev, cur in zip(entries, entries[1:]):
+            for prev, cur in itertools.pairwise(entries):
                 if prev.offset + prev.nbytes > cur.offset:
                     raise ValueError(f"tensors {prev.name} and {cur.name} overlap in bucket {bucket}")
         if self.checksums and len(self.checksums) != len(self.bucket_sizes):

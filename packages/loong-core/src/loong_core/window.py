@@ -31,15 +31,18 @@ Guarantees and why they hold.
 
 1. Bound: every taken entry has staleness <= K, in any state, restored or edited, because
    ``take_batch`` only takes entries with ``t - oldest <= K``.
-2. Capacity: occupancy <= ``(K + 1) * B`` always; ``admit`` checks it.
+2. Capacity: occupancy <= ``(K + 1) * B`` always; ``admit`` checks it (the fit check alone
+   implies it whenever ``engine_version <= t``, as engines never run ahead of the trainer).
 3. No eviction and no lost work: invariant F = "the live, untaken entries fit from the next take
    version". ``admit`` checks F; ``finish`` only raises a deadline; ``abort`` removes; a take
    commits only if the rest fits from t + 1, and ``advance`` makes t + 1 the next take version.
    A restore drops in-flight entries and returns the taken B (deadlines >= t) ahead of a set
    fitting from t + 1, so F holds from t. Under F every deadline is >= t, so nothing is evicted.
-   Waiting never deadlocks: if the rest fails to fit at some D while F holds, the batch holds an
-   entry with deadline > D, so every buffered entry with deadline <= D is in it, and the excess
-   is in flight; with nothing in flight and >= B buffered, F makes the take succeed.
+   Waiting is never in vain: if the rest fails to fit at some D while F holds, the batch holds
+   an entry with deadline > D, so every buffered entry with deadline <= D is in it and the excess
+   is in flight; once those entries finish or are aborted, that D is satisfied. An entry admitted
+   at engine version t never causes a wait (its deadline t + K is met by capacity), and with
+   nothing in flight and >= B buffered, F makes the take succeed.
 4. When engines sync right after each ``advance`` (engine_version == t), the new deadline
    ``t + K`` is the latest possible and the fit check reduces to the capacity check. With K = 0
    the capacity is B and a taken batch fills it: generation and training alternate, on-policy.
@@ -76,13 +79,15 @@ def _fits(deadlines: Iterable[int], first_version: int, batch_size: int) -> bool
 class StalenessWindow:
     """Admission control and batch selection with staleness <= ``max_staleness`` (see module doc).
 
-    Lifecycle, driven by one controller::
+    Lifecycle, driven by one controller (ids in ``w.reissue`` are admitted before new ones)::
 
         w = StalenessWindow(max_staleness=1, batch_size=8)
-        while w.can_admit(engine_version):  w.admit(entry_id, engine_version)  # reissue first
-        w.finish(entry_id, oldest_version)   # or w.abort(entry_id) if the generation was lost
-        batch = w.take_batch()               # None: wait for more finished entries
-        ... train on batch at w.version ...; w.advance(); push weights
+        while w.can_admit(engine_version):
+            w.admit(next_entry_id(), engine_version)
+        w.finish(entry_id, oldest_version)          # or w.abort(entry_id): generation lost
+        if (batch := w.take_batch()) is not None:   # None: wait for more finishes
+            train(batch, version=w.version)
+            push_weights(w.advance())
     """
 
     def __init__(self, max_staleness: int, batch_size: int) -> None:
@@ -121,8 +126,9 @@ class StalenessWindow:
         self._in_flight[entry_id] = engine_version
 
     def finish(self, entry_id: str, oldest_version: int) -> None:
-        """The rollout finished; ``oldest_version`` is the oldest version of its model tokens."""
-        start = self._in_flight_start(entry_id)
+        """The rollout finished; ``oldest_version`` (oldest weight version of its model tokens)
+        must be >= the engine version it was admitted with."""
+        start = self._in_flight[self._require_in_flight(entry_id)]
         if oldest_version < start:
             raise ValueError(f"entry {entry_id!r}: oldest_version {oldest_version} < admit version {start}")
         del self._in_flight[entry_id]
@@ -130,8 +136,7 @@ class StalenessWindow:
 
     def abort(self, entry_id: str) -> None:
         """The generation was lost; the id waits in ``reissue`` to be admitted again."""
-        self._in_flight_start(entry_id)
-        del self._in_flight[entry_id]
+        del self._in_flight[self._require_in_flight(entry_id)]
         self._reissue[entry_id] = None
 
     def take_batch(self) -> list[str] | None:
@@ -148,7 +153,7 @@ class StalenessWindow:
             return None
         order = sorted(self._buffered, key=self._buffered.__getitem__)  # stable: ties by finish
         rest = [self._buffered[i] + k for i in order[b:]] + [s + k for s in self._in_flight.values()]
-        if self._in_flight:
+        if not _fits(rest, t + 1, b) and _fits(self._live_deadlines(), t, b):
             return None  # a straggler in flight must join this batch to meet its deadline
         self._taken = {i: self._buffered.pop(i) for i in order[:b]}
         self._last_staleness = [t - oldest for oldest in self._taken.values()]
@@ -197,15 +202,8 @@ class StalenessWindow:
 
     @property
     def stats(self) -> WindowStats:
-        return WindowStats(
-            self._version,
-            len(self._in_flight),
-            len(self._buffered),
-            len(self._taken),
-            len(self._trained),
-            len(self._reissue),
-            self._evicted,
-        )
+        sizes = map(len, (self._in_flight, self._buffered, self._taken, self._trained, self._reissue))
+        return WindowStats(self._version, *sizes, self._evicted)
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable checkpoint (plain dicts, lists, ints, strs)."""
@@ -237,7 +235,7 @@ class StalenessWindow:
         k = self.max_staleness
         return [v + k for v in (*self._in_flight.values(), *self._buffered.values())]
 
-    def _in_flight_start(self, entry_id: str) -> int:
+    def _require_in_flight(self, entry_id: str) -> str:
         if entry_id not in self._in_flight:
             raise ValueError(f"entry {entry_id!r} is not in flight")
-        return self._in_flight[entry_id]
+        return entry_id

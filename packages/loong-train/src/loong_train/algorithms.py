@@ -22,6 +22,7 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 import torch
+
 from loong_core.records import TrainBatch, Trajectory
 
 __all__ = ["grpo_advantages", "pack_batch", "ppo_clip_loss"]

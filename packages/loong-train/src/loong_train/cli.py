@@ -36,6 +36,10 @@ def _parser() -> argparse.ArgumentParser:
         help="where built tiny models are cached (default: ~/.cache/loong or $LOONG_CACHE)",
     )
     sub.add_parser("recipes", help="list shipped recipes")
+    build = sub.add_parser("build-tiny", help="build (and warm-start) a recipe's tiny model into a directory")
+    build.add_argument("recipe")
+    build.add_argument("--out", type=Path, required=True)
+    build.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE")
     return parser
 
 
@@ -43,7 +47,6 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     from loong_core.config import ConfigError
-
     from loong_train.config import load_recipe, recipe_names
 
     if args.command == "recipes":
@@ -54,6 +57,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"loong-train: {e}", file=sys.stderr)
         return 2
+    if args.command == "build-tiny":
+        from loong_train.warmstart import build_tiny, warm_start
+
+        build_tiny(args.out, recipe)
+        print(warm_start(args.out, recipe) if recipe.warmstart.steps else "built (no warm start)")
+        return 0
     from loong_train.controller import run
 
     out = run(recipe, args.out or Path("runs") / recipe.name, args.cache)

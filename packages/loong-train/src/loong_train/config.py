@@ -10,6 +10,7 @@ from importlib import resources
 from pathlib import Path
 
 import msgspec
+
 from loong_core.config import ConfigError, load_config
 
 __all__ = [

@@ -18,9 +18,9 @@ import logging
 from pathlib import Path
 
 import ray
-from loong_core.window import StalenessWindow
 from tqdm import tqdm
 
+from loong_core.window import StalenessWindow
 from loong_train.config import Recipe
 from loong_train.pipeline import GroupSource, Pipeline
 from loong_train.rollout import RolloutWorker

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import ray
+
 from loong_agentflow import EpisodeSpec
 from loong_core.records import Trajectory, WeightManifest
 from loong_core.window import StalenessWindow
-
 from loong_train.algorithms import grpo_advantages, pack_batch
 from loong_train.config import Recipe
 

@@ -7,15 +7,15 @@ import time
 from typing import Any
 
 import torch
+
 from loong_agentflow import EpisodeLimits, EpisodeSpec, ToolAgent, run_episodes
 from loong_core.protocols import SamplingParams
 from loong_core.records import WeightManifest
-from loong_transfermesh import ShmReceiver, check_against
-
 from loong_train.engines.embedded import EmbeddedEngine
 from loong_train.models.qwen3 import Qwen3ForCausalLM
 from loong_train.tasks import calc
 from loong_train.tokenizer import load_tokenizer
+from loong_transfermesh import ShmReceiver, check_against
 
 __all__ = ["HFCodec", "RolloutWorker"]
 

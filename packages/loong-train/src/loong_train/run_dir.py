@@ -19,11 +19,11 @@ from pathlib import Path
 from typing import Any
 
 import ray
+
 from loong_agentflow import EpisodeSpec
 from loong_core.config import dump_toml
 from loong_core.records import EpisodeStatus, Trajectory
 from loong_core.telemetry import MetricsWriter, TraceWriter
-
 from loong_train.config import Recipe
 from loong_train.pipeline import Pipeline
 from loong_train.plots import plot_run

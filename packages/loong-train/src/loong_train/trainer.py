@@ -5,8 +5,8 @@ from __future__ import annotations
 import time
 
 import torch
-from loong_core.records import TrainBatch, WeightManifest
 
+from loong_core.records import TrainBatch, WeightManifest
 from loong_train.backends.torch_backend import TorchBackend
 from loong_train.config import Recipe
 from loong_train.models.qwen3 import Qwen3ForCausalLM

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import msgspec
 import torch
-from loong_agentflow import EpisodeLimits, EpisodeSpec, ToolAgent, run_episodes
-from loong_core.protocols import SamplingParams
 from tqdm import tqdm
 
+from loong_agentflow import EpisodeLimits, EpisodeSpec, ToolAgent, run_episodes
+from loong_core.protocols import SamplingParams
 from loong_train.backends.torch_backend import token_logprobs
 from loong_train.config import Recipe
 from loong_train.engines.embedded import EmbeddedEngine

@@ -11,6 +11,7 @@ import zlib
 from collections.abc import Mapping
 
 import torch
+
 from loong_core.records import TensorEntry, WeightManifest
 
 __all__ = ["ManifestMismatch", "build_manifest", "check_against", "crc32", "dtype_name", "torch_dtype"]

@@ -24,8 +24,8 @@ from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from loong_core.records import WeightManifest
 
+from loong_core.records import WeightManifest
 from loong_transfermesh.manifest import ManifestMismatch, build_manifest, check_against, crc32, torch_dtype
 
 __all__ = ["ShmReceiver", "ShmSender"]

@@ -11,8 +11,8 @@ import math
 from pathlib import Path
 
 import torch
-from loong_core.records import TrainBatch
 
+from loong_core.records import TrainBatch
 from loong_train.algorithms import ppo_clip_loss
 from loong_train.models.qwen3 import Qwen3ForCausalLM
 

@@ -16,9 +16,9 @@ import asyncio
 from collections.abc import Sequence
 
 import torch
+
 from loong_core.protocols import SamplingParams
 from loong_core.records import SpanSource, TokenSpan
-
 from loong_train.models.qwen3 import KVCache, Qwen3ForCausalLM
 
 __all__ = ["EmbeddedEngine"]
