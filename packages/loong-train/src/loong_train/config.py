@@ -42,13 +42,20 @@ class ModelConfig(_Section):
 
 class WarmstartConfig(_Section):
     """Supervised warm start on synthetic demonstrations, stopped early once the *sampled*
-    (temperature 1) success on probe tasks reaches ``target_success``."""
+    (temperature 1) success on probe tasks reaches ``target_success``.
+
+    ``label_smoothing`` spreads that much target mass over the vocabulary: the policy learns the
+    skill (its greedy answers become right) while its temperature-1 samples still fail often
+    enough for GRPO groups to carry signal, like a pretrained model whose sampling RL sharpens.
+    """
 
     steps: int = 0
-    batch_size: int = 64
+    batch_size: int = 32
     lr: float = 3e-3
-    target_success: float = 0.3
-    eval_every: int = 20
+    warmup_steps: int = 50
+    label_smoothing: float = 0.0
+    target_success: float = 0.15
+    eval_every: int = 100
     eval_tasks: int = 128
 
 

@@ -142,6 +142,7 @@ class RunDir:
                 result = ray.get(self.evals[v])
                 trajs = result["trajectories"]
                 self.eval_results[v] = sum(t.reward for t in trajs) / len(trajs)
+                self.rollout_busy += result["end"] - result["start"]
                 self.trace.span(
                     "eval",
                     "eval",

@@ -20,7 +20,6 @@ from tqdm import tqdm
 
 from loong_agentflow import EpisodeLimits, EpisodeSpec, ToolAgent, run_episodes
 from loong_core.protocols import SamplingParams
-from loong_train.backends.torch_backend import token_logprobs
 from loong_train.config import Recipe
 from loong_train.engines.embedded import EmbeddedEngine
 from loong_train.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
@@ -83,6 +82,17 @@ def _sft_batch(codec: HFCodec, tasks: list[dict]) -> tuple[torch.Tensor, torch.T
     return ids, mask
 
 
+def sft_loss(
+    model: Qwen3ForCausalLM, ids: torch.Tensor, mask: torch.Tensor, smoothing: float
+) -> torch.Tensor:
+    """Mean over masked tokens of (1 - s) * NLL(target) + s * mean_v(-log p(v)); ids, mask [rows, seq]."""
+    logp = torch.log_softmax(model(ids)[:, :-1].float(), dim=-1)
+    nll = -logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    per_token = (1 - smoothing) * nll + smoothing * -logp.mean(-1)
+    m = mask[:, 1:]
+    return (per_token * m).sum() / m.sum()
+
+
 def warm_start(path: Path, recipe: Recipe) -> dict:
     """Supervised steps until sampled success reaches the target; saves the model in place."""
     w = recipe.warmstart
@@ -91,17 +101,18 @@ def warm_start(path: Path, recipe: Recipe) -> dict:
     tokenizer = load_tokenizer(path)
     codec, model = HFCodec(tokenizer), Qwen3ForCausalLM.from_pretrained(path).train()
     opt = torch.optim.AdamW(model.parameters(), lr=w.lr, betas=(0.9, 0.99))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, w.warmup_steps)))
     probe = calc.eval_tasks(w.eval_tasks, seed=recipe.seed + 7)  # probe set, distinct from held-out eval
     stream = calc.train_tasks(recipe.seed + 1, calc.eval_tasks(recipe.eval.num_tasks))
     success, step = 0.0, 0
     bar = tqdm(range(1, w.steps + 1), desc="warm start", unit="step", leave=False)
     for step in bar:
         ids, mask = _sft_batch(codec, [next(stream) for _ in range(w.batch_size)])
-        lp = token_logprobs(model, ids)
-        loss = -(lp * mask).sum() / mask.sum()
+        loss = sft_loss(model, ids, mask, w.label_smoothing)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
+        sched.step()
         if step % w.eval_every == 0:
             success = sampled_success(model, tokenizer, recipe, probe, seed=step)
             bar.set_postfix(loss=f"{loss.item():.3f}", sampled_success=f"{success:.2f}")
