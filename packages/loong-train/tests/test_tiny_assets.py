@@ -1,0 +1,99 @@
+"""The tiny model, tokenizer and calc task: deterministic, template-exact, safe."""
+
+import hashlib
+import math
+
+import pytest
+import torch
+
+from loong_agentflow import ChatML, ToolResult
+from loong_train.models.qwen3 import Qwen3ForCausalLM
+from loong_train.rollout import HFCodec
+from loong_train.tasks import calc
+from loong_train.tokenizer import load_tokenizer
+from loong_train.warmstart import build_tiny, sft_loss
+
+
+def _digest(path):
+    return hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
+
+
+def test_build_is_deterministic(tmp_path, recipe, tiny_dir):
+    assert _digest(build_tiny(tmp_path / "again", recipe)) == _digest(tiny_dir)
+    assert (tmp_path / "again" / "tokenizer.json").read_text() == (tiny_dir / "tokenizer.json").read_text()
+
+
+def test_tokenizer_round_trips_text_and_keeps_special_tokens_whole(tiny_dir):
+    tok = load_tokenizer(tiny_dir)
+    text = '<|im_start|>user\ncompute 12*34<|im_end|>\n<tool_call>{"a": 1}</tool_call>'
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids) == text
+    assert ids[0] == tok.convert_tokens_to_ids("<|im_start|>")
+    specials = ["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>"]
+    assert len(ids) == len(text) - sum(len(s) - 1 for s in specials)  # one id per char, one per special
+
+
+def test_agent_token_layout_equals_the_chat_template(tiny_dir):
+    """The white-box agent's pieces decode to exactly what apply_chat_template renders."""
+    tok = load_tokenizer(tiny_dir)
+    task = calc.eval_tasks(1)[0]
+    pieces = "".join(text for text, _ in calc.demonstration(task))
+    messages = [
+        *task["messages"],
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [
+                {"type": "function", "function": {"name": "calc", "arguments": {"expr": task["expr"]}}}
+            ],
+        },
+        {"role": "tool", "content": task["answer"]},
+        {"role": "assistant", "content": task["answer"]},
+    ]
+    rendered = tok.apply_chat_template(messages, tokenize=False)
+    assert pieces + "\n" == rendered
+    codec = HFCodec(tok)
+    assert sum((codec.encode(t) for t, _ in calc.demonstration(task)), []) == codec.encode(pieces)
+    assert ChatML.tool_turn([ToolResult(None, "7", ok=True)]).startswith(
+        "\n<|im_start|>user\n<tool_response>7"
+    )
+
+
+def test_sft_loss_matches_float64_reference(tiny_dir):
+    model = Qwen3ForCausalLM.from_pretrained(tiny_dir)
+    ids = torch.tensor([[1, 20, 30, 40, 50], [1, 21, 31, 41, 0]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 0, 0]], dtype=torch.float32)
+    with torch.no_grad():
+        got = float(sft_loss(model, ids, mask, smoothing=0.1))
+        logp = torch.log_softmax(model(ids).double(), -1)
+    total, count = 0.0, 0
+    for r in range(2):
+        for j in range(1, 5):
+            if mask[r, j]:
+                nll = -float(logp[r, j - 1, ids[r, j]])
+                uniform = -float(logp[r, j - 1].mean())
+                total += 0.9 * nll + 0.1 * uniform
+                count += 1
+    assert math.isclose(got, total / count, rel_tol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "expr,want", [("47*38", "1786"), ("10-99", "-89"), ("(2+3)*4", "20"), ("-5+2", "-3")]
+)
+def test_calc_tool_evaluates_integer_arithmetic(expr, want):
+    assert calc.calc(expr) == want
+
+
+@pytest.mark.parametrize("expr", ["__import__('os')", "2**99999", "1/0", "3.5*2", "a+b", "1" * 70])
+def test_calc_tool_refuses_anything_else(expr):
+    with pytest.raises((ValueError, SyntaxError)):
+        calc.calc(expr)
+
+
+def test_held_out_questions_never_appear_in_training():
+    held_out = calc.eval_tasks(64)
+    stream = calc.train_tasks(0, held_out)
+    seen = {next(stream)["expr"] for _ in range(3000)}
+    assert not seen & {t["expr"] for t in held_out}
+    assert calc.reward(held_out[0], f" {held_out[0]['answer']} ") == 1.0
+    assert calc.reward(held_out[0], "0") == 0.0
