@@ -1,0 +1,27 @@
+"""The public surface of loong_agentflow is deliberate: adding or removing a name updates this list."""
+
+import loong_agentflow
+
+
+def test_exports_are_pinned():
+    assert sorted(loong_agentflow.__all__) == [
+        "Agent",
+        "ChatML",
+        "Episode",
+        "EpisodeLimits",
+        "EpisodeSpec",
+        "TextCodec",
+        "TokenBuffer",
+        "Tool",
+        "ToolAgent",
+        "ToolCall",
+        "ToolRegistry",
+        "ToolResult",
+        "parse_tool_calls",
+        "run_episodes",
+    ]
+
+
+def test_every_export_resolves():
+    for name in loong_agentflow.__all__:
+        assert getattr(loong_agentflow, name) is not None, name

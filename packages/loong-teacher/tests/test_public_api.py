@@ -1,0 +1,12 @@
+"""The public surface of loong_teacher is deliberate: adding or removing a name updates this list."""
+
+import loong_teacher
+
+
+def test_exports_are_pinned():
+    assert sorted(loong_teacher.__all__) == ["reverse_kl_advantage"]
+
+
+def test_every_export_resolves():
+    for name in loong_teacher.__all__:
+        assert getattr(loong_teacher, name) is not None, name
