@@ -1,0 +1,25 @@
+"""The shipped recipe really learns: a shortened tiny-calc-agent run from an empty cache.
+
+Builds and warm-starts the tiny model, then runs 40 asynchronous GRPO steps (window 1). The full
+recipe (120 steps) is what the README reports; 40 steps already show the held-out gain.
+"""
+
+import json
+
+import pytest
+
+from loong_core.telemetry import read_metrics
+from loong_train.config import load_recipe
+from loong_train.controller import run
+
+
+@pytest.mark.slow
+def test_tiny_calc_agent_improves_held_out_success(tmp_path):
+    recipe = load_recipe("tiny-calc-agent", ["train.steps=40"])
+    out = run(recipe, tmp_path / "run", tmp_path / "cache")
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["final_eval"] - summary["first_eval"] >= 0.3, summary
+    rows = read_metrics(out / "metrics.jsonl")
+    assert len(rows) == 40
+    assert max(r["staleness_max"] for r in rows) <= recipe.train.max_staleness
+    assert rows[0]["mismatch_kl"] < 1e-9
