@@ -38,7 +38,7 @@ def test_trainer_logprobs_equal_engine_logprobs_on_first_step(tiny_dir, recipe):
         ]
         assert len(gaps) > 100
         assert max(gaps) <= 2e-6
-        metrics, manifest = trainer.train_step(batch)
+        metrics, manifest = trainer.publish(trainer.train_step(batch))
         assert metrics["mismatch_kl"] <= 1e-10 and metrics["onpolicy_mismatch_kl"] <= 1e-10
         assert manifest.version == 1
     finally:
@@ -49,7 +49,9 @@ def test_weights_reach_the_engine_through_transfermesh(tiny_dir, recipe):
     worker, trajs = _rollout(tiny_dir, groups=2)
     trainer = TrainerWorker(str(tiny_dir), recipe, "first-step-test")
     try:
-        _, manifest = trainer.train_step(pack_batch(trajs, [1.0] * len(trajs), policy_version=0))
+        _, manifest = trainer.publish(
+            trainer.train_step(pack_batch(trajs, [1.0] * len(trajs), policy_version=0))
+        )
         info = worker.apply_weights(manifest)
         assert info["version"] == worker.weight_version() == 1
         sent = trainer.backend.named_weights()

@@ -10,6 +10,7 @@ def test_exports_are_pinned():
         "ShmSender",
         "build_manifest",
         "check_against",
+        "remove_slots",
     ]
 
 

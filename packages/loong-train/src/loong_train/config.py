@@ -24,6 +24,12 @@ __all__ = [
 ]
 
 
+def _at_least(section: msgspec.Struct, **minimums: int) -> None:
+    for name, low in minimums.items():
+        if getattr(section, name) < low:
+            raise ValueError(f"{name} must be >= {low}, got {getattr(section, name)}")
+
+
 class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=True):
     pass
 
@@ -70,8 +76,13 @@ class RolloutConfig(_Section):
     episode_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
-        if self.group_size < 2:
-            raise ValueError(f"group_size must be >= 2 for GRPO, got {self.group_size}")
+        _at_least(self, workers=1, group_size=2, max_new_tokens=1, max_turns=1, max_model_tokens=1)
+        if self.temperature <= 0:
+            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if self.top_p != 1.0:
+            raise ValueError(
+                f"top_p must be 1.0 for now (the trainer recomputes untruncated logprobs), got {self.top_p}"
+            )
 
 
 class TrainConfig(_Section):
@@ -84,16 +95,17 @@ class TrainConfig(_Section):
     grad_clip: float = 1.0
     clip_eps: float = 0.2
     scale_adv_by_std: bool = True
-    checkpoint_every: int = 0
 
     def __post_init__(self) -> None:
-        if self.max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0, got {self.max_staleness}")
+        _at_least(self, steps=1, batch_groups=1, max_staleness=0, warmup_steps=0)
 
 
 class EvalConfig(_Section):
     every: int = 10
     num_tasks: int = 128
+
+    def __post_init__(self) -> None:
+        _at_least(self, every=1, num_tasks=1)
 
 
 class Recipe(_Section):

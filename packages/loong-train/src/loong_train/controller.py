@@ -28,6 +28,7 @@ from loong_train.run_dir import RunDir
 from loong_train.tasks import calc
 from loong_train.trainer import TrainerWorker
 from loong_train.warmstart import prepare_model
+from loong_transfermesh import remove_slots
 
 __all__ = ["run"]
 
@@ -38,27 +39,33 @@ def run(recipe: Recipe, out: Path, cache: Path) -> Path:
     """Train ``recipe``; writes the run directory ``out`` and returns it."""
     run_dir = RunDir(out, recipe)
     model_path = str(prepare_model(recipe, cache))
+    started_ray = not ray.is_initialized()
     pipe = _start(recipe, model_path, run_dir.name)
-    run_dir.begin(pipe)
-    bar = tqdm(total=recipe.train.steps, desc=recipe.name, unit="step")
-    while pipe.window.version < recipe.train.steps:
-        pipe.admit(per_call=recipe.train.batch_groups)
-        for kind, result in pipe.wait():
-            if kind == "rollout":
-                pipe.on_rollout(*result)
-                run_dir.on_rollout(result[1])
-            else:
-                metrics, manifest = result
-                pipe.window.advance()
-                pipe.sync_weights(manifest)
-                run_dir.on_train_step(pipe, metrics)
-                bar.update(1)
-                bar.set_postfix(run_dir.postfix())
-        if pipe.train_ref is None and (trajs := pipe.start_train_step()) is not None:
-            run_dir.on_batch(pipe, trajs)
-    bar.close()
-    run_dir.finish(pipe)
-    ray.shutdown()
+    try:
+        run_dir.begin(pipe)
+        bar = tqdm(total=recipe.train.steps, desc=recipe.name, unit="step")
+        while pipe.window.version < recipe.train.steps:
+            pipe.admit()
+            for kind, result in pipe.wait():
+                if kind == "rollout":
+                    pipe.on_rollout(*result)
+                    run_dir.on_rollout(result[1])
+                else:
+                    metrics, manifest = result
+                    pipe.window.advance()
+                    pipe.sync_weights(manifest)
+                    run_dir.on_train_step(pipe, metrics)
+                    bar.update(1)
+                    bar.set_postfix(run_dir.postfix())
+            if (trajs := pipe.start_train_step()) is not None:
+                run_dir.on_batch(pipe, trajs)
+        bar.close()
+        run_dir.finish(pipe)
+    finally:
+        run_dir.close()
+        remove_slots(run_dir.name)  # also when the trainer died before unlinking them
+        if started_ray:
+            ray.shutdown()
     return run_dir.path
 
 
@@ -92,6 +99,8 @@ def _start(recipe: Recipe, model_path: str, transport: str) -> Pipeline:
     ]
     trainer = ray.remote(num_cpus=1)(TrainerWorker).remote(model_path, recipe, transport)
     held_out = calc.eval_tasks(recipe.eval.num_tasks)
-    source = GroupSource(calc.train_tasks(recipe.seed + 1, held_out), r.group_size)
+    source = GroupSource(
+        calc.train_tasks(recipe.seed + 2, held_out), r.group_size
+    )  # warm start used seed + 1
     window = StalenessWindow(recipe.train.max_staleness, recipe.train.batch_groups)
     return Pipeline(recipe, workers, trainer, window, source)

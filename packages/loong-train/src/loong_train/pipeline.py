@@ -43,32 +43,47 @@ class GroupSource:
 
 @dataclass
 class Pipeline:
-    """In-flight work: rollout calls per worker, the one train step, pending weight applies."""
+    """In-flight work: rollout calls per worker, the one train step, pending weight applies.
+
+    Ray runs one caller's calls to an actor in order, so a rollout queued after a weight update
+    runs on the new weights: ``queued_version`` is the version every call queued from now on
+    will run at, and is what admission checks.
+    """
 
     recipe: Recipe
     workers: list[Any]
     trainer: Any
     window: StalenessWindow
     source: GroupSource
-    engine_version: list[int] = field(default_factory=list)
+    queued_version: int = 0
     rollouts: dict[Any, tuple[int, list[str]]] = field(default_factory=dict)
     train_ref: Any = None
-    train_groups: dict[str, list[Trajectory]] = field(default_factory=dict)
     applies: dict[int, list[Any]] = field(default_factory=dict)
     finished: dict[str, list[Trajectory]] = field(default_factory=dict)
 
-    def __post_init__(self) -> None:
-        self.engine_version = [0] * len(self.workers)
+    @property
+    def groups_needed(self) -> int:
+        """Groups still to admit so that exactly ``train.steps`` batches get trained."""
+        w = self.window
+        live = len(w.trained) + len(w.taken) + len(w.buffered) + len(w.in_flight)
+        return self.recipe.train.steps * self.recipe.train.batch_groups - live
 
-    def admit(self, per_call: int) -> None:
-        """Fill every worker's queue (one call running, one waiting) with admitted groups."""
-        for w, worker in enumerate(self.workers):
-            while sum(1 for ww, _ in self.rollouts.values() if ww == w) < 2:
+    def admit(self) -> None:
+        """Keep every worker's queue two calls deep (one running, one waiting), round-robin."""
+        per_call = -(-self.recipe.train.batch_groups // len(self.workers))
+        for depth in (1, 2):
+            for w, worker in enumerate(self.workers):
+                if sum(1 for ww, _ in self.rollouts.values() if ww == w) >= depth:
+                    continue
                 groups = []
-                while len(groups) < per_call and self.window.can_admit(self.engine_version[w]):
+                while (
+                    len(groups) < per_call
+                    and self.groups_needed > 0
+                    and self.window.can_admit(self.queued_version)
+                ):
                     reissue = self.window.reissue
                     group_id = reissue[0] if reissue else self.source.next_group()
-                    self.window.admit(group_id, self.engine_version[w])
+                    self.window.admit(group_id, self.queued_version)
                     groups.append(group_id)
                 if not groups:
                     return
@@ -78,6 +93,10 @@ class Pipeline:
     def wait(self) -> list[tuple[str, Any]]:
         """Block until some rollout or the train step finishes; returns (kind, result) events."""
         refs = list(self.rollouts) + ([self.train_ref] if self.train_ref is not None else [])
+        if not refs:
+            raise RuntimeError(
+                f"pipeline stalled: nothing in flight and nothing admissible ({self.window.stats})"
+            )
         ready, _ = ray.wait(refs, num_returns=1)
         events = []
         for ref in ready:
@@ -93,6 +112,7 @@ class Pipeline:
         trajectories: list[Trajectory] = result["trajectories"]
         by_group: dict[str, list[Trajectory]] = {g: [] for g in groups}
         for t in trajectories:
+            t.validate()
             by_group[t.group_id].append(t)
         for group_id, trajs in by_group.items():
             versions = [t.oldest_version for t in trajs if t.oldest_version >= 0]
@@ -100,27 +120,37 @@ class Pipeline:
             self.finished[group_id] = trajs
 
     def start_train_step(self) -> list[Trajectory] | None:
-        """Take a batch from the window and start the train step on it (non-blocking)."""
-        if self.train_ref is not None or (groups := self.window.take_batch()) is None:
+        """Take a batch from the window and start the train step on it (non-blocking).
+
+        The trainer publishes version v + 1 into the shm slot that version v - 1 used, so the
+        publish call depends on every worker having applied v - 1 (a Ray dependency: the
+        controller never blocks on it).
+        """
+        if self.train_ref is not None or self.window.version >= self.recipe.train.steps:
             return None
-        for stale_version in [v for v in self.applies if v <= self.window.version - 1]:
-            ray.get(self.applies.pop(stale_version))  # its shm slot is about to be rewritten
+        if (groups := self.window.take_batch()) is None:
+            return None
+        slot_users = self.applies.get(self.window.version - 1, [])
         trajs = [t for g in groups for t in self.finished.pop(g)]
         t = self.recipe.train
         batch = pack_batch(trajs, grpo_advantages(trajs, t.scale_adv_by_std), self.window.version)
-        self.train_ref = self.trainer.train_step.remote(batch)
+        self.train_ref = self.trainer.publish.remote(self.trainer.train_step.remote(batch), *slot_users)
         return trajs
 
     def sync_weights(self, manifest: WeightManifest) -> None:
         """Queue the update on every worker; calls queued after it run on the new version."""
         self.applies[manifest.version] = [w.apply_weights.remote(manifest) for w in self.workers]
-        self.engine_version = [manifest.version] * len(self.workers)
+        self.queued_version = manifest.version
 
-    def last_apply_s(self) -> float:
-        done = [v for v, refs in self.applies.items() if all(r in ray.wait(refs, timeout=0)[0] for r in refs)]
-        if not done:
-            return 0.0
-        return max(r["apply_s"] for r in ray.get(self.applies[max(done)]))
+    def applied(self) -> list[dict[str, float]]:
+        """Results of weight applies that finished since the last call (one per worker and version)."""
+        done = []
+        for version, refs in list(self.applies.items()):
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+            if len(ready) == len(refs):
+                done += ray.get(refs)
+                del self.applies[version]
+        return done
 
     def drain(self) -> None:
         ray.get(list(self.rollouts) + [r for refs in self.applies.values() for r in refs])

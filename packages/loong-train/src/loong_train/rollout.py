@@ -15,7 +15,7 @@ from loong_train.engines.embedded import EmbeddedEngine
 from loong_train.models.qwen3 import Qwen3ForCausalLM
 from loong_train.tasks import calc
 from loong_train.tokenizer import load_tokenizer
-from loong_transfermesh import ShmReceiver, check_against
+from loong_transfermesh import ShmReceiver
 
 __all__ = ["HFCodec", "RolloutWorker"]
 
@@ -78,15 +78,19 @@ class RolloutWorker:
         }
 
     def apply_weights(self, manifest: WeightManifest) -> dict[str, float]:
-        """Receive an update from TransferMesh's shm transport; returns the apply time."""
+        """Receive an update through TransferMesh's shm transport. Ray runs an actor's calls one
+        at a time, so the update lands between rollout calls: no generation sees mixed weights."""
         start = time.time()
-        self.engine.pause()
-        weights = self.receiver.read(manifest)
-        check_against(manifest, dict(self.engine.model.named_parameters()))
-        self.engine.load_weights(weights, manifest.version)
-        self.engine.resume()
+        self.receiver.apply(manifest, dict(self.engine.model.named_parameters()))
+        self.engine.set_version(manifest.version)
         end = time.time()
-        return {"apply_s": end - start, "start": start, "end": end, "version": manifest.version}
+        return {
+            "apply_s": end - start,
+            "start": start,
+            "end": end,
+            "version": manifest.version,
+            "worker": self.worker_id,
+        }
 
     def model_path(self) -> str:
         return self._model_path

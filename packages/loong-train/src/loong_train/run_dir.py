@@ -32,6 +32,18 @@ from loong_train.tasks import calc
 __all__ = ["RunDir"]
 
 
+_TRAIN_KEYS = (
+    "mismatch_kl",
+    "onpolicy_mismatch_kl",
+    "mismatch_abs_logp",
+    "onpolicy_mismatch_abs_logp",
+    "loss",
+    "grad_norm",
+    "clip_frac",
+    "lr",
+)
+
+
 class RunDir:
     """Writes config, metrics, trace, plots and the final checkpoint of one run."""
 
@@ -41,6 +53,7 @@ class RunDir:
         (path / "checkpoints").mkdir(exist_ok=True)
         (path / "config.toml").write_text(dump_toml(recipe))
         self.name = f"{recipe.name}-{os.getpid()}-{int(time.time())}"
+        (path / "metrics.jsonl").unlink(missing_ok=True)  # a new run starts a new log
         self.metrics = MetricsWriter(path / "metrics.jsonl")
         self.trace = TraceWriter(path / "trace.json")
         self.held_out = calc.eval_tasks(recipe.eval.num_tasks)
@@ -49,6 +62,8 @@ class RunDir:
         self.reported_evals: set[int] = set()
         self.start = self.last_step_end = time.time()
         self.rollout_busy = self.trainer_busy = 0.0
+        self.trained_samples = 0
+        self.apply_s = 0.0
         self.batch: dict[str, Any] = {}
         self.last: dict[str, Any] = {}
 
@@ -99,28 +114,20 @@ class RunDir:
         interval = max(now - self.last_step_end, 1e-9)
         wall = max(now - self.start, 1e-9)
         self.trainer_busy += m["train_end"] - m["train_start"] + m["push_s"]
-        self.trace.span(
-            "train_step", "train", "trainer", "train", m["train_start"], m["train_end"], {"version": version}
-        )
-        self.trace.span(
-            "push_weights", "sync", "trainer", "sync", m["train_end"], m["push_end"], {"version": version}
-        )
+        self.trained_samples += self.batch["samples"]
+        self._trace_sync(pipe, m, version)
         line = {
             "step": version,
             "policy_version": version,
             **self.batch,
-            "mismatch_kl": m["mismatch_kl"],
-            "onpolicy_mismatch_kl": m["onpolicy_mismatch_kl"],
-            "mismatch_abs_logp": m["mismatch_abs_logp"],
-            "onpolicy_mismatch_abs_logp": m["onpolicy_mismatch_abs_logp"],
-            "loss": m["loss"],
-            "grad_norm": m["grad_norm"],
-            "clip_frac": m["clip_frac"],
-            "lr": m["lr"],
+            **{k: m.get(k, float("nan")) for k in _TRAIN_KEYS},
             "trainer_busy_frac": min(1.0, self.trainer_busy / wall),
             "rollout_busy_frac": min(1.0, self.rollout_busy / (wall * len(pipe.workers))),
             "samples_per_s": self.batch["samples"] / interval,
-            "weight_sync_s": m["push_s"] + pipe.last_apply_s(),
+            "trained_samples_per_s": self.trained_samples / wall,
+            "push_s": m["push_s"],
+            "apply_s": self.apply_s,
+            "weight_sync_s": m["push_s"] + self.apply_s,
             "elapsed_s": now - self.start,
         }
         self.last_step_end = now
@@ -132,6 +139,26 @@ class RunDir:
         line |= self._unreported_eval()
         self.metrics.write(line)
         self.last = line
+
+    def _trace_sync(self, pipe: Pipeline, m: dict[str, Any], version: int) -> None:
+        """Train and push spans of this step; apply spans of every engine update that finished."""
+        self.trace.span(
+            "train_step", "train", "trainer", "train", m["train_start"], m["train_end"], {"version": version}
+        )
+        self.trace.span(
+            "push_weights", "sync", "trainer", "sync", m["push_start"], m["push_end"], {"version": version}
+        )
+        for a in pipe.applied():
+            self.apply_s = a["apply_s"]
+            self.trace.span(
+                "apply_weights",
+                "sync",
+                f"rollout-worker-{a['worker']}",
+                "engine",
+                a["start"],
+                a["end"],
+                {"version": a["version"]},
+            )
 
     def _collect_evals(self, wait: bool) -> None:
         pending = [v for v in self.evals if v not in self.eval_results]
@@ -179,8 +206,6 @@ class RunDir:
         ray.get(pipe.trainer.close.remote())
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(Path(ray.get(pipe.workers[0].model_path.remote())) / name, final / name)
-        self.metrics.close()
-        self.trace.save()
         evals = dict(sorted(self.eval_results.items()))
         summary = {
             "eval_reward_by_version": evals,
@@ -190,4 +215,10 @@ class RunDir:
             "wall_s": time.time() - self.start,
         }
         (self.path / "summary.json").write_text(json.dumps(summary, indent=2))
+        self.close()
         plot_run(self.path, evals)
+
+    def close(self) -> None:
+        """Flush the metrics and trace files (idempotent; also runs when a run fails)."""
+        self.metrics.close()
+        self.trace.save()

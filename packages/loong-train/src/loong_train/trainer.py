@@ -35,20 +35,22 @@ class TrainerWorker:
         self.sender = ShmSender(transport_name)
         self.version = 0
 
-    def train_step(self, batch: TrainBatch) -> tuple[dict[str, float], WeightManifest]:
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step; an all-failed (empty) batch skips the step but still advances."""
         start = time.time()
-        metrics = self.backend.train_step(batch)
-        mid = time.time()
+        metrics = self.backend.train_step(batch) if batch.row_lens else {"skipped": 1.0}
+        return {**metrics, "train_start": start, "train_end": time.time()}
+
+    def publish(
+        self, metrics: dict[str, float], *slot_free: object
+    ) -> tuple[dict[str, float], WeightManifest]:
+        """Push the weights as version + 1. ``slot_free`` are the engines' applies of the version
+        that used the same shm slot; Ray resolves them before this call runs."""
+        start = time.time()
         self.version += 1
         manifest = self.sender.push(self.backend.named_weights(), self.version)
         end = time.time()
-        return {
-            **metrics,
-            "train_start": start,
-            "train_end": mid,
-            "push_s": end - mid,
-            "push_end": end,
-        }, manifest
+        return {**metrics, "push_s": end - start, "push_start": start, "push_end": end}, manifest
 
     def logprobs(self, batch: TrainBatch) -> list[float]:
         """Recomputed logprobs, flattened like the batch's per-token lists."""

@@ -3,7 +3,7 @@
 RL on a model this small needs a policy whose *sampled* episodes sometimes succeed, so GRPO
 groups carry signal. The warm start trains on expert episodes (loss on model tokens only, laid
 out exactly as the agent's token buffer lays them out) and stops at the first evaluation whose
-sampled (temperature 1) success reaches the target. Everything is deterministic given the seed.
+sampled (rollout temperature) success reaches the target. Everything is deterministic given the seed.
 """
 
 from __future__ import annotations
@@ -128,15 +128,11 @@ def prepare_model(recipe: Recipe, cache_dir: Path) -> Path:
     """The checkpoint RL starts from: the recipe's path, or a cached tiny warm-started model."""
     if recipe.model.path:
         return Path(recipe.model.path)
-    key_src = json.dumps(
-        [
-            msgspec.to_builtins(recipe.model),
-            msgspec.to_builtins(recipe.warmstart),
-            recipe.seed,
-            recipe.rollout.temperature,
-            recipe.eval.num_tasks,
-        ]
-    )
+    # everything that changes the warm start or its stopping point (the probe episodes)
+    r = recipe.rollout
+    episodes = [r.temperature, r.top_p, r.max_new_tokens, r.max_turns, r.max_model_tokens]
+    parts = [recipe.model, recipe.warmstart, episodes, recipe.seed, recipe.task, recipe.eval.num_tasks]
+    key_src = json.dumps(msgspec.to_builtins(parts))
     key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
     path = cache_dir / f"tiny-{recipe.task}-{key}"
     if (path / "warmstart.json").exists():

@@ -5,6 +5,7 @@ Two slots (files under ``/dev/shm``) alternate by version parity, so receivers c
 version ``v`` while the sender writes ``v + 1``; the owner makes sure every receiver applied
 ``v`` before ``v + 2`` is pushed. Slots are allocated and touched once and reused across
 updates. The manifest (small) travels by any channel; bytes never leave shared memory.
+The rule the owner keeps: every receiver has applied version ``v`` before ``v + 2`` is pushed.
 
 Lifecycle::
 
@@ -28,7 +29,7 @@ import torch
 from loong_core.records import WeightManifest
 from loong_transfermesh.manifest import ManifestMismatch, build_manifest, check_against, crc32, torch_dtype
 
-__all__ = ["ShmReceiver", "ShmSender"]
+__all__ = ["ShmReceiver", "ShmSender", "remove_slots"]
 
 _SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
 
@@ -79,8 +80,14 @@ class ShmSender:
 
     def close(self) -> None:
         self._slots.clear()
-        for slot in (0, 1):
-            _slot_path(self.name, slot).unlink(missing_ok=True)
+        remove_slots(self.name)
+
+
+def remove_slots(name: str) -> None:
+    """Unlink the shared-memory slots of transport ``name`` (safe to call from any process,
+    e.g. the owner cleaning up after a sender process died)."""
+    for slot in (0, 1):
+        _slot_path(name, slot).unlink(missing_ok=True)
 
 
 class ShmReceiver:

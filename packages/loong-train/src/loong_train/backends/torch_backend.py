@@ -79,6 +79,7 @@ class TorchBackend:
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        lr = self.opt.param_groups[0]["lr"]
         self.opt.step()
         self.sched.step()
         self.steps += 1
@@ -86,7 +87,7 @@ class TorchBackend:
         return {
             "loss": loss.item(),
             "grad_norm": float(grad_norm),
-            "lr": self.sched.get_last_lr()[0],
+            "lr": lr,
             **stats,
         }
 

@@ -51,6 +51,10 @@ class EmbeddedEngine:
     def resume(self) -> None:
         self._running.set()
 
+    def set_version(self, version: int) -> None:
+        """Stamp everything generated from now on with ``version`` (after weights were copied in)."""
+        self._version = version
+
     @torch.no_grad()
     def load_weights(self, named: dict[str, torch.Tensor], version: int) -> None:
         """Copy new weights in place and stamp everything generated from now on with ``version``."""
@@ -72,16 +76,21 @@ class EmbeddedEngine:
                 await asyncio.sleep(0)
             await self._running.wait()
             batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch :]
+            batch = [b for b in batch if not b[2].done()]  # drop requests whose episode timed out
+            if not batch:
+                continue
             try:
                 spans = await asyncio.to_thread(
                     self.generate_batch, [b[0] for b in batch], [b[1] for b in batch]
                 )
             except Exception as e:
                 for _, _, fut in batch:
-                    fut.set_exception(e)
+                    if not fut.done():
+                        fut.set_exception(e)
                 continue
             for (_, _, fut), span in zip(batch, spans, strict=True):
-                fut.set_result(span)
+                if not fut.done():
+                    fut.set_result(span)
 
     @torch.no_grad()
     def generate_batch(
