@@ -120,7 +120,7 @@ class RunDir:
             "step": version,
             "policy_version": version,
             **self.batch,
-            **{k: m.get(k, float("nan")) for k in _TRAIN_KEYS},
+            **{k: m.get(k) for k in _TRAIN_KEYS},
             "trainer_busy_frac": min(1.0, self.trainer_busy / wall),
             "rollout_busy_frac": min(1.0, self.rollout_busy / (wall * len(pipe.workers))),
             "samples_per_s": self.batch["samples"] / interval,
