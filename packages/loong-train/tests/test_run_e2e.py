@@ -51,6 +51,11 @@ def test_short_run_writes_the_run_directory(tmp_path, window):
     events = json.loads((out / "trace.json").read_text())["traceEvents"]
     cats = {e.get("cat") for e in events if e.get("ph") == "X"}
     assert {"rollout", "train", "sync", "eval"} <= cats
-    assert {p.name for p in (out / "plots").iterdir()} == {"reward.png", "staleness.png", "utilization.png"}
+    assert {p.name for p in (out / "plots").iterdir()} == {
+        "reward.png",
+        "staleness.png",
+        "utilization.png",
+        "mismatch.png",
+    }
     assert "max_staleness" in (out / "config.toml").read_text()
     assert (out / "checkpoints" / "final" / "model.safetensors").exists()

@@ -10,7 +10,7 @@ __all__ = ["plot_run"]
 
 
 def plot_run(run_dir: Path, evals: dict[int, float]) -> list[Path]:
-    """Write ``plots/reward.png``, ``plots/staleness.png`` and ``plots/utilization.png``."""
+    """Write ``plots/{reward,staleness,utilization,mismatch}.png``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -50,4 +50,19 @@ def plot_run(run_dir: Path, evals: dict[int, float]) -> list[Path]:
     ax.grid(alpha=0.3)
     ax.legend()
     save(fig, "utilization.png")
+
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for key, label in (("mismatch_kl", "all tokens"), ("onpolicy_mismatch_kl", "on-policy tokens only")):
+        points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+        if points:
+            ax.plot(*zip(*points, strict=True), ".-", label=label)
+    ax.set(
+        xlabel="train step",
+        ylabel="KL(rollout || trainer)",
+        title="Train-inference mismatch (k3, before update)",
+    )
+    ax.set_yscale("symlog", linthresh=1e-8)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    save(fig, "mismatch.png")
     return out
