@@ -28,11 +28,18 @@ class GroupSource:
     ) -> None:
         self.tasks, self.group_size, self.tags = tasks, group_size, tags or {}
         self.issued: dict[str, dict[str, Any]] = {}
+        self.count = 0
 
     def next_group(self) -> str:
-        group_id = f"g{len(self.issued)}"
+        group_id = f"g{self.count}"
+        self.count += 1
         self.issued[group_id] = next(self.tasks)
         return group_id
+
+    def release(self, group_ids: list[str]) -> None:
+        """Forget groups that were trained (a long run would otherwise keep every prompt)."""
+        for group_id in group_ids:
+            del self.issued[group_id]
 
     def specs(self, group_id: str) -> list[EpisodeSpec]:
         task = self.issued[group_id]
@@ -132,6 +139,7 @@ class Pipeline:
             return None
         slot_users = self.applies.get(self.window.version - 1, [])
         trajs = [t for g in groups for t in self.finished.pop(g)]
+        self.source.release(groups)
         t = self.recipe.train
         batch = pack_batch(trajs, grpo_advantages(trajs, t.scale_adv_by_std), self.window.version)
         self.train_ref = self.trainer.publish.remote(self.trainer.train_step.remote(batch), *slot_users)
