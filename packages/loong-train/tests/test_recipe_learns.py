@@ -14,6 +14,7 @@ from loong_train.controller import run
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(1800)
 def test_tiny_calc_agent_improves_held_out_success(tmp_path):
     recipe = load_recipe("tiny-calc-agent", ["train.steps=40"])
     out = run(recipe, tmp_path / "run", tmp_path / "cache")

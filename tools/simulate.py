@@ -1,0 +1,340 @@
+"""Discrete-event simulation of Loong's asynchronous loop, driving the real ``StalenessWindow``.
+
+DOCSTRING_PLACEHOLDER
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from random import Random
+from typing import Any
+
+from loong_core.window import StalenessWindow
+
+__all__ = ["SimConfig", "SimResult", "simulate", "sweep"]
+
+_GEN, _TRAIN, _SYNC = 0, 1, 2  # event kinds; at equal times generations are handled first
+
+
+@dataclass(frozen=True)
+class SimConfig:
+    """One simulated run. Times are in units of the mean solo generation time of one group."""
+
+    engines: int = 64
+    window: int = 1  # max_staleness K; 0 is the synchronous on-policy baseline
+    steps: int = 200  # train steps to simulate
+    batch_per_engine: int = 1  # B = engines * batch_per_engine groups per train step
+    slots: int = 1  # groups one engine generates at once (continuous batching)
+    slot_cost: float = 0.15  # n groups on an engine each run 1 + slot_cost * (n - 1) times slower
+    dist: str = "lognormal"  # solo generation time: lognormal | pareto | exponential | constant
+    sigma: float = 1.0  # lognormal shape
+    alpha: float = 2.0  # pareto shape (> 1)
+    cap: float = 0.0  # truncate generation times at cap (max tokens, episode timeout); 0: none
+    step_ratio: float = 1.0  # step_time = step_ratio * batch_per_engine (one batch)
+    sync_time: float = 0.05  # weight publish + apply after each step; the trainer waits for it
+    seed: int = 0
+    record: bool = False  # keep busy intervals and the ledger (for tests and plots)
+
+    @property
+    def batch(self) -> int:
+        return self.engines * self.batch_per_engine
+
+    @property
+    def step_time(self) -> float:
+        return self.step_ratio * self.batch_per_engine
+
+
+@dataclass
+class SimResult:
+    """Metrics of one run; the lists after ``staleness_hist`` are filled only with ``record``."""
+
+    engines: int
+    window: int
+    batch: int
+    steps: int
+    sim_time: float
+    throughput: float  # groups trained per unit time
+    trainer_busy: float  # training time / sim_time (weight sync excluded)
+    engine_busy: float  # time an engine has >= 1 group / sim_time, mean over engines
+    engine_load: float  # groups running on an engine, time-average, mean over engines
+    staleness_mean: float
+    staleness_max: int
+    staleness_hist: dict[str, int]
+    speedup: float = float("nan")  # throughput / throughput at window 0, same engines
+    trainer_intervals: list[tuple[float, float]] = field(default_factory=list)
+    engine_intervals: list[list[tuple[float, float]]] = field(default_factory=list)
+    admitted: list[str] = field(default_factory=list)
+    trained: list[str] = field(default_factory=list)  # in train order, with repeats if any
+    pending: list[str] = field(default_factory=list)  # in flight, buffered or taken at the end
+
+    def summary(self) -> dict[str, Any]:
+        keys = ("engines", "window", "batch", "steps", "sim_time", "throughput", "speedup")
+        keys += ("trainer_busy", "engine_busy", "engine_load", "staleness_mean", "staleness_max")
+        return {k: getattr(self, k) for k in keys} | {"staleness_hist": self.staleness_hist}
+
+
+def _sampler(cfg: SimConfig, rng: Random) -> Callable[[], float]:
+    """Solo generation times with mean 1 (before ``cap``)."""
+    a, s = cfg.alpha, cfg.sigma
+    draws = {
+        "constant": lambda: 1.0,
+        "exponential": lambda: rng.expovariate(1.0),
+        "lognormal": lambda: rng.lognormvariate(-s * s / 2, s),
+        "pareto": lambda: (a - 1) / a * rng.paretovariate(a),
+    }
+    draw = draws[cfg.dist]
+    return (lambda: min(draw(), cfg.cap)) if cfg.cap > 0 else draw
+
+
+class _Engine:
+    """Processor sharing: each of its n groups gets 1 / (1 + slot_cost * (n - 1)) solo-seconds
+    of work done per second; ``work`` is the work every group present since time 0 would have."""
+
+    def __init__(self, index: int) -> None:
+        self.index, self.work, self.clock, self.load, self.epoch = index, 0.0, 0.0, 0.0, 0
+        self.active: dict[str, float] = {}  # group id -> ``work`` at which it finishes
+        self.busy_since = 0.0
+        self.busy = 0.0
+        self.intervals: list[tuple[float, float]] = []
+
+    def progress(self, now: float, slot_cost: float) -> None:
+        n = len(self.active)
+        if n:
+            self.work += (now - self.clock) / (1 + slot_cost * (n - 1))
+            self.load += (now - self.clock) * n
+        self.clock = now
+
+    def next_finish(self, now: float, slot_cost: float) -> float:
+        remaining = min(self.active.values()) - self.work
+        return now + max(remaining, 0.0) * (1 + slot_cost * (len(self.active) - 1))
+
+
+class _Sim:
+    """The event loop: engines admit and generate, the trainer takes, trains, syncs, advances."""
+
+    def __init__(self, cfg: SimConfig) -> None:
+        self.cfg = cfg
+        self.window = StalenessWindow(cfg.window, cfg.batch)
+        self.draw = _sampler(cfg, Random(cfg.seed))  # same stream for every window: common numbers
+        self.engines = [_Engine(i) for i in range(cfg.engines)]
+        self.free = [(0, i) for i in range(cfg.engines)]  # (groups running, engine): least loaded
+        self.events: list[tuple[float, int, int, int, int]] = []
+        self.seq = self.issued = 0
+        self.now = 0.0
+        self.trainer_idle = True
+        self.staleness: Counter[int] = Counter()
+        self.admitted: list[str] = []
+        self.trained: list[str] = []
+        self.trainer_intervals: list[tuple[float, float]] = []
+
+    def run(self) -> SimResult:
+        self.schedule()
+        while self.window.version < self.cfg.steps:
+            if not self.events:
+                raise RuntimeError(f"simulation stalled at t={self.now}: {self.window.stats}")
+            self.now = self.events[0][0]
+            while self.events and self.events[0][0] == self.now:
+                _, kind, _, engine, epoch = heapq.heappop(self.events)
+                self.handle(kind, engine, epoch)
+            self.schedule()
+        return self.result()
+
+    def push(self, at: float, kind: int, engine: int = -1, epoch: int = -1) -> None:
+        heapq.heappush(self.events, (at, kind, self.seq, engine, epoch))
+        self.seq += 1
+
+    def handle(self, kind: int, engine: int, epoch: int) -> None:
+        if kind == _GEN:
+            self.on_generation(self.engines[engine], epoch)
+        elif kind == _TRAIN:
+            self.push(self.now + self.cfg.sync_time, _SYNC)
+        else:
+            self.window.advance()  # weights published: new rollouts start at the new version
+            self.trainer_idle = True
+
+    def on_generation(self, engine: _Engine, epoch: int) -> None:
+        if epoch != engine.epoch:
+            return  # its group count changed since this finish time was computed
+        engine.progress(self.now, self.cfg.slot_cost)
+        for group in [g for g, end in engine.active.items() if end <= engine.work + 1e-9]:
+            del engine.active[group]
+            self.window.finish(group, self.window.in_flight[group])  # no partial rollout
+        if not engine.active:
+            engine.busy += self.now - engine.busy_since
+            if self.cfg.record:
+                engine.intervals.append((engine.busy_since, self.now))
+        self.reschedule(engine)
+
+    def schedule(self) -> None:
+        """What the controller does after each event: start a train step, then fill free slots."""
+        w = self.window
+        if self.trainer_idle and w.version < self.cfg.steps and w.stats.buffered >= w.batch_size:
+            self.start_train_step()  # (take_batch returns None with fewer than B buffered)
+        self.admit()
+
+    def start_train_step(self) -> None:
+        if (batch := self.window.take_batch()) is None:
+            return
+        self.trainer_idle = False
+        self.trained += batch
+        self.staleness.update(self.window.last_batch_staleness)
+        end = self.now + self.cfg.step_time
+        self.trainer_intervals.append((self.now, end))
+        self.push(end, _TRAIN)
+
+    def admit(self) -> None:
+        """Fill free slots, least loaded engine first, while the window admits and groups are needed."""
+        w, cfg = self.window, self.cfg
+        while self.free:
+            n, i = self.free[0]
+            engine = self.engines[i]
+            if n != len(engine.active) or n >= cfg.slots:
+                heapq.heappop(self.free)  # stale: the engine's group count changed since
+                continue
+            s = w.stats
+            occupancy = s.in_flight + s.buffered + s.taken
+            if occupancy >= w.capacity or s.trained + occupancy >= cfg.steps * cfg.batch:
+                return  # full, or every group the run needs is issued
+            heapq.heappop(self.free)
+            group = f"g{len(self.admitted)}"
+            w.admit(group, w.version)  # checks can_admit: a RuntimeError here is a window bug
+            self.admitted.append(group)
+            self.start_generation(engine, group)
+
+    def start_generation(self, engine: _Engine, group: str) -> None:
+        engine.progress(self.now, self.cfg.slot_cost)
+        if not engine.active:
+            engine.busy_since = self.now
+        engine.active[group] = engine.work + self.draw()
+        self.reschedule(engine)
+
+    def reschedule(self, engine: _Engine) -> None:
+        engine.epoch += 1
+        if engine.active:
+            self.push(engine.next_finish(self.now, self.cfg.slot_cost), _GEN, engine.index, engine.epoch)
+        if len(engine.active) < self.cfg.slots:
+            heapq.heappush(self.free, (len(engine.active), engine.index))
+
+    def result(self) -> SimResult:
+        cfg, w, t = self.cfg, self.window, self.now
+        hist = sorted(self.staleness.items())
+        rec = cfg.record
+        return SimResult(
+            engines=cfg.engines,
+            window=cfg.window,
+            batch=cfg.batch,
+            steps=cfg.steps,
+            sim_time=t,
+            throughput=cfg.steps * cfg.batch / t,
+            trainer_busy=cfg.steps * cfg.step_time / t,
+            engine_busy=sum(e.busy for e in self.engines) / (cfg.engines * t),
+            engine_load=sum(e.load for e in self.engines) / (cfg.engines * t),
+            staleness_mean=sum(s * c for s, c in hist) / self.staleness.total(),
+            staleness_max=max(self.staleness),
+            staleness_hist={str(s): c for s, c in hist},
+            trainer_intervals=self.trainer_intervals if rec else [],
+            engine_intervals=[e.intervals for e in self.engines] if rec else [],
+            admitted=self.admitted if rec else [],
+            trained=self.trained if rec else [],
+            pending=[*w.in_flight, *w.buffered, *w.taken] if rec else [],
+        )
+
+
+def simulate(cfg: SimConfig) -> SimResult:
+    """Run one configuration to ``cfg.steps`` train steps."""
+    return _Sim(cfg).run()
+
+
+def sweep(base: SimConfig, engines: list[int], windows: list[int]) -> list[SimResult]:
+    """Every (engines, window) pair; ``speedup`` is against window 0 at the same engine count."""
+    results = []
+    for e in engines:
+        runs = {k: simulate(replace(base, engines=e, window=k)) for k in sorted({0, *windows})}
+        for k in windows:
+            runs[k].speedup = runs[k].throughput / runs[0].throughput
+            results.append(runs[k])
+    return results
+
+
+def _table(results: list[SimResult]) -> str:
+    head = f"{'engines':>7} {'B':>5} {'K':>2} {'time':>8} {'groups/t':>9} {'speedup':>7} "
+    head += f"{'trainer':>7} {'engine':>6} {'load':>5} {'stale':>5} {'max':>3}  staleness hist"
+    rows = [head]
+    for r in results:
+        rows.append(
+            f"{r.engines:>7} {r.batch:>5} {r.window:>2} {r.sim_time:>8.1f} {r.throughput:>9.2f} "
+            f"{r.speedup:>6.2f}x {r.trainer_busy:>7.1%} {r.engine_busy:>6.1%} {r.engine_load:>5.2f} "
+            f"{r.staleness_mean:>5.2f} {r.staleness_max:>3}  {r.staleness_hist}"
+        )
+    return "\n".join(rows)
+
+
+def _plot(results: list[SimResult], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for k in sorted({r.window for r in results}):
+        runs = [r for r in results if r.window == k]
+        xs = [r.engines for r in runs]
+        left.plot(xs, [r.speedup for r in runs], "o-", label=f"window {k}")
+        right.plot(xs, [r.trainer_busy for r in runs], "o-", label=f"window {k}")
+    for ax, label in ((left, "speedup over window 0"), (right, "trainer busy fraction")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("engines")
+        ax.set_ylabel(label)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def _ints(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
+
+
+def main(argv: list[str] | None = None) -> None:
+    d = SimConfig()
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--engines", type=_ints, default=[8, 64, 256, 1024])
+    p.add_argument("--windows", type=_ints, default=[0, 1, 2])
+    p.add_argument("--steps", type=int, default=d.steps)
+    p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--batch-per-engine", type=int, default=d.batch_per_engine)
+    p.add_argument("--slots", type=int, default=d.slots)
+    p.add_argument("--slot-cost", type=float, default=d.slot_cost)
+    p.add_argument("--dist", choices=["lognormal", "pareto", "exponential", "constant"], default=d.dist)
+    p.add_argument("--sigma", type=float, default=d.sigma)
+    p.add_argument("--alpha", type=float, default=d.alpha)
+    p.add_argument("--cap", type=float, default=d.cap)
+    p.add_argument("--step-ratio", type=float, default=d.step_ratio)
+    p.add_argument("--sync-time", type=float, default=d.sync_time)
+    p.add_argument("--json", help="write a list of per-run result objects to this file")
+    p.add_argument("--plot", help="write a PNG of speedup and trainer busy vs engines (matplotlib)")
+    a = p.parse_args(argv)
+    base = SimConfig(
+        steps=a.steps, seed=a.seed, batch_per_engine=a.batch_per_engine, slots=a.slots,
+        slot_cost=a.slot_cost, dist=a.dist, sigma=a.sigma, alpha=a.alpha, cap=a.cap,
+        step_ratio=a.step_ratio, sync_time=a.sync_time,
+    )  # fmt: skip
+    started = time.perf_counter()
+    results = sweep(base, a.engines, a.windows)
+    print(_table(results))
+    print(f"[{time.perf_counter() - started:.1f}s, {base}]")
+    if a.json:
+        Path(a.json).write_text(json.dumps([r.summary() for r in results], indent=1) + "\n")
+    if a.plot:
+        _plot(results, a.plot)
+
+
+if __name__ == "__main__":
+    main()
