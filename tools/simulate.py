@@ -50,6 +50,11 @@ class SimConfig:
     def step_time(self) -> float:
         return self.step_ratio * self.batch_per_engine
 
+    @property
+    def warmup(self) -> int:
+        """Steps left out of the rates: the pipeline fills during them."""
+        return self.steps // 10
+
 
 @dataclass
 class SimResult:
@@ -133,6 +138,7 @@ class _Sim:
         self.admitted: list[str] = []
         self.trained: list[str] = []
         self.trainer_intervals: list[tuple[float, float]] = []
+        self.at_warmup = (0.0, 0.0, 0.0)
 
     def run(self) -> SimResult:
         self.schedule()
@@ -156,7 +162,8 @@ class _Sim:
         elif kind == _TRAIN:
             self.push(self.now + self.cfg.sync_time, _SYNC)
         else:
-            self.window.advance()  # weights published: new rollouts start at the new version
+            if self.window.advance() == self.cfg.warmup:  # weights published: new rollouts use them
+                self.at_warmup = self.totals()
             self.trainer_idle = True
 
     def on_generation(self, engine: _Engine, epoch: int) -> None:
@@ -222,8 +229,16 @@ class _Sim:
         if len(engine.active) < self.cfg.slots:
             heapq.heappush(self.free, (len(engine.active), engine.index))
 
+    def totals(self) -> tuple[float, float, float]:
+        """(now, engine busy time, integral of running groups), summed over engines."""
+        busy = sum(e.busy + (self.now - e.busy_since if e.active else 0.0) for e in self.engines)
+        load = sum(e.load + (self.now - e.clock) * len(e.active) for e in self.engines)
+        return self.now, busy, load
+
     def result(self) -> SimResult:
-        cfg, w, t = self.cfg, self.window, self.now
+        cfg, w = self.cfg, self.window
+        (t0, busy0, load0), (t1, busy1, load1) = self.at_warmup, self.totals()
+        span, steps = t1 - t0, cfg.steps - cfg.warmup
         hist = sorted(self.staleness.items())
         rec = cfg.record
         return SimResult(
@@ -231,11 +246,11 @@ class _Sim:
             window=cfg.window,
             batch=cfg.batch,
             steps=cfg.steps,
-            sim_time=t,
-            throughput=cfg.steps * cfg.batch / t,
-            trainer_busy=cfg.steps * cfg.step_time / t,
-            engine_busy=sum(e.busy for e in self.engines) / (cfg.engines * t),
-            engine_load=sum(e.load for e in self.engines) / (cfg.engines * t),
+            sim_time=t1,
+            throughput=steps * cfg.batch / span,
+            trainer_busy=steps * cfg.step_time / span,
+            engine_busy=(busy1 - busy0) / (cfg.engines * span),
+            engine_load=(load1 - load0) / (cfg.engines * span),
             staleness_mean=sum(s * c for s, c in hist) / self.staleness.total(),
             staleness_max=max(self.staleness),
             staleness_hist={str(s): c for s, c in hist},

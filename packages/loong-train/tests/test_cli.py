@@ -60,3 +60,12 @@ def test_console_script_reports_errors_without_traceback():
     )
     assert proc.returncode == 2
     assert "seed" in proc.stderr and "int" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_address_flag_sets_the_ray_address(monkeypatch):
+    seen = {}
+    monkeypatch.setattr(
+        "loong_train.controller.run", lambda recipe, out, cache: seen.setdefault("r", recipe) and out
+    )
+    assert main(["run", "tiny-calc-agent", "--address", "10.0.0.5:6379", "--set", "train.steps=1"]) == 0
+    assert seen["r"].ray_address == "10.0.0.5:6379" and seen["r"].train.steps == 1

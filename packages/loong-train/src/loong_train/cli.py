@@ -30,6 +30,9 @@ def _parser() -> argparse.ArgumentParser:
         help="override a recipe key, e.g. --set train.steps=50 (repeatable)",
     )
     run.add_argument(
+        "--address", help="join an existing Ray cluster (auto or HOST:PORT) instead of starting one"
+    )
+    run.add_argument(
         "--cache",
         type=Path,
         default=Path(os.environ.get("LOONG_CACHE", Path.home() / ".cache/loong")),
@@ -52,8 +55,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "recipes":
         print("\n".join(recipe_names()))
         return 0
+    overrides = list(args.overrides)
+    if getattr(args, "address", None):
+        overrides.append(f'ray_address="{args.address}"')
     try:
-        recipe = load_recipe(args.recipe, args.overrides)
+        recipe = load_recipe(args.recipe, overrides)
     except ConfigError as e:
         print(f"loong-train: {e}", file=sys.stderr)
         return 2
