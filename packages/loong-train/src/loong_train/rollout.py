@@ -59,7 +59,6 @@ class RolloutWorker:
         self.limits = EpisodeLimits(**limits)
         self.agent = ToolAgent(calc.tool_registry(), calc.reward)
         self.receiver = ShmReceiver(transport_name)
-        self.busy_s = 0.0
 
     def rollout(self, specs: list[EpisodeSpec]) -> dict[str, Any]:
         """Run episodes; returns their trajectories and the call's wall-clock span."""
@@ -68,7 +67,6 @@ class RolloutWorker:
             run_episodes(self.agent, specs, self.engine, self.codec, self.sampling, self.limits)
         )
         end = time.time()
-        self.busy_s += end - start
         return {
             "trajectories": out,
             "start": start,
@@ -97,6 +95,3 @@ class RolloutWorker:
 
     def weight_version(self) -> int:
         return self.engine.weight_version
-
-    def stats(self) -> dict[str, float]:
-        return {"busy_s": self.busy_s, "tokens_generated": self.engine.tokens_generated}

@@ -38,7 +38,6 @@ class EmbeddedEngine:
         self._drainer: asyncio.Task | None = None
         self._running = asyncio.Event()
         self._running.set()
-        self.tokens_generated = 0
 
     @property
     def weight_version(self) -> int:
@@ -132,7 +131,6 @@ class EmbeddedEngine:
             logits = self.model(
                 tokens[:, None], pos[:, None], valid[:, None, None, : p + t + 1], cache, p + t
             )[:, -1]
-        self.tokens_generated += sum(len(x) for x in out_ids)
         return [
             TokenSpan(token_ids=i, logprobs=lp, source=SpanSource.MODEL, weight_version=self._version)
             for i, lp in zip(out_ids, out_lps, strict=True)
