@@ -4,7 +4,17 @@ import loong_teacher
 
 
 def test_exports_are_pinned():
-    assert sorted(loong_teacher.__all__) == ["reverse_kl_advantage"]
+    assert sorted(loong_teacher.__all__) == [
+        "generalized_jsd",
+        "importance_weights",
+        "kl_divergence",
+        "masked_mean",
+        "mopd_advantage",
+        "opd_policy_loss",
+        "reverse_kl_advantage",
+        "topk_forward_kl",
+        "topk_tail_logprobs",
+    ]
 
 
 def test_every_export_resolves():
