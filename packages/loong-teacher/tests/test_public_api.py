@@ -5,6 +5,9 @@ import loong_teacher
 
 def test_exports_are_pinned():
     assert sorted(loong_teacher.__all__) == [
+        "TokenizerMapping",
+        "TokenizerMismatch",
+        "check_tokenizers",
         "generalized_jsd",
         "importance_weights",
         "kl_divergence",

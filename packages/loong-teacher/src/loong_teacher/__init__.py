@@ -1,6 +1,7 @@
 """Loong Teacher: on-policy distillation signals and the student/teacher tokenizer check (teacher
 scoring and the memory-budgeted Teacher Manager build on these)."""
 
+from loong_teacher.compat import TokenizerMapping, TokenizerMismatch, check_tokenizers
 from loong_teacher.losses import (
     generalized_jsd,
     importance_weights,
@@ -26,4 +27,8 @@ __all__ = [
     "topk_tail_logprobs",
     # reductions
     "masked_mean",
+    # student/teacher tokenizer safety check
+    "TokenizerMapping",
+    "TokenizerMismatch",
+    "check_tokenizers",
 ]
