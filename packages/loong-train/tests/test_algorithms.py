@@ -1,11 +1,13 @@
-"""GRPO advantages and the clipped policy loss against hand-worked and float64 references."""
+"""GRPO advantages, the packer and the default clipped loss against hand-worked and float64
+references (the loss options are tested in test_policy_loss.py)."""
 
 import math
 
 import torch
 
 from loong_core.records import EpisodeStatus, SpanSource, TokenSpan, Trajectory
-from loong_train.algorithms import grpo_advantages, pack_batch, ppo_clip_loss
+from loong_train.algorithms import grpo_advantages, pack_batch, policy_loss
+from loong_train.config import LossConfig
 
 
 def _traj(group, reward, status=EpisodeStatus.OK, n_model=2, version=0):
@@ -33,6 +35,16 @@ def test_grpo_advantages_hand_worked():
     adv = grpo_advantages(trajs, eps=0.0)
     assert adv == [1.0, -1.0, -1.0, 1.0, 0.0, 0.0, 0.0]
     assert grpo_advantages(trajs, scale_by_std=False)[:4] == [0.5, -0.5, -0.5, 0.5]
+
+
+def test_grpo_std_scaling_hand_worked_with_eps():
+    # rewards 3, 1 -> mean 2, population std 1; with eps 1e-6: +-1 / (1 + 1e-6)
+    # Dr. GRPO (no std): +-1 whatever the spread; all-equal rewards: 0 either way
+    trajs = [_traj("a", 3), _traj("a", 1), _traj("b", 0.25), _traj("b", 0.25)]
+    adv = grpo_advantages(trajs)
+    assert math.isclose(adv[0], 1 / (1 + 1e-6), rel_tol=1e-15) and math.isclose(adv[1], -adv[0])
+    assert grpo_advantages(trajs, scale_by_std=False) == [1.0, -1.0, 0.0, 0.0]
+    assert adv[2:] == [0.0, 0.0]
 
 
 def test_grpo_timeout_does_not_count_as_zero_reward():
@@ -66,7 +78,7 @@ def test_ppo_clip_loss_matches_float64_reference():
                 a = float(adv[i, j])
                 want_num += min(r * a, min(max(r, 1 - eps), 1 + eps) * a)
                 want_den += 1
-    loss, _ = ppo_clip_loss(lp.float(), behaviour.float(), adv.float(), mask.float(), eps)
+    loss, _ = policy_loss(lp.float(), behaviour.float(), adv.float(), mask.float(), LossConfig(clip_eps=eps))
     assert abs(float(loss) - (-want_num / want_den)) < 1e-5
 
 
@@ -74,7 +86,7 @@ def test_ppo_gradient_vanishes_outside_the_clip_range():
     lp = torch.tensor([[0.5, 0.0]], requires_grad=True)
     behaviour = torch.zeros(1, 2)
     adv = torch.tensor([[1.0, 1.0]])  # ratio e^0.5 > 1.2 with positive advantage: clipped, no gradient
-    loss, stats = ppo_clip_loss(lp, behaviour, adv, torch.ones(1, 2), 0.2)
+    loss, stats = policy_loss(lp, behaviour, adv, torch.ones(1, 2), LossConfig(clip_eps=0.2))
     loss.backward()
     assert lp.grad[0, 0] == 0 and lp.grad[0, 1] != 0
     assert stats["clip_frac"] == 0.5

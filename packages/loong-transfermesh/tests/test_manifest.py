@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import itertools
-import zlib
+import struct
 
 import pytest
 import torch
 
 from loong_core.records import TensorEntry
 from loong_transfermesh import ManifestMismatch, build_manifest, check_against
-from loong_transfermesh.manifest import crc32, dtype_name, torch_dtype
+from loong_transfermesh.manifest import dtype_name, pack_tensor, sum64, torch_dtype
 
 torch.set_num_threads(1)
 
@@ -156,6 +156,43 @@ def test_unknown_dtype_is_a_mismatch(name: str) -> None:
         torch_dtype(name)
 
 
-def test_crc32_matches_zlib() -> None:
-    data = bytes(range(256)) * 3
-    assert crc32(torch.frombuffer(bytearray(data), dtype=torch.uint8)) == zlib.crc32(data)
+def _sum64_reference(data: bytes) -> int:
+    """Plain-Python sum64: little-endian u64 words added with Python's unbounded ints, then mod 2**64."""
+    return sum(struct.unpack(f"<{len(data) // 8}Q", data)) % (1 << 64)
+
+
+def test_sum64_matches_a_python_reference_and_wraps() -> None:
+    data = bytes(range(256)) * 3 + b"\xff" * 64  # the all-ones words overflow 2**64 many times
+    assert sum64(torch.frombuffer(bytearray(data), dtype=torch.uint8)) == _sum64_reference(data)
+    assert sum64(torch.frombuffer(bytearray(data), dtype=torch.uint8)) < 1 << 64
+    # hand-worked: words 1 and 2**64 - 1 wrap to 0
+    two = struct.pack("<QQ", 1, (1 << 64) - 1)
+    assert sum64(torch.frombuffer(bytearray(two), dtype=torch.uint8)) == 0
+
+
+def test_sum64_catches_any_single_flipped_byte() -> None:
+    data = bytearray(bytes(range(256)) * 4)
+    clean = sum64(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+    for position in range(0, len(data), 37):
+        data[position] ^= 0x5A
+        assert sum64(torch.frombuffer(bytearray(data), dtype=torch.uint8)) != clean, position
+        data[position] ^= 0x5A
+
+
+@pytest.mark.parametrize("nbytes_elems", [3, 1000, 300_000])  # small, and larger than one 1 MiB chunk
+@pytest.mark.parametrize("contiguous", [True, False])
+def test_pack_tensor_writes_bytes_and_checksums_the_padded_extent(
+    nbytes_elems: int, contiguous: bool
+) -> None:
+    g = torch.Generator().manual_seed(nbytes_elems)
+    src = torch.randn(nbytes_elems, 2, generator=g)
+    src = src if contiguous else src.t()
+    nbytes = src.numel() * 4
+    flat = torch.full((64 + nbytes + 64 + 64,), 0xAB, dtype=torch.uint8)
+    total = pack_tensor(flat, 64, nbytes, src, checksum=True)
+    raw = src.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    assert flat[64 : 64 + nbytes].numpy().tobytes() == raw
+    extent = -(-nbytes // 64) * 64
+    assert total == _sum64_reference(flat[64 : 64 + extent].numpy().tobytes())
+    assert flat[:64].eq(0xAB).all()  # nothing written before the tensor
+    assert pack_tensor(flat, 64, nbytes, src, checksum=False) == 0

@@ -8,8 +8,16 @@ def test_exports_are_pinned():
         "ManifestMismatch",
         "ShmReceiver",
         "ShmSender",
+        "TcpReceiver",
+        "TcpSender",
+        "TransferFailed",
+        "TransportConfig",
+        "WeightReceiver",
+        "WeightSender",
         "build_manifest",
         "check_against",
+        "open_receiver",
+        "open_sender",
         "remove_slots",
     ]
 

@@ -13,8 +13,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from loong_core.records import decode, encode
-from loong_transfermesh import ManifestMismatch, ShmReceiver, ShmSender
+from loong_transfermesh import ManifestMismatch, ShmReceiver, ShmSender, TransferFailed
 from loong_transfermesh.shm import _SHM_DIR, _slot_path
 
 torch.set_num_threads(1)
@@ -75,14 +74,15 @@ def test_round_trip_is_bit_exact(name: str, sender: ShmSender) -> None:
     targets = _zeros_like(state)
     targets["f32"] = torch.zeros(4, 3).t()  # a non-contiguous target is filled correctly too
     receiver = ShmReceiver(name)
-    assert receiver.apply(decode(encode(manifest), type(manifest)), targets) == 1
+    assert receiver.apply(targets) == 1
     assert receiver.version == 1
     assert _snapshot(targets) == _snapshot(state)
 
 
 def test_read_returns_views_of_the_slot(name: str, sender: ShmSender) -> None:
     state = _state(1)
-    views = ShmReceiver(name).read(sender.push(state, version=4))
+    sender.push(state, version=4)
+    views = ShmReceiver(name).read(4)
     assert list(views) == list(state)
     for k, v in views.items():
         assert (v.dtype, v.shape) == (state[k].dtype, state[k].shape)
@@ -91,17 +91,18 @@ def test_read_returns_views_of_the_slot(name: str, sender: ShmSender) -> None:
 
 def test_versions_alternate_slots_and_both_stay_readable(name: str, sender: ShmSender) -> None:
     a, b, c = _state(10), _state(11), _state(12)
-    m1 = sender.push(a, version=1)
+    sender.push(a, version=1)
     assert _slot_path(name, 1).exists() and not _slot_path(name, 0).exists()
-    m2 = sender.push(b, version=2)
+    sender.push(b, version=2)
     assert _slot_path(name, 0).exists()
     receiver, targets = ShmReceiver(name), _zeros_like(a)
     # v1 is still intact in slot 1 after v2 was written to slot 0
-    receiver.apply(m1, targets)
+    receiver.apply(targets, version=1)
     assert _snapshot(targets) == _snapshot(a)
-    receiver.apply(m2, targets)
+    receiver.apply(targets)  # the newest: 2
     assert _snapshot(targets) == _snapshot(b)
-    receiver.apply(sender.push(c, version=3), targets)  # slot 1 reused
+    sender.push(c, version=3)  # slot 1 reused
+    receiver.apply(targets, version=3)
     assert _snapshot(targets) == _snapshot(c) and receiver.version == 3
     assert _snapshot(targets) != _snapshot(b)
 
@@ -111,9 +112,11 @@ def test_a_slot_grows_when_an_update_is_larger(name: str, sender: ShmSender) -> 
     large = {"w": torch.arange(4, dtype=torch.float32) + 1, "extra": torch.arange(300, dtype=torch.int64)}
     receiver = ShmReceiver(name)
     t_small = _zeros_like(small)
-    receiver.apply(sender.push(small, version=1), t_small)
+    sender.push(small, version=1)
+    receiver.apply(t_small)
     t_large = _zeros_like(large)
-    receiver.apply(sender.push(large, version=3), t_large)
+    sender.push(large, version=3)
+    receiver.apply(t_large)
     assert _snapshot(t_small) == _snapshot(small)
     assert _snapshot(t_large) == _snapshot(large)
 
@@ -132,15 +135,21 @@ def test_mismatched_manifest_is_rejected_before_any_byte(
     name: str, sender: ShmSender, change, message: str
 ) -> None:
     state = _state(2)
-    manifest = sender.push(state, version=1)
+    sender.push(state, version=1)
     targets = {k: torch.full(v.shape, 7).to(v.dtype) for k, v in state.items()}
     change(targets)
     before = _snapshot(targets)
     receiver = ShmReceiver(name)
     with pytest.raises(ManifestMismatch, match=message):
-        receiver.apply(manifest, targets)
+        receiver.apply(targets)
     assert _snapshot(targets) == before
     assert receiver.version == -1
+
+
+def _data_offset(name: str, slot: int) -> int:
+    """Where the buckets start in a slot file: header field 5 (int64, little-endian)."""
+    with _slot_path(name, slot).open("rb") as f:
+        return int.from_bytes(f.read(48)[40:48], "little")
 
 
 def _flip_byte(name: str, slot: int, position: int) -> None:
@@ -156,27 +165,31 @@ def test_corrupted_bucket_is_rejected_and_nothing_applied(name: str, sender: Shm
     state = _state(3)
     manifest = sender.push(state, version=1)
     entry = next(e for e in manifest.tensors if e.name == corrupt)
-    position = sum(manifest.bucket_sizes[: entry.bucket]) + entry.offset + entry.nbytes - 1
+    position = (
+        _data_offset(name, 1) + sum(manifest.bucket_sizes[: entry.bucket]) + entry.offset + entry.nbytes - 1
+    )
     _flip_byte(name, slot=1, position=position)
     targets = _zeros_like(state)
     before = _snapshot(targets)
     with pytest.raises(ManifestMismatch, match=rf"bucket {entry.bucket} checksum mismatch"):
-        ShmReceiver(name).apply(manifest, targets)
+        ShmReceiver(name).apply(targets)
     assert _snapshot(targets) == before  # tensors of healthy buckets were not applied either
 
 
 def test_corrupted_padding_is_caught_too(name: str, sender: ShmSender) -> None:
     state = {"a": torch.ones(3), "b": torch.ones(3)}  # a@0 (12 B), padding 12..63, b@64
-    manifest = sender.push(state, version=2)
-    _flip_byte(name, slot=0, position=40)
+    sender.push(state, version=2)
+    _flip_byte(name, slot=0, position=_data_offset(name, 0) + 40)
     with pytest.raises(ManifestMismatch, match="bucket 0 checksum mismatch"):
-        ShmReceiver(name).apply(manifest, _zeros_like(state))
+        ShmReceiver(name).apply(_zeros_like(state))
 
 
-def test_missing_slot_is_a_mismatch(sender: ShmSender) -> None:
-    manifest = sender.push(_state(4), version=1)
-    with pytest.raises(ManifestMismatch, match="no shared-memory slot"):
-        ShmReceiver(f"absent-{uuid.uuid4().hex[:12]}").apply(manifest, _zeros_like(_state(4)))
+def test_missing_slot_fails_cleanly(sender: ShmSender) -> None:
+    sender.push(_state(4), version=1)
+    with pytest.raises(TransferFailed, match="no version newer than -1"):
+        ShmReceiver(f"absent-{uuid.uuid4().hex[:12]}").apply(_zeros_like(_state(4)))
+    with pytest.raises(TransferFailed, match="no shared-memory slot"):
+        ShmReceiver(f"absent-{uuid.uuid4().hex[:12]}").apply(_zeros_like(_state(4)), version=1)
 
 
 def test_close_unlinks_the_slots(name: str) -> None:
@@ -217,14 +230,13 @@ _MODEL_SRC = textwrap.dedent(
 _CHILD = _MODEL_SRC + textwrap.dedent(
     """
     import sys
-    from loong_core.records import WeightManifest, decode
     from loong_transfermesh import ShmReceiver
 
     torch.set_num_threads(1)
-    name, manifest = sys.argv[1], decode(sys.stdin.buffer.read(), WeightManifest)
+    name = sys.argv[1]
     model = build(seed=1)
     print("before", digest(model))
-    print("version", ShmReceiver(name).apply(manifest, model.state_dict()))
+    print("version", ShmReceiver(name).apply(model.state_dict()))
     print("after", digest(model))
     """
 )
@@ -243,10 +255,9 @@ def test_a_second_process_receives_a_bit_exact_model(name: str, sender: ShmSende
         manual.update(k.encode() + str(v.dtype).encode() + _raw(v))
     assert manual.hexdigest() == want
 
-    manifest = sender.push(model.state_dict(), version=7)
+    sender.push(model.state_dict(), version=7)
     proc = subprocess.run(
         [sys.executable, "-c", _CHILD, name],
-        input=encode(manifest),
         capture_output=True,
         timeout=120,
         check=False,
@@ -256,3 +267,60 @@ def test_a_second_process_receives_a_bit_exact_model(name: str, sender: ShmSende
     assert report["before"] != want  # a different seed really gave different weights
     assert report["version"] == "7"
     assert report["after"] == want
+
+
+def test_zero_copy_parameters_become_views_of_the_slot(name: str) -> None:
+    sender = ShmSender(name, bucket_bytes=1 << 10)
+    torch.manual_seed(0)
+    trainer, engine = torch.nn.Linear(6, 5), torch.nn.Linear(6, 5)
+    params = dict(engine.named_parameters())
+    receiver = ShmReceiver(name, mode="zero_copy")
+    x = torch.randn(3, 6)
+    for version in (1, 2, 3):
+        with torch.no_grad():
+            trainer.weight.add_(0.5)  # a training step
+        sender.push(dict(trainer.named_parameters()), version=version)
+        assert receiver.apply(params) == version
+        assert torch.equal(engine(x), trainer(x))
+        assert engine.weight.untyped_storage().data_ptr() != trainer.weight.untyped_storage().data_ptr()
+        slot_views = receiver.read(version)
+        assert engine.weight.data_ptr() == slot_views["weight"].data_ptr()  # no copy was made
+    assert engine.weight.requires_grad  # still a parameter
+    sender.close()
+
+
+def test_a_receiver_started_before_the_push_streams_it(name: str, sender: ShmSender) -> None:
+    """apply waits for the header and then follows the bucket stamps while the sender writes."""
+    import threading
+
+    state, targets = _state(20), _zeros_like(_state(20))
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(v=ShmReceiver(name).apply(targets, version=1)))
+    thread.start()
+    sender.push(state, version=1)
+    thread.join(timeout=30)
+    assert result == {"v": 1}
+    assert _snapshot(targets) == _snapshot(state)
+
+
+def test_a_late_receiver_gets_the_newest_version(name: str, sender: ShmSender) -> None:
+    for version in (1, 2, 3, 4):
+        sender.push(_state(30 + version), version=version)
+    targets = _zeros_like(_state(0))
+    assert ShmReceiver(name).apply(targets) == 4
+    assert _snapshot(targets) == _snapshot(_state(34))
+
+
+def test_an_overwritten_version_is_reported(name: str, sender: ShmSender) -> None:
+    sender.push(_state(1), version=1)
+    sender.push(_state(3), version=3)  # same slot
+    with pytest.raises(TransferFailed, match="version 1 was overwritten by 3"):
+        ShmReceiver(name, timeout_s=5).apply(_zeros_like(_state(1)), version=1)
+
+
+def test_a_version_never_pushed_times_out(name: str, sender: ShmSender) -> None:
+    sender.push(_state(1), version=1)
+    targets = _zeros_like(_state(1))
+    with pytest.raises(TransferFailed, match="timed out waiting for its manifest of version 5"):
+        ShmReceiver(name, timeout_s=0.2).apply(targets, version=5)
+    assert _snapshot(targets) == _snapshot(_zeros_like(_state(1)))

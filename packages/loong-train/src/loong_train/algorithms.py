@@ -1,18 +1,46 @@
-"""RL algorithms: GRPO advantages, the batch packer, and the clipped policy loss.
+"""RL algorithms: GRPO advantages, the batch packer, and the policy loss with its options.
 
-GRPO (Shao et al., 2024) as used here, per group g of G trajectories of one prompt with
-rewards r_1..r_G (failed or timed-out episodes are excluded before the statistics):
+Advantages. GRPO (Shao et al., 2024), per group g of G trajectories of one prompt with rewards
+r_1..r_G (failed or timed-out episodes are excluded before the statistics):
 
     A_i = (r_i - mean(r)) / (std(r) + eps)        (``scale_by_std=True``)
-    A_i =  r_i - mean(r)                          (``scale_by_std=False``, Dr. GRPO style)
+    A_i =  r_i - mean(r)                          (``scale_by_std=False``, Dr. GRPO)
 
-with the population standard deviation, and every model token of trajectory i gets A_i.
+with the population standard deviation; every model token of trajectory i gets A_i.
 
-Policy loss (PPO clip, token-level mean over all loss tokens of the batch), with behaviour
-logprobs b_t from the rollout engine and current logprobs l_t:
+Policy loss (:func:`policy_loss`, options in :class:`~loong_train.config.LossConfig`). Per token
+t of row i, all tensors ``[batch, seq]``: m mask (1 = loss token), A advantage, l the trainer's
+current logprob (with gradient), b the behaviour logprob from the rollout engine, p the proximal
+logprob (the trainer's logprob before this update, no gradient), r the reference policy's logprob.
 
-    ratio_t = exp(l_t - b_t)
-    L = - sum_t m_t * min(ratio_t * A_t, clip(ratio_t, 1 - eps, 1 + eps) * A_t) / sum_t m_t
+    w_t   = exp(p_t - b_t)                                   train-inference IS weight
+    m'_t  = m_t * [lo <= w_t <= hi]                          masked IS (MIS), token level
+    m'_it = m_it * [lo <= exp(sum_t m (p - b) / sum_t m) <= hi]   MIS, sequence level
+    q_t   = b_t (coupled PPO, default) or p_t (decoupled PPO, AReaL)
+    rho_t = exp(l_t - q_t)
+    s_t   = min(rho_t * A_t, clip(rho_t, 1 - eps, 1 + eps) * A_t)
+    s_t   = max(s_t, c * A_t)            if A_t < 0          dual clip (Ye et al., 2020)
+    ell_t = -s_t                          (coupled)
+    ell_t = -min(w_t, C) * s_t            (decoupled; C = inf unless TIS)
+    k_t   = delta, delta^2 / 2, or exp(-delta) - 1 + delta,  delta = l_t - r_t   (k1, k2, k3)
+    L     = agg(ell; m') + beta * agg(k; m')
+
+Coupled PPO clips against the behaviour policy, so its ratio already carries the train-inference
+gap and gets no separate weight. Decoupled PPO (Fu et al., 2025, "AReaL") clips against the
+proximal policy and moves the gap into w; truncating w at C is TIS (Yao et al., 2025). AReaL
+itself masks tokens whose weight exceeds a cap; here that is MIS with ``mis_high``. When no
+proximal logprobs are given, p = l detached: the trainer's policy before this step's update.
+
+Aggregations (verl's ``loss_agg_mode`` names), over rows with at least one kept token (B of them):
+
+    token-mean               sum_it m' x / sum_it m'
+    seq-mean-token-mean      (1/B) sum_i (sum_t m' x / sum_t m')
+    seq-mean-token-sum       (1/B) sum_i  sum_t m' x
+    seq-mean-token-sum-norm  (1/B) sum_i  sum_t m' x / L_norm    (Dr. GRPO; Liu et al., 2025)
+
+Dr. GRPO divides by the generation budget; Loong takes the constant ``norm_length`` from config.
+The defaults (std scaling, coupled PPO, token-mean, everything else off) are the loss Loong
+trained with before these options existed, bit for bit.
 """
 
 from __future__ import annotations
@@ -24,8 +52,9 @@ from collections.abc import Sequence
 import torch
 
 from loong_core.records import TrainBatch, Trajectory
+from loong_train.config import LossConfig
 
-__all__ = ["grpo_advantages", "pack_batch", "ppo_clip_loss"]
+__all__ = ["aggregate", "grpo_advantages", "kl_estimate", "pack_batch", "policy_loss"]
 
 
 def grpo_advantages(
@@ -73,19 +102,108 @@ def pack_batch(
     )
 
 
-def ppo_clip_loss(
+def policy_loss(
     logprobs: torch.Tensor,
     behaviour: torch.Tensor,
     advantages: torch.Tensor,
     mask: torch.Tensor,
-    clip_eps: float,
+    cfg: LossConfig,
+    *,
+    proximal: torch.Tensor | None = None,
+    reference: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The clipped surrogate above; all inputs [rows, seq]. Returns (loss, stats)."""
-    ratio = torch.exp(logprobs - behaviour)
-    surr = torch.minimum(ratio * advantages, ratio.clamp(1 - clip_eps, 1 + clip_eps) * advantages)
-    n = mask.sum().clamp(min=1)
-    loss = -(surr * mask).sum() / n
-    with torch.no_grad():
-        clipped = ((ratio - 1).abs() > clip_eps).float()
-        stats = {"clip_frac": float((clipped * mask).sum() / n)}
+    """L above; inputs ``[batch, seq]``, ``reference`` only when ``cfg.kl_coef > 0``.
+
+    Returns (loss, metrics): ``pg_loss``, ``clip_frac``, ``dual_clip_frac``, ``tis_frac`` and
+    ``mis_drop_frac`` (fractions of loss tokens), ``is_weight_{mean,min,max}`` of w before
+    truncation, and ``kl`` (token mean of k) with ``kl_loss`` when a reference is given.
+    """
+    prox = logprobs.detach() if proximal is None else proximal
+    log_w = prox - behaviour
+    keep = mask * _mis_keep(log_w, mask, cfg)
+    ratio = torch.exp(logprobs - (prox if cfg.decoupled else behaviour))
+    surr = _surrogate(ratio, advantages, cfg)
+    if cfg.decoupled:
+        surr = surr * torch.exp(log_w).clamp(max=cfg.tis_cap)
+    loss = -aggregate(surr, keep, cfg)
+    stats = {"pg_loss": float(loss.detach())} | _stats(ratio, advantages, log_w, mask, keep, cfg)
+    if reference is not None:
+        k = kl_estimate(logprobs, reference, cfg.kl_estimator)
+        kl_loss = aggregate(k, keep, cfg)
+        loss = loss + cfg.kl_coef * kl_loss
+        stats |= {
+            "kl": float((k.detach() * keep).sum() / keep.sum().clamp(min=1)),
+            "kl_loss": float(kl_loss.detach()),
+        }
     return loss, stats
+
+
+def _mis_keep(log_w: torch.Tensor, mask: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    """1 where the (token or sequence) IS ratio lies in [mis_low, mis_high], else 0."""
+    if cfg.mis_level == "sequence":
+        row_mean = (log_w * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1)
+        log_w = row_mean.expand_as(mask)
+    w = torch.exp(log_w)
+    return ((w >= cfg.mis_low) & (w <= cfg.mis_high)).to(mask.dtype)
+
+
+def _surrogate(ratio: torch.Tensor, adv: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    """s_t: the PPO clipped surrogate, with the dual-clip floor c * A for negative advantages."""
+    surr = torch.minimum(ratio * adv, ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps) * adv)
+    if cfg.dual_clip < math.inf:
+        surr = torch.where(adv < 0, torch.maximum(surr, cfg.dual_clip * adv), surr)
+    return surr
+
+
+def aggregate(x: torch.Tensor, m: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
+    """agg(x; m) for ``cfg.agg_mode`` (formulas in the module docstring); ``[batch, seq]`` -> scalar."""
+    if cfg.agg_mode == "token-mean":
+        return (x * m).sum() / m.sum().clamp(min=1)
+    tokens, row_sum = m.sum(-1), (x * m).sum(-1)
+    if cfg.agg_mode == "seq-mean-token-mean":
+        row_sum = row_sum / tokens.clamp(min=1)
+    elif cfg.agg_mode == "seq-mean-token-sum-norm":
+        row_sum = row_sum / cfg.norm_length
+    return row_sum.sum() / (tokens > 0).sum().clamp(min=1)
+
+
+def kl_estimate(logprobs: torch.Tensor, reference: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(pi || pi_ref) from a sample of pi, delta = log pi - log pi_ref.
+
+    As value estimates (Schulman, 2020): k1 = delta is unbiased with high variance and can be
+    negative; k2 = delta^2 / 2 is biased with low variance; k3 = exp(-delta) - 1 + delta is
+    unbiased and >= 0 (computed with expm1 so tiny gaps stay exact). As loss terms, on-policy:
+    E[grad k1] = 0, E[grad k2] = grad KL(pi || pi_ref), and E[grad k3] = grad KL(pi_ref || pi).
+    """
+    delta = logprobs - reference
+    if estimator == "k1":
+        return delta
+    if estimator == "k2":
+        return 0.5 * delta**2
+    return torch.expm1(-delta) + delta
+
+
+@torch.no_grad()
+def _stats(
+    ratio: torch.Tensor,
+    adv: torch.Tensor,
+    log_w: torch.Tensor,
+    mask: torch.Tensor,
+    keep: torch.Tensor,
+    cfg: LossConfig,
+) -> dict[str, float]:
+    n, kept = mask.sum().clamp(min=1), keep.sum().clamp(min=1)
+    w = torch.exp(log_w)[mask > 0]
+    out = {
+        "clip_frac": float((((ratio - 1).abs() > cfg.clip_eps).float() * keep).sum() / kept),
+        "dual_clip_frac": float((((adv < 0) & (ratio > cfg.dual_clip)).float() * keep).sum() / kept),
+        "tis_frac": float(((torch.exp(log_w) > cfg.tis_cap).float() * mask).sum() / n),
+        "mis_drop_frac": float((mask - keep).sum() / n),
+    }
+    if w.numel():
+        out |= {
+            "is_weight_mean": float(w.mean()),
+            "is_weight_min": float(w.min()),
+            "is_weight_max": float(w.max()),
+        }
+    return out

@@ -6,14 +6,17 @@ name; any other TOML path works too. ``--set key=value`` overrides a dotted key.
 
 from __future__ import annotations
 
+import math
 from importlib import resources
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 
 from loong_core.config import ConfigError, load_config
 
 __all__ = [
+    "LossConfig",
     "ModelConfig",
     "Recipe",
     "RolloutConfig",
@@ -93,11 +96,74 @@ class TrainConfig(_Section):
     warmup_steps: int = 10
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-    clip_eps: float = 0.2
-    scale_adv_by_std: bool = True
 
     def __post_init__(self) -> None:
         _at_least(self, steps=1, batch_groups=1, max_staleness=0, warmup_steps=0)
+
+
+AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
+
+
+class LossConfig(_Section):
+    """The ``[loss]`` table: advantages, policy loss, KL penalty, train-inference corrections.
+
+    The formulas are in :mod:`loong_train.algorithms`. The defaults are GRPO with std scaling and
+    PPO clipping against the behaviour (rollout) logprobs, averaged over all loss tokens; every
+    other term is off: its cap or bound is the identity (``inf``, ``0``) or its coefficient is 0.
+
+    - ``scale_adv_by_std``: divide group-centred rewards by the group std (false: Dr. GRPO).
+    - ``clip_eps`` (eps), ``dual_clip`` (c > 1, e.g. 3.0; ``inf`` = off).
+    - ``agg_mode``: verl's ``loss_agg_mode`` names; ``norm_length`` is Dr. GRPO's constant
+      divisor, required by ``"seq-mean-token-sum-norm"`` (e.g. ``rollout.max_model_tokens``).
+    - ``kl_coef`` (beta, 0 = off; a frozen copy of the initial model is the reference) and
+      ``kl_estimator``.
+    - ``decoupled``: AReaL's decoupled PPO (clip against the proximal policy, IS-weight by
+      proximal / behaviour); ``tis_cap`` (C) truncates that weight and needs ``decoupled``.
+    - ``mis_low``/``mis_high``: masked IS band for the proximal / behaviour ratio, per token
+      or per sequence (``mis_level``); ``0``/``inf`` = off.
+    """
+
+    scale_adv_by_std: bool = True
+    clip_eps: float = 0.2
+    dual_clip: float = math.inf
+    agg_mode: AggMode = "token-mean"
+    norm_length: int = 0
+    kl_coef: float = 0.0
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    decoupled: bool = False
+    tis_cap: float = math.inf
+    mis_low: float = 0.0
+    mis_high: float = math.inf
+    mis_level: Literal["token", "sequence"] = "token"
+
+    def __post_init__(self) -> None:
+        if problems := _loss_problems(self):
+            raise ValueError("; ".join(problems))
+
+
+def _loss_problems(c: LossConfig) -> list[str]:
+    checks = [
+        (0 < c.clip_eps < 1, f"clip_eps must be in (0, 1), got {c.clip_eps}"),
+        (c.dual_clip > 1, f"dual_clip must be > 1 (e.g. 3.0; inf = off), got {c.dual_clip}"),
+        (
+            c.norm_length > 0 or c.agg_mode != "seq-mean-token-sum-norm",
+            f"norm_length must be > 0 with agg_mode = 'seq-mean-token-sum-norm' "
+            f"(the constant each sequence's token sum is divided by), got {c.norm_length}",
+        ),
+        (c.kl_coef >= 0, f"kl_coef must be >= 0 (0 = off), got {c.kl_coef}"),
+        (c.tis_cap > 0, f"tis_cap must be > 0 (inf = off), got {c.tis_cap}"),
+        (
+            c.decoupled or c.tis_cap == math.inf,
+            "tis_cap needs decoupled = true: the truncated weight min(exp(p - b), C) is applied "
+            "on top of a PPO ratio taken against the proximal logprobs p",
+        ),
+        (
+            0 <= c.mis_low < 1 < c.mis_high,
+            f"mis_low and mis_high must satisfy 0 <= mis_low < 1 < mis_high (off: 0 and inf), "
+            f"got {c.mis_low} and {c.mis_high}",
+        ),
+    ]
+    return [msg for ok, msg in checks if not ok]
 
 
 class EvalConfig(_Section):
@@ -117,6 +183,7 @@ class Recipe(_Section):
     warmstart: WarmstartConfig = WarmstartConfig()
     rollout: RolloutConfig = RolloutConfig()
     train: TrainConfig = TrainConfig()
+    loss: LossConfig = LossConfig()
     eval: EvalConfig = EvalConfig()
     ray_address: str = ""
 

@@ -140,8 +140,8 @@ class Pipeline:
         slot_users = self.applies.get(self.window.version - 1, [])
         trajs = [t for g in groups for t in self.finished.pop(g)]
         self.source.release(groups)
-        t = self.recipe.train
-        batch = pack_batch(trajs, grpo_advantages(trajs, t.scale_adv_by_std), self.window.version)
+        adv = grpo_advantages(trajs, self.recipe.loss.scale_adv_by_std)
+        batch = pack_batch(trajs, adv, self.window.version)
         self.train_ref = self.trainer.publish.remote(self.trainer.train_step.remote(batch), *slot_users)
         return trajs
 

@@ -29,7 +29,7 @@ class TrainerWorker:
             warmup_steps=t.warmup_steps,
             weight_decay=t.weight_decay,
             grad_clip=t.grad_clip,
-            clip_eps=t.clip_eps,
+            loss=recipe.loss,
             temperature=recipe.rollout.temperature,
         )
         self.sender = ShmSender(transport_name)

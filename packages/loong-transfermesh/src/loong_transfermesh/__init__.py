@@ -1,15 +1,32 @@
 """Loong TransferMesh: move trainer weights into inference engines, bucketed and versioned."""
 
-from loong_transfermesh.manifest import ManifestMismatch, build_manifest, check_against
+from loong_transfermesh.manifest import ManifestMismatch, TransferFailed, build_manifest, check_against
 from loong_transfermesh.shm import ShmReceiver, ShmSender, remove_slots
+from loong_transfermesh.tcp import TcpReceiver, TcpSender
+from loong_transfermesh.transport import (
+    TransportConfig,
+    WeightReceiver,
+    WeightSender,
+    open_receiver,
+    open_sender,
+)
 
 __all__ = [
+    # the API
+    "TransportConfig",
+    "WeightReceiver",
+    "WeightSender",
+    "open_receiver",
+    "open_sender",
     # transports
     "ShmReceiver",
     "ShmSender",
+    "TcpReceiver",
+    "TcpSender",
     "remove_slots",
     # manifests
     "ManifestMismatch",
+    "TransferFailed",
     "build_manifest",
     "check_against",
 ]

@@ -1,26 +1,47 @@
-"""Bucket layout and manifest validation shared by every transport.
+"""Bucket layout, checksums and manifest validation shared by every transport.
 
 A layout packs named tensors, in order, into flat byte buckets of at most ``bucket_bytes``
-(a tensor larger than a bucket gets a bucket of its own). Offsets are 64-byte aligned so every
-tensor view is aligned for any dtype.
+(a tensor larger than a bucket gets a bucket of its own). Offsets are 64-byte aligned and every
+bucket size is a multiple of 64, so every tensor view is aligned for any dtype.
+
+Bucket checksum (``sum64``): the sum of the bucket read as little-endian unsigned 64-bit words,
+modulo 2**64. It catches torn writes and transport corruption (any change confined to one word
+is always caught) at about a third of the cost of a memory copy, which CRC-32 (about 1.5x a copy
+here) does not allow on the hot path. It is an integrity check, not a cryptographic one.
 """
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Mapping
 
+import numpy as np
 import torch
 
 from loong_core.records import TensorEntry, WeightManifest
 
-__all__ = ["ManifestMismatch", "build_manifest", "check_against", "crc32", "dtype_name", "torch_dtype"]
+__all__ = [
+    "ManifestMismatch",
+    "TransferFailed",
+    "bucket_starts",
+    "build_manifest",
+    "check_against",
+    "dtype_name",
+    "pack_tensor",
+    "sum64",
+    "torch_dtype",
+]
 
 _ALIGN = 64
+_CHUNK = 1 << 20  # write-then-checksum granularity: the chunk is still in cache
 
 
 class ManifestMismatch(ValueError):
     """A manifest or bucket does not match what the receiver holds; nothing was applied."""
+
+
+class TransferFailed(RuntimeError):
+    """An update did not arrive whole (sender died, timed out, slot reused); nothing was applied
+    and the receiver still holds its previous version."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -67,6 +88,32 @@ def check_against(manifest: WeightManifest, targets: Mapping[str, torch.Tensor])
             )
 
 
-def crc32(buf: torch.Tensor) -> int:
-    """CRC-32 of a contiguous uint8 CPU tensor."""
-    return zlib.crc32(memoryview(buf.numpy()))
+def sum64(buf: torch.Tensor) -> int:
+    """Sum of a contiguous uint8 CPU tensor (length a multiple of 8) as uint64 words, mod 2**64."""
+    return int(np.add.reduce(buf.numpy().view(np.uint64), dtype=np.uint64))
+
+
+def bucket_starts(manifest: WeightManifest) -> list[int]:
+    """Byte offset of each bucket when the buckets are laid out back to back."""
+    starts, pos = [], 0
+    for size in manifest.bucket_sizes:
+        starts.append(pos)
+        pos += size
+    return starts
+
+
+def pack_tensor(flat: torch.Tensor, begin: int, nbytes: int, tensor: torch.Tensor, checksum: bool) -> int:
+    """Copy ``tensor`` into the uint8 tensor ``flat`` at ``begin`` (64-byte aligned); returns the
+    sum64 of its 64-byte-padded extent (0 without ``checksum``), computed chunk by chunk right
+    after each chunk is written, so the checksum reads from cache instead of memory."""
+    extent = -(-nbytes // _ALIGN) * _ALIGN
+    if not tensor.is_contiguous() or nbytes <= _CHUNK:
+        flat[begin : begin + nbytes].view(tensor.dtype).view(tensor.shape).copy_(tensor)
+        return sum64(flat[begin : begin + extent]) if checksum else 0
+    src, total = tensor.detach().reshape(-1).view(torch.uint8), 0
+    for lo in range(0, nbytes, _CHUNK):
+        hi = min(lo + _CHUNK, nbytes)
+        flat[begin + lo : begin + hi].copy_(src[lo:hi])
+        if checksum:
+            total += sum64(flat[begin + lo : begin + (hi if hi < nbytes else extent)])
+    return total % (1 << 64)

@@ -1,5 +1,10 @@
 """The torch train backend: recompute logprobs, take PPO/GRPO steps, export HF-named weights.
 
+The loss is :func:`loong_train.algorithms.policy_loss` under a :class:`LossConfig`. Two of its
+options need extra no-grad forwards before the update: decoupled PPO recomputes the proximal
+logprobs with the current weights, and a KL penalty scores the batch with a frozen copy of the
+initial model (the reference policy, kept only when ``kl_coef > 0``).
+
 Rows of a TrainBatch are right-padded into [rows, max_len]; with causal attention a real token
 never sees a later pad, so no attention mask is needed. The logprob of token j comes from the
 logits at position j - 1, divided by the sampling temperature exactly as the engine did.
@@ -7,12 +12,14 @@ logits at position j - 1, divided by the sampling temperature exactly as the eng
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 
 import torch
 
 from loong_core.records import TrainBatch
-from loong_train.algorithms import ppo_clip_loss
+from loong_train.algorithms import policy_loss
+from loong_train.config import LossConfig
 from loong_train.models.qwen3 import Qwen3ForCausalLM
 
 __all__ = ["TorchBackend", "token_logprobs"]
@@ -45,7 +52,7 @@ class TorchBackend:
         warmup_steps: int = 0,
         weight_decay: float = 0.0,
         grad_clip: float = 1.0,
-        clip_eps: float = 0.2,
+        loss: LossConfig | None = None,
         temperature: float = 1.0,
     ) -> None:
         self.model = model.train()
@@ -53,7 +60,9 @@ class TorchBackend:
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, lambda s: min(1.0, (s + 1) / max(1, warmup_steps))
         )
-        self.grad_clip, self.clip_eps, self.temperature = grad_clip, clip_eps, temperature
+        self.grad_clip, self.temperature = grad_clip, temperature
+        self.loss_cfg = loss or LossConfig()
+        self.reference = _frozen_copy(model) if self.loss_cfg.kl_coef > 0 else None
         self.steps = 0
 
     def tensors(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
@@ -73,8 +82,9 @@ class TorchBackend:
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step on ``batch``; returns loss and train-inference mismatch stats."""
         t = self.tensors(batch)
+        extra = self._no_grad_logprobs(t["ids"])
         lp = token_logprobs(self.model, t["ids"], self.temperature)
-        loss, stats = ppo_clip_loss(lp, t["behaviour"], t["adv"], t["mask"], self.clip_eps)
+        loss, stats = policy_loss(lp, t["behaviour"], t["adv"], t["mask"], self.loss_cfg, **extra)
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
@@ -90,6 +100,16 @@ class TorchBackend:
             **stats,
         }
 
+    @torch.no_grad()
+    def _no_grad_logprobs(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The proximal (decoupled PPO) and reference (KL) logprobs the loss options ask for."""
+        out = {}
+        if self.loss_cfg.decoupled:
+            out["proximal"] = token_logprobs(self.model, ids, self.temperature)
+        if self.reference is not None:
+            out["reference"] = token_logprobs(self.reference, ids, self.temperature)
+        return out
+
     def named_weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.model.named_parameters()}
 
@@ -100,6 +120,10 @@ class TorchBackend:
             {"opt": self.opt.state_dict(), "sched": self.sched.state_dict(), "steps": self.steps},
             path / "optimizer.pt",
         )
+
+
+def _frozen_copy(model: Qwen3ForCausalLM) -> Qwen3ForCausalLM:
+    return copy.deepcopy(model).eval().requires_grad_(False)
 
 
 def mismatch_stats(

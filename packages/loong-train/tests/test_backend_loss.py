@@ -1,0 +1,85 @@
+"""TorchBackend wires LossConfig in: the default loss is the previous one, decoupled PPO's
+proximal forward equals the trainer's own, and the KL reference is the frozen initial model."""
+
+import copy
+
+import torch
+
+from loong_core.records import TrainBatch
+from loong_train.backends.torch_backend import TorchBackend, token_logprobs
+from loong_train.config import LossConfig
+from loong_train.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+
+
+def _model(seed=0):
+    cfg = Qwen3Config(
+        vocab_size=37,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+    )
+    model = Qwen3ForCausalLM(cfg)
+    model.init_weights(seed)
+    return model
+
+
+def _batch():
+    gen = torch.Generator().manual_seed(0)
+    lens = [7, 5]
+    n = sum(lens)
+    mask = [0, 0, 1, 1, 1, 1, 1, 0, 1, 1, 1, 1]
+    adv = [a * m for a, m in zip([0.7] * 7 + [-1.3] * 5, mask, strict=True)]
+    behaviour = (torch.randn(n, generator=gen) * 0.3 - 3.5).tolist()
+    return TrainBatch(
+        token_ids=torch.randint(0, 37, (n,), generator=gen).tolist(),
+        loss_mask=mask,
+        advantages=adv,
+        behaviour_logprobs=[b * m for b, m in zip(behaviour, mask, strict=True)],
+        versions=[0 if m else -1 for m in mask],
+        row_lens=lens,
+        sample_ids=["a", "b"],
+        policy_version=0,
+    )
+
+
+def _old_loss(model, batch, clip_eps=0.2):
+    """The loss TorchBackend computed before LossConfig existed, on the same padded tensors."""
+    t = TorchBackend(copy.deepcopy(model), lr=0.0).tensors(batch)
+    with torch.no_grad():
+        lp = token_logprobs(model, t["ids"])
+    ratio = torch.exp(lp - t["behaviour"])
+    adv = t["adv"]
+    surr = torch.minimum(ratio * adv, ratio.clamp(1 - clip_eps, 1 + clip_eps) * adv)
+    return (-(surr * t["mask"]).sum() / t["mask"].sum().clamp(min=1)).item()
+
+
+def test_default_loss_is_the_previous_loss():
+    model, batch = _model(), _batch()
+    want = _old_loss(model, batch)
+    metrics = TorchBackend(model, lr=1e-3).train_step(batch)
+    assert metrics["loss"] == want
+
+
+def test_decoupled_proximal_forward_equals_the_trainer_forward():
+    # one optimizer step per batch: the proximal policy is the pre-update weights, so the
+    # no-grad recompute must agree with the grad forward exactly (ratio 1, nothing clipped)
+    batch = _batch()
+    a = TorchBackend(_model(), lr=1e-3, loss=LossConfig(decoupled=True)).train_step(batch)
+    assert a["clip_frac"] == 0.0
+    b = TorchBackend(_model(), lr=1e-3, loss=LossConfig(decoupled=True, tis_cap=1e9)).train_step(batch)
+    assert a["loss"] == b["loss"] and a["is_weight_max"] == b["is_weight_max"] > 1
+
+
+def test_kl_reference_is_the_frozen_initial_model():
+    batch = _batch()
+    backend = TorchBackend(_model(), lr=1e-2, loss=LossConfig(kl_coef=0.1))
+    first = backend.train_step(batch)
+    assert first["kl"] == 0.0 and first["loss"] == first["pg_loss"]
+    second = backend.train_step(batch)
+    assert second["kl"] > 0
+    initial = _model()
+    for name, p in backend.reference.named_parameters():
+        assert not p.requires_grad and p.equal(dict(initial.named_parameters())[name])
