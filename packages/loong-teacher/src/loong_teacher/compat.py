@@ -2,8 +2,8 @@
 
 A teacher scores the student's own token ids. If the two tokenizers disagree on what an id means,
 on special tokens, or on how a conversation is rendered, the teacher scores text it would never
-have produced and the distillation signal is silently biased (one report measured +0.29
-nats/token from a template mismatch alone). :func:`check_tokenizers` compares four aspects:
+have produced and the distillation signal is silently biased (one report measured a +0.29
+nats/token bias). :func:`check_tokenizers` compares four aspects:
 
 - ``vocab``: size and token -> id of ``get_vocab()`` (added tokens included);
 - ``special_tokens``: the named roles (``special_tokens_map``: eos, pad, ...), the set of special
