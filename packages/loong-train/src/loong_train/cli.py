@@ -2,6 +2,7 @@
 
 loong-train run tiny-calc-agent [--out runs/NAME] [--set train.steps=50]...
 loong-train recipes
+loong-train serve-sglang MODEL_DIR [--port 30000] [--api-key KEY]
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def _parser() -> argparse.ArgumentParser:
         help="where built tiny models are cached (default: ~/.cache/loong or $LOONG_CACHE)",
     )
     sub.add_parser("recipes", help="list shipped recipes")
+    sub.add_parser("serve-sglang", help="serve a model directory over SGLang's HTTP API (serve-sglang -h)")
     build = sub.add_parser("build-tiny", help="build (and warm-start) a recipe's tiny model into a directory")
     build.add_argument("recipe")
     build.add_argument("--out", type=Path, required=True)
@@ -47,6 +49,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve-sglang"]:
+        from loong_train.engines.sglang_server import main as serve_sglang
+
+        return serve_sglang(argv[1:])
     args = _parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", datefmt="%H:%M:%S")
     from loong_core.config import ConfigError

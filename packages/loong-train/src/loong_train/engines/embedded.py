@@ -5,6 +5,13 @@ gathers everything queued in the same event-loop tick and runs it as one left-pa
 a preallocated KV cache. Each sampled token's logprob is ``log_softmax(logits / T)`` of the
 exact distribution sampled from, and each span carries the weight version that produced it.
 
+Prefill-only scoring (``score``) runs one full forward and returns ``log_softmax(logits)`` of each
+prompt token given its prefix (temperature 1), the way a teacher or SGLang's
+``max_new_tokens=0, return_logprob`` request scores a sequence.
+
+Quiescence: ``pause()`` stops new batches from starting; ``await wait_idle()`` then returns once
+the batch in flight (if any) has finished, so weights can be swapped with no forward running.
+
 Padding: prompts are left-padded; pad positions attend only to themselves (so no row of the
 attention is fully masked and no NaN can reach real tokens) and real tokens never attend to
 pads; position ids count real tokens only, so a row's math equals its unpadded computation.
@@ -38,6 +45,9 @@ class EmbeddedEngine:
         self._drainer: asyncio.Task | None = None
         self._running = asyncio.Event()
         self._running.set()
+        self._busy = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
 
     @property
     def weight_version(self) -> int:
@@ -49,6 +59,46 @@ class EmbeddedEngine:
 
     def resume(self) -> None:
         self._running.set()
+
+    async def wait_idle(self) -> None:
+        """Return once no batch or scoring pass is running (after ``pause()``: stays so)."""
+        await self._idle.wait()
+
+    async def _start_work(self) -> None:
+        # No await between the running check and the busy count: a pause() seen by the
+        # caller of wait_idle() can never be followed by a batch starting.
+        while not self._running.is_set():
+            await self._running.wait()
+        self._busy += 1
+        self._idle.clear()
+
+    def _end_work(self) -> None:
+        self._busy -= 1
+        if not self._busy:
+            self._idle.set()
+
+    async def score(self, input_ids: list[int]) -> tuple[list[float], int]:
+        """Prefill only: ``log p(x_i | x_<i)`` for i = 1..n-1 ([n - 1]) and the weight version used."""
+        await self._start_work()
+        try:
+            return (await asyncio.to_thread(self.score_batch, [input_ids]))[0], self._version
+        finally:
+            self._end_work()
+
+    @torch.no_grad()
+    def score_batch(self, prompts: Sequence[list[int]]) -> list[list[float]]:
+        """Log-probabilities of every prompt token after the first, one full forward for all.
+
+        Right padding needs no mask: causal attention never lets a real token see a later pad.
+        """
+        device = self.model.lm_head.weight.device
+        ids = torch.full((len(prompts), max(len(x) for x in prompts)), self.pad_id, dtype=torch.long)
+        for i, prompt in enumerate(prompts):
+            ids[i, : len(prompt)] = torch.tensor(prompt, dtype=torch.long)
+        ids = ids.to(device)
+        logp = torch.log_softmax(self.model(ids).float(), dim=-1)[:, :-1]
+        picked = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+        return [picked[i, : len(p) - 1].tolist() for i, p in enumerate(prompts)]
 
     def set_version(self, version: int) -> None:
         """Stamp everything generated from now on with ``version`` (after weights were copied in)."""
@@ -73,12 +123,12 @@ class EmbeddedEngine:
         while self._queue:
             for _ in range(4):  # let every runnable episode enqueue its request first
                 await asyncio.sleep(0)
-            await self._running.wait()
+            await self._start_work()
             batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch :]
             batch = [b for b in batch if not b[2].done()]  # drop requests whose episode timed out
-            if not batch:
-                continue
             try:
+                if not batch:
+                    continue
                 spans = await asyncio.to_thread(
                     self.generate_batch, [b[0] for b in batch], [b[1] for b in batch]
                 )
@@ -87,6 +137,8 @@ class EmbeddedEngine:
                     if not fut.done():
                         fut.set_exception(e)
                 continue
+            finally:
+                self._end_work()
             for (_, _, fut), span in zip(batch, spans, strict=True):
                 if not fut.done():
                     fut.set_result(span)

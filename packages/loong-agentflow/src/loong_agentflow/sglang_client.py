@@ -1,0 +1,190 @@
+"""A ``RolloutEngine`` over an SGLang server's native ``/generate`` endpoint (token ids in and out).
+
+Works against any SGLang server (and Loong's embedded server, which serves the same endpoints on
+CPU). Requests send ``input_ids``, ``sampling_params {max_new_tokens, temperature, top_p,
+stop_token_ids}`` and ``return_logprob``; the span is built from ``output_ids`` and
+``meta_info.output_token_logprobs`` (``[logprob, token_id, text]`` triples), so nothing is
+re-tokenized. SGLang's output logprobs are ``log(softmax(logits / T))`` of the sampled tokens
+before top-p filtering, which is the convention of ``loong_core.protocols.SamplingParams``.
+
+Versions: SGLang's ``weight_version`` is a string (``"default"`` until the first update);
+Loong pushes integers (``loong_transfermesh.sglang`` sends ``str(version)``). ``"default"`` reads
+as ``initial_version``; any other non-integer label is an error naming it.
+
+Failures: connection errors and 502/503/504 answers are retried with exponential backoff (a
+request that never reached the server is safe to resend); other HTTP errors raise
+``SGLangError`` with the server's message. A request the server aborted (finish reason ``abort``)
+also raises ``SGLangError``.
+
+Lifecycle::
+
+    engine = SGLangEngine(SGLangClientConfig(url="http://127.0.0.1:30000"))
+    span = await engine.generate(prompt_ids, SamplingParams(max_new_tokens=64))
+    engine.pause(); ...; engine.resume()      # around a weight update, as RolloutEngine asks
+    await engine.aclose()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from typing import Any
+
+import httpx
+import msgspec
+
+from loong_core.protocols import SamplingParams
+from loong_core.records import SpanSource, TokenSpan
+
+__all__ = ["SGLangClientConfig", "SGLangEngine", "SGLangError"]
+
+_RETRY_STATUS = {502, 503, 504}
+
+
+class SGLangError(RuntimeError):
+    """The server answered with an error, aborted the request, or stayed unreachable."""
+
+
+class SGLangClientConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``url``: server base URL. ``timeout_s``: one request (generation can be long).
+    ``retries``: extra attempts after a connection failure, ``backoff_s`` doubling from there.
+    ``pause_mode``: SGLang's ``/pause_generation`` mode; ``in_place`` keeps requests alive across a
+    weight update, as Loong's partial rollouts expect. ``max_connections``: HTTP pool size.
+    """
+
+    url: str = "http://127.0.0.1:30000"
+    api_key: str | None = None
+    timeout_s: float = 600.0
+    connect_timeout_s: float = 10.0
+    retries: int = 5
+    backoff_s: float = 0.2
+    pause_mode: str = "in_place"
+    initial_version: int = 0
+    max_connections: int = 512
+
+    def __post_init__(self) -> None:
+        if self.pause_mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"pause_mode must be abort, retract or in_place, got {self.pause_mode!r}")
+        if self.retries < 0 or self.timeout_s <= 0:
+            raise ValueError("retries must be >= 0 and timeout_s > 0")
+
+
+class SGLangEngine:
+    """``loong_core.protocols.RolloutEngine`` backed by an SGLang server."""
+
+    def __init__(self, config: SGLangClientConfig) -> None:
+        self.config = config
+        self._base = config.url.rstrip("/")
+        self._headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+        self._timeout = httpx.Timeout(config.timeout_s, connect=config.connect_timeout_s)
+        limits = httpx.Limits(max_connections=config.max_connections)
+        self._client = httpx.AsyncClient(headers=self._headers, timeout=self._timeout, limits=limits)
+        self._version = config.initial_version
+
+    @property
+    def weight_version(self) -> int:
+        """The version of the latest response (or of the last ``refresh_version``)."""
+        return self._version
+
+    async def generate(self, input_ids: list[int], sampling: SamplingParams) -> TokenSpan:
+        body = {
+            "input_ids": list(input_ids),
+            "sampling_params": {
+                "max_new_tokens": sampling.max_new_tokens,
+                "temperature": sampling.temperature,
+                "top_p": sampling.top_p,
+                "stop_token_ids": list(sampling.stop_token_ids),
+            },
+            "return_logprob": True,
+        }
+        out = await self._request("POST", "/generate", body)
+        meta = out["meta_info"]
+        if (meta.get("finish_reason") or {}).get("type") == "abort":
+            raise SGLangError(f"request aborted by the server: {meta['finish_reason']}")
+        ids = list(out["output_ids"])
+        triples = meta["output_token_logprobs"]
+        if [t[1] for t in triples] != ids:
+            raise SGLangError("output_token_logprobs do not match output_ids")
+        version = self._parse_version(meta["weight_version"])
+        self._version = max(self._version, version)
+        return TokenSpan(
+            token_ids=ids,
+            logprobs=[float(t[0]) for t in triples],
+            source=SpanSource.MODEL,
+            weight_version=version,
+        )
+
+    async def prompt_logprobs(self, input_ids: list[int], start: int = 0) -> list[float]:
+        """Prefill only: ``log p(x_i | x_<i)`` for ``i`` in ``start+1 .. n-1`` at T = 1 ([n - start - 1])."""
+        body = {
+            "input_ids": list(input_ids),
+            "sampling_params": {"max_new_tokens": 0},
+            "return_logprob": True,
+            "logprob_start_len": start,
+        }
+        out = await self._request("POST", "/generate", body)
+        return [float(t[0]) for t in out["meta_info"]["input_token_logprobs"][1:]]
+
+    def pause(self) -> None:
+        """Ask the server to hold generation (``/pause_generation``); blocks until it answered."""
+        self._sync("/pause_generation", {"mode": self.config.pause_mode})
+
+    def resume(self) -> None:
+        self._sync("/continue_generation", {})
+
+    async def refresh_version(self) -> int:
+        """Read ``/get_weight_version`` and return it as an integer."""
+        out = await self._request("GET", "/get_weight_version")
+        self._version = self._parse_version(out["weight_version"])
+        return self._version
+
+    async def health(self) -> bool:
+        try:
+            response = await self._client.get(f"{self._base}/health")
+        except httpx.TransportError:
+            return False
+        return response.status_code == 200
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    def _parse_version(self, label: Any) -> int:
+        if label in (None, "default"):
+            return self.config.initial_version
+        try:
+            return int(label)
+        except (TypeError, ValueError):
+            raise SGLangError(f"weight_version {label!r} is not an integer") from None
+
+    async def _request(self, method: str, path: str, body: dict | None = None) -> dict:
+        delay = self.config.backoff_s
+        for attempt in range(self.config.retries + 1):
+            last = attempt == self.config.retries
+            try:
+                response = await self._client.request(method, f"{self._base}{path}", json=body)
+            except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as e:
+                if last:
+                    raise SGLangError(
+                        f"{self._base}{path}: unreachable after {attempt + 1} tries: {e}"
+                    ) from e
+            else:
+                if response.status_code not in _RETRY_STATUS or last:
+                    return _payload(response, f"{self._base}{path}")
+            await asyncio.sleep(delay * (1 + random.random() * 0.1))
+            delay *= 2
+        raise AssertionError("unreachable")
+
+    def _sync(self, path: str, body: dict) -> dict:
+        with httpx.Client(headers=self._headers, timeout=self._timeout) as client:
+            return _payload(client.post(f"{self._base}{path}", json=body), f"{self._base}{path}")
+
+
+def _payload(response: httpx.Response, where: str) -> dict:
+    try:
+        payload = response.json()
+    except ValueError:
+        payload = {"message": response.text}
+    if response.status_code != 200:
+        message = payload.get("message", payload) if isinstance(payload, dict) else payload
+        raise SGLangError(f"{where}: HTTP {response.status_code}: {message}")
+    return payload

@@ -1,0 +1,497 @@
+"""SGLang's native HTTP API, served by the embedded engine, so SGLang clients run on CPU.
+
+The subset Loong uses, with SGLang's field names and shapes (``entrypoints/http_server.py`` and
+``managers/io_struct.py`` in sgl-project/sglang); requests carry token ids, responses carry
+``output_ids`` and ``meta_info`` as SGLang does when started with ``--skip-tokenizer-init``:
+
+- ``POST /generate {input_ids, sampling_params, return_logprob, logprob_start_len, rid}``:
+  ``input_ids`` is one prompt or a batch (list of prompts). ``meta_info``: ``id``,
+  ``finish_reason`` (``{"type": "length", "length": n}`` or ``{"type": "stop", "matched": id}``),
+  ``prompt_tokens``, ``completion_tokens``, ``cached_tokens``, ``weight_version``,
+  ``e2e_latency``, and with ``return_logprob``: ``output_token_logprobs`` and
+  ``input_token_logprobs`` as ``[logprob, token_id, None]`` triples. Input entries cover
+  ``input_ids[start:]`` (``start = logprob_start_len``, ``-1`` means the last prompt token);
+  entry 0 is always ``None`` and entry ``i`` is ``log p(x[start+i] | x[:start+i])`` at T = 1.
+  ``max_new_tokens = 0`` is prefill only (how teachers score). Output logprobs are
+  ``log_softmax(logits / T)`` of the sampled tokens; a matched stop token is in ``output_ids``.
+- ``/pause_generation {mode}``, ``/continue_generation``, ``/get_weight_version``,
+  ``/get_model_info``, ``/get_weights_by_name {name, truncate_size}``, ``/health``,
+  ``/health_generate``, ``/flush_cache`` (no prefix cache here: a no-op).
+- Weight updates, each applied between batches (the engine is paused, the running batch
+  finishes, parameters are copied, the engine resumes unless a client paused it):
+  ``/update_weights_from_disk {model_path, weight_version}`` (Hugging Face safetensors dir);
+  ``/init_weights_update_group {master_address, master_port, rank_offset, world_size, group_name,
+  backend}``, ``/update_weights_from_distributed {names, dtypes, shapes, group_name,
+  weight_version, load_format}`` (``load_format`` ``"flattened_bucket"``: one broadcast per call,
+  else one per tensor), ``/destroy_weights_update_group {group_name}``; the group is the one
+  ``loong_transfermesh.sglang`` joins (gloo on CPU, nccl on GPU).
+- ``/update_weights_from_tensor {serialized_named_tensors, weight_version}``: SGLang sends
+  ``MultiprocessingSerializer`` pickles whose tensors are CUDA IPC handles, meaningful only to a
+  colocated GPU process, and unpickling them runs arbitrary code. This server instead takes, in
+  the same field, base64 of ``torch.save([(name, tensor), ...])`` (tensors by value), loaded with
+  ``torch.load(weights_only=True)``; SGLang's own payloads are refused with a 400.
+
+Differences from SGLang: no ``text`` input, no streaming, greedy (``temperature = 0``) and the
+sampling options other than ``max_new_tokens``, ``temperature``, ``top_p``, ``stop_token_ids`` are
+refused (400) unless left at SGLang's defaults; every pause mode holds queued requests (the running
+batch completes) rather than aborting or retracting them; ``flush_cache``/``abort_all_requests``
+are accepted and ignored. ``weight_version`` is a string as in SGLang; when it reads as an
+integer it also becomes the engine's version stamp.
+
+Errors: a bad field answers 400 with SGLang's error body (``object``, ``message``, ``type``,
+``code``) plus ``param`` naming the field and ``success: false``. With an API key, every path but
+``/health*`` needs ``Authorization: Bearer <key>`` (401 otherwise). Binds 127.0.0.1 by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import binascii
+import datetime
+import hmac
+import io
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from loong_core.protocols import SamplingParams
+from loong_train.engines.embedded import EmbeddedEngine
+from loong_transfermesh.sglang import bucket_dtype, join_weight_update_group, unflatten_bucket
+
+__all__ = ["BadRequest", "SGLangServer", "build_app", "main", "serve"]
+
+_MISSING = object()
+# SGLang sampling options this server cannot honour, with SGLang's defaults (accepted when default).
+_DEFAULTS: dict[str, Any] = {
+    "top_k": -1, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+    "repetition_penalty": 1.0, "min_new_tokens": 0, "n": 1, "ignore_eos": False, "stop": None,
+    "logit_bias": None, "regex": None, "json_schema": None, "ebnf": None, "structural_tag": None,
+    "custom_params": None, "sampling_seed": None,
+}  # fmt: skip
+# Options that only shape detokenized text, which this server never returns.
+_TEXT_ONLY = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval"}
+_KINDS = {
+    int: lambda v: isinstance(v, int) and not isinstance(v, bool),
+    float: lambda v: isinstance(v, int | float) and not isinstance(v, bool),
+    bool: lambda v: isinstance(v, bool),
+    str: lambda v: isinstance(v, str),
+    list: lambda v: isinstance(v, list),
+    dict: lambda v: isinstance(v, dict),
+}
+
+
+class BadRequest(Exception):
+    """A request field is missing or wrong; ``param`` names it."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(f"{param}: {message}")
+        self.param = param
+
+
+def _field(body: dict, key: str, kind: type, default: Any = _MISSING, where: str = "") -> Any:
+    value = body.get(key)
+    if value is None:
+        if default is _MISSING:
+            raise BadRequest(where + key, "is required")
+        return default
+    if not _KINDS[kind](value):
+        raise BadRequest(where + key, f"must be {kind.__name__}, got {type(value).__name__}")
+    return value
+
+
+def _token_ids(value: Any, param: str, vocab: int) -> list[int]:
+    if not isinstance(value, list) or not value:
+        raise BadRequest(param, "must be a non-empty list of token ids")
+    if not all(_KINDS[int](t) and 0 <= t < vocab for t in value):
+        raise BadRequest(param, f"must hold integer token ids in [0, {vocab})")
+    return value
+
+
+def _sampling(raw: Any, param: str) -> tuple[SamplingParams, int]:
+    """SGLang ``sampling_params`` -> (Loong SamplingParams, max_new_tokens which may be 0)."""
+    if not isinstance(raw, dict):
+        raise BadRequest(param, "must be an object")
+    where = param + "."
+    for key, value in raw.items():
+        if key in _DEFAULTS and value not in (_DEFAULTS[key], None) and value != []:
+            raise BadRequest(where + key, "is not supported by the embedded server (SGLang default only)")
+        if key not in _DEFAULTS and key not in _TEXT_ONLY and key not in (
+            "max_new_tokens", "temperature", "top_p", "stop_token_ids",
+        ):  # fmt: skip
+            raise BadRequest(where + key, "is not a sampling parameter")
+    max_new = _field(raw, "max_new_tokens", int, 128, where)
+    temperature = _field(raw, "temperature", float, 1.0, where)
+    top_p = _field(raw, "top_p", float, 1.0, where)
+    stops = _field(raw, "stop_token_ids", list, [], where)
+    if max_new < 0:
+        raise BadRequest(where + "max_new_tokens", "must be >= 0")
+    if temperature <= 0:
+        raise BadRequest(where + "temperature", "must be > 0 (greedy decoding is not supported here)")
+    if not 0 < top_p <= 1:
+        raise BadRequest(where + "top_p", "must be in (0, 1]")
+    if not all(_KINDS[int](t) for t in stops):
+        raise BadRequest(where + "stop_token_ids", "must be a list of integers")
+    sampling = SamplingParams(
+        temperature=temperature, top_p=top_p, max_new_tokens=max(max_new, 1), stop_token_ids=stops
+    )
+    return sampling, max_new
+
+
+def _bad(param: str, message: str, status: int = 400) -> JSONResponse:
+    text = f"{param}: {message}"
+    body = {"success": False, "object": "error", "message": text, "type": "BadRequestError"}
+    return JSONResponse({**body, "param": param, "code": status}, status_code=status)
+
+
+async def _body(request: Request) -> dict:
+    try:
+        body = await request.json() if await request.body() else {}
+    except ValueError as e:
+        raise BadRequest("body", f"is not valid JSON ({e})") from None
+    if not isinstance(body, dict):
+        raise BadRequest("body", "must be a JSON object")
+    return body
+
+
+class SGLangServer:
+    """State behind the routes: the engine, version labels, weight-update groups."""
+
+    def __init__(self, engine: EmbeddedEngine, model_path: str = "", group_timeout_s: float = 600.0):
+        self.engine, self.model_path, self.group_timeout_s = engine, model_path, group_timeout_s
+        self.label = str(engine.weight_version)
+        self.labels = {engine.weight_version: self.label}
+        self.paused = False
+        self.groups: dict[str, dist.ProcessGroup] = {}
+        self._update_lock = asyncio.Lock()
+
+    @property
+    def vocab(self) -> int:
+        return self.engine.model.config.vocab_size
+
+    @property
+    def device(self) -> torch.device:
+        return self.engine.model.lm_head.weight.device
+
+    # ---- generation ----
+    async def generate(self, request: Request) -> Response:
+        body = await _body(request)
+        if body.get("text") is not None:
+            raise BadRequest("text", "this server takes input_ids only (it has no tokenizer)")
+        ids = body.get("input_ids")
+        batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+        prompts = ids if batch else [ids]
+        raw = body.get("sampling_params") or {}
+        raws = raw if isinstance(raw, list) else [raw] * len(prompts)
+        if len(raws) != len(prompts):
+            raise BadRequest("sampling_params", "a list must have one entry per prompt")
+        rid = _field(body, "rid", str, uuid.uuid4().hex) if not batch else uuid.uuid4().hex
+        logprob = _field(body, "return_logprob", bool, False)
+        start = _field(body, "logprob_start_len", int, -1)
+        jobs = []
+        for i, (prompt, sp) in enumerate(zip(prompts, raws, strict=True)):
+            suffix = f"[{i}]" if batch else ""
+            prompt = _token_ids(prompt, "input_ids" + suffix, self.vocab)
+            sampling, max_new = _sampling(sp, "sampling_params" + (suffix if isinstance(raw, list) else ""))
+            first = len(prompt) - 1 if start == -1 else start
+            if not 0 <= first < len(prompt):
+                raise BadRequest("logprob_start_len", f"must be -1 or in [0, {len(prompt)})")
+            jobs.append((prompt, sampling, max_new, logprob, first, f"{rid}{suffix}"))
+        results = await asyncio.gather(*(self._one(*job) for job in jobs))
+        return JSONResponse(results if batch else results[0])
+
+    async def _one(self, prompt, sampling: SamplingParams, max_new: int, logprob: bool, start: int, rid):
+        t0 = time.perf_counter()
+        meta: dict[str, Any] = {"id": rid}
+        version = self.engine.weight_version
+        if logprob:
+            scores: list[float] = []
+            if start < len(prompt) - 1:
+                scores, version = await self.engine.score(prompt)
+            meta["input_token_logprobs"] = [[None, prompt[start], None]] + [
+                [scores[j - 1], prompt[j], None] for j in range(start + 1, len(prompt))
+            ]
+        out: list[int] = []
+        lps: list[float] = []
+        finish: dict[str, Any] = {"type": "length", "length": max_new}
+        if max_new > 0:
+            span = await self.engine.generate(prompt, sampling)
+            out, lps, version = span.token_ids, span.logprobs, span.weight_version
+            if out[-1] in sampling.stop_token_ids:
+                finish = {"type": "stop", "matched": out[-1]}
+        if logprob:
+            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, out, strict=True)]
+        meta.update(
+            finish_reason=finish, prompt_tokens=len(prompt), completion_tokens=len(out), cached_tokens=0,
+            weight_version=self.labels.get(version, self.label), e2e_latency=time.perf_counter() - t0,
+        )  # fmt: skip
+        return {"output_ids": out, "meta_info": meta}
+
+    async def pause(self, request: Request) -> Response:
+        mode = _field(await _body(request), "mode", str, "abort")
+        if mode not in ("abort", "retract", "in_place"):
+            raise BadRequest("mode", "must be one of abort, retract, in_place")
+        self.paused = True
+        self.engine.pause()
+        return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+
+    async def resume(self, request: Request) -> Response:
+        self.paused = False
+        self.engine.resume()
+        return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+    async def weight_version(self, request: Request) -> Response:
+        return JSONResponse({"weight_version": self.label})
+
+    async def model_info(self, request: Request) -> Response:
+        return JSONResponse(
+            {
+                "model_path": self.model_path,
+                "tokenizer_path": self.model_path,
+                "is_generation": True,
+                "preferred_sampling_params": None,
+                "weight_version": self.label,
+            }
+        )
+
+    async def weights_by_name(self, request: Request) -> Response:
+        """SGLang's ``/get_weights_by_name {name, truncate_size}``: the first rows of a parameter."""
+        body = await _body(request)
+        name, size = _field(body, "name", str), _field(body, "truncate_size", int, 100)
+        param = dict(self.engine.model.named_parameters()).get(name)
+        if param is None:
+            raise BadRequest("name", f"no parameter named {name!r}")
+        return JSONResponse(param.detach()[:size].float().cpu().tolist())
+
+    # ---- weight updates ----
+    async def swap(self, named: dict[str, torch.Tensor], label: str | None) -> None:
+        """Check every tensor, then copy all of them between batches and relabel the version."""
+        params = dict(self.engine.model.named_parameters())
+        if self.engine.model.config.tie_word_embeddings:
+            named.pop("lm_head.weight", None)  # tied to embed_tokens, as SGLang skips it
+        for name, t in named.items():
+            if name not in params:
+                raise BadRequest("names", f"tensor {name!r} is not a parameter of the served model")
+            if t.shape != params[name].shape:
+                raise BadRequest(
+                    "shapes",
+                    f"tensor {name!r} has shape {list(t.shape)}, model has {list(params[name].shape)}",
+                )
+        label = self.label if label is None else label
+        version = int(label) if label.lstrip("-").isdigit() else self.engine.weight_version + 1
+        async with self._update_lock:
+            self.engine.pause()
+            try:
+                await self.engine.wait_idle()
+                self.engine.load_weights(named, version)
+                self.labels[version], self.label = label, label
+            finally:
+                if not self.paused:
+                    self.engine.resume()
+
+    async def from_disk(self, request: Request) -> Response:
+        body = await _body(request)
+        path = Path(_field(body, "model_path", str))
+        if _field(body, "load_format", str, "auto") not in ("auto", "safetensors"):
+            raise BadRequest("load_format", "only safetensors checkpoints are supported")
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise BadRequest("model_path", f"no *.safetensors files in {str(path)!r}")
+        from safetensors.torch import load_file
+
+        named: dict[str, torch.Tensor] = {}
+        for f in files:
+            named.update(await asyncio.to_thread(load_file, str(f)))
+        await self.swap(named, _field(body, "weight_version", str, None))
+        return JSONResponse(
+            {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
+        )
+
+    async def init_group(self, request: Request) -> Response:
+        body = await _body(request)
+        address = _field(body, "master_address", str)
+        port, offset = _field(body, "master_port", int), _field(body, "rank_offset", int)
+        world, name = _field(body, "world_size", int), _field(body, "group_name", str, "weight_update_group")
+        backend = _field(body, "backend", str, "nccl")
+        if name in self.groups:
+            raise BadRequest("group_name", f"group {name!r} already exists")
+        if not 0 < offset < world:
+            raise BadRequest("rank_offset", f"must be in [1, world_size) = [1, {world})")
+        if backend not in ("gloo", "nccl"):
+            raise BadRequest("backend", "must be gloo or nccl")
+        timeout = datetime.timedelta(seconds=self.group_timeout_s)
+        try:
+            group = await asyncio.to_thread(
+                join_weight_update_group, address, port, offset, world, name, backend, timeout
+            )
+        except Exception as e:  # rendezvous failures are the caller's to fix; keep serving
+            return _bad("master_address", f"could not join group {name!r}: {e}")
+        self.groups[name] = group
+        return JSONResponse({"success": True, "message": "Succeeded to initialize custom process group."})
+
+    async def from_distributed(self, request: Request) -> Response:
+        body = await _body(request)
+        names, dtypes, shapes = (_field(body, k, list) for k in ("names", "dtypes", "shapes"))
+        group = self.groups.get(name := _field(body, "group_name", str, "weight_update_group"))
+        if group is None:
+            raise BadRequest(
+                "group_name", f"no weight update group named {name!r}; call /init_weights_update_group"
+            )
+        if not (len(names) == len(dtypes) == len(shapes)) or not names:
+            raise BadRequest("names", "names, dtypes and shapes must be non-empty lists of one length")
+        torch_dtypes = [_dtype(d) for d in dtypes]
+        if not all(isinstance(s, list) and all(_KINDS[int](x) and x >= 0 for x in s) for s in shapes):
+            raise BadRequest("shapes", "must be lists of non-negative integers")
+        load_format = _field(body, "load_format", str, "direct")
+        if load_format not in ("direct", "flattened_bucket"):
+            raise BadRequest("load_format", "must be null or 'flattened_bucket'")
+        receive = _receive_flat if load_format == "flattened_bucket" else _receive_each
+        named = await asyncio.to_thread(receive, group, names, torch_dtypes, shapes, self.device)
+        await self.swap(named, _field(body, "weight_version", str, None))
+        return JSONResponse({"success": True, "message": "Succeeded to update parameter online."})
+
+    async def destroy_group(self, request: Request) -> Response:
+        name = _field(await _body(request), "group_name", str, "weight_update_group")
+        group = self.groups.pop(name, None)
+        if group is None:
+            raise BadRequest("group_name", f"no weight update group named {name!r}")
+        dist.destroy_process_group(group)
+        return JSONResponse({"success": True, "message": "Succeeded to destroy custom process group."})
+
+    async def from_tensor(self, request: Request) -> Response:
+        body = await _body(request)
+        payloads = _field(body, "serialized_named_tensors", list)
+        try:
+            raw = base64.b64decode(payloads[0], validate=True)
+            loaded = torch.load(io.BytesIO(raw), weights_only=True, map_location=self.device)
+            named = dict(loaded)
+        except (IndexError, TypeError, ValueError, binascii.Error, RuntimeError) as e:
+            raise BadRequest(
+                "serialized_named_tensors",
+                "entry 0 must be base64 of torch.save([(name, tensor), ...]) (SGLang's CUDA IPC "
+                f"pickles are not accepted by the embedded server): {e}",
+            ) from None
+        await self.swap(named, _field(body, "weight_version", str, None))
+        return JSONResponse({"success": True, "message": "Success"})
+
+
+def _dtype(name: Any) -> torch.dtype:
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise BadRequest("dtypes", f"{name!r} is not a torch dtype name")
+    return dtype
+
+
+def _receive_flat(group, names, dtypes, shapes, device) -> dict[str, torch.Tensor]:
+    total = sum(torch.Size(s).numel() for s in shapes)
+    flat = torch.empty(total, dtype=bucket_dtype(dtypes), device=device)
+    dist.broadcast(flat, src=0, group=group)
+    return unflatten_bucket(flat, names, dtypes, shapes)
+
+
+def _receive_each(group, names, dtypes, shapes, device) -> dict[str, torch.Tensor]:
+    named = {n: torch.empty(s, dtype=d, device=device) for n, d, s in zip(names, dtypes, shapes, strict=True)}
+    for handle in [dist.broadcast(t, src=0, group=group, async_op=True) for t in named.values()]:
+        handle.wait()
+    return named
+
+
+class _ApiKey:
+    """ASGI middleware: ``Authorization: Bearer <key>`` on every path but ``/health*``."""
+
+    def __init__(self, app, key: str) -> None:
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http" and not scope["path"].startswith("/health"):
+            given = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_app(
+    engine: EmbeddedEngine,
+    *,
+    model_path: str = "",
+    api_key: str | None = None,
+    group_timeout_s: float = 600.0,
+):
+    """The ASGI app serving ``engine`` (wrapped in API-key checking when ``api_key`` is set)."""
+    s = SGLangServer(engine, model_path, group_timeout_s)
+
+    async def ok(request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def flush(request: Request) -> Response:
+        return Response("Cache flushed.\n", status_code=200)
+
+    async def bad_request(request: Request, exc: BadRequest) -> Response:
+        return _bad(exc.param, str(exc).removeprefix(f"{exc.param}: "))
+
+    routes = [
+        Route("/generate", s.generate, methods=["POST", "PUT"]),
+        Route("/pause_generation", s.pause, methods=["POST"]),
+        Route("/continue_generation", s.resume, methods=["POST"]),
+        Route("/get_weight_version", s.weight_version, methods=["GET"]),
+        Route("/get_model_info", s.model_info, methods=["GET"]),
+        Route("/health", ok, methods=["GET"]),
+        Route("/health_generate", ok, methods=["GET"]),
+        Route("/flush_cache", flush, methods=["GET", "POST"]),
+        Route("/get_weights_by_name", s.weights_by_name, methods=["GET", "POST"]),
+        Route("/update_weights_from_disk", s.from_disk, methods=["POST"]),
+        Route("/init_weights_update_group", s.init_group, methods=["POST"]),
+        Route("/update_weights_from_distributed", s.from_distributed, methods=["POST"]),
+        Route("/destroy_weights_update_group", s.destroy_group, methods=["POST"]),
+        Route("/update_weights_from_tensor", s.from_tensor, methods=["POST"]),
+    ]
+    app = Starlette(routes=routes, exception_handlers={BadRequest: bad_request})
+    app.state.sglang = s
+    return _ApiKey(app, api_key) if api_key else app
+
+
+def serve(
+    engine: EmbeddedEngine,
+    host: str = "127.0.0.1",
+    port: int = 30000,
+    api_key: str | None = None,
+    model_path: str = "",
+) -> None:
+    """Serve ``engine`` until interrupted."""
+    import uvicorn
+
+    uvicorn.run(
+        build_app(engine, model_path=model_path, api_key=api_key), host=host, port=port, log_level="warning"
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``loong-train serve-sglang MODEL_DIR [--host] [--port] [--api-key] [--seed]``."""
+    parser = argparse.ArgumentParser(prog="loong-train serve-sglang", description=__doc__.splitlines()[0])
+    parser.add_argument("model_dir", type=Path, help="Hugging Face directory (config.json + *.safetensors)")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=30000)
+    parser.add_argument("--api-key", default=None, help="require Authorization: Bearer <key>")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    args = parser.parse_args(argv)
+    from loong_train.models.qwen3 import Qwen3ForCausalLM
+
+    torch.set_num_threads(args.threads)
+    engine = EmbeddedEngine(Qwen3ForCausalLM.from_pretrained(args.model_dir), seed=args.seed)
+    serve(engine, args.host, args.port, args.api_key, str(args.model_dir))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,375 @@
+"""The embedded engine's SGLang-compatible server, driven over real loopback HTTP.
+
+References: the model's own forward pass (float64 log-softmax) and a second EmbeddedEngine with
+the same seed. Clients are Loong's own: ``loong_agentflow.SGLangEngine`` (generation) and
+``loong_transfermesh.SGLangWeightPusher`` (weight updates, gloo broadcast to a server process).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import io
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import msgspec
+import pytest
+import torch
+import uvicorn
+
+from loong_agentflow.sglang_client import SGLangClientConfig, SGLangEngine, SGLangError
+from loong_core.protocols import SamplingParams
+from loong_train.engines.embedded import EmbeddedEngine
+from loong_train.engines.sglang_server import build_app
+from loong_train.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from loong_transfermesh.sglang import SGLangPusherConfig, SGLangUpdateError, SGLangWeightPusher
+
+CFG = Qwen3Config(
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+)
+PROMPT = [3, 14, 15, 9, 26, 5]
+
+
+def _model(seed: int) -> Qwen3ForCausalLM:
+    model = Qwen3ForCausalLM(CFG)
+    model.init_weights(seed, std=0.3)
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("sglang-tiny")
+    _model(0).save_pretrained(path)
+    return path
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _serve(engine: EmbeddedEngine, **kwargs):
+    """The app on a uvicorn server in a thread; yields (base url, server state)."""
+    app = build_app(engine, **kwargs)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", getattr(app, "app", app).state.sglang
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def _forward_logprobs(model: Qwen3ForCausalLM, ids: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """log p(ids[i] | ids[:i]) for i >= 1 in float64 ([len(ids) - 1])."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).double()[0, :-1] / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
+
+
+def test_generate_logprobs_equal_engine_and_forward_pass(model_dir):
+    sampling = SamplingParams(max_new_tokens=10, temperature=0.8, top_p=0.95)
+    reference = EmbeddedEngine(Qwen3ForCausalLM.from_pretrained(model_dir), seed=5)
+    want = reference.generate_batch([PROMPT], [sampling])[0]
+    with _serve(EmbeddedEngine(Qwen3ForCausalLM.from_pretrained(model_dir), seed=5)) as (url, _):
+
+        async def run():
+            client = SGLangEngine(SGLangClientConfig(url=url))
+            try:
+                return await client.generate(PROMPT, sampling)
+            finally:
+                await client.aclose()
+
+        span = asyncio.run(run())
+    assert span.token_ids == want.token_ids and span.logprobs == want.logprobs  # same code, same seed
+    assert span.weight_version == 0 and span.is_model
+    full = _forward_logprobs(reference.model, PROMPT + span.token_ids, 0.8)[len(PROMPT) - 1 :]
+    torch.testing.assert_close(torch.tensor(span.logprobs, dtype=torch.float64), full, rtol=0, atol=1e-5)
+
+
+def test_prefill_only_scoring_equals_forward_log_softmax(model_dir):
+    model = Qwen3ForCausalLM.from_pretrained(model_dir)
+    ids = [*PROMPT, 40, 41, 2, 7]
+    want = _forward_logprobs(model, ids)
+    with _serve(EmbeddedEngine(model, seed=0)) as (url, _):
+        body = {"input_ids": ids, "sampling_params": {"max_new_tokens": 0}, "return_logprob": True}
+        out = httpx.post(f"{url}/generate", json={**body, "logprob_start_len": 0}).json()
+        tail = httpx.post(f"{url}/generate", json={**body, "logprob_start_len": 4}).json()
+        default = httpx.post(f"{url}/generate", json=body).json()
+
+        async def via_client():
+            client = SGLangEngine(SGLangClientConfig(url=url))
+            try:
+                return await client.prompt_logprobs(ids, start=0)
+            finally:
+                await client.aclose()
+
+        scored = asyncio.run(via_client())
+    meta = out["meta_info"]
+    assert out["output_ids"] == [] and meta["output_token_logprobs"] == []
+    assert meta["finish_reason"] == {"type": "length", "length": 0}
+    assert meta["prompt_tokens"] == len(ids) and meta["completion_tokens"] == 0
+    assert [t[1] for t in meta["input_token_logprobs"]] == ids
+    assert meta["input_token_logprobs"][0] == [None, ids[0], None]
+    got = torch.tensor([t[0] for t in meta["input_token_logprobs"][1:]], dtype=torch.float64)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+    assert scored == [t[0] for t in meta["input_token_logprobs"][1:]]
+    assert tail["meta_info"]["input_token_logprobs"] == [
+        [None, ids[4], None],
+        *meta["input_token_logprobs"][5:],
+    ]
+    assert default["meta_info"]["input_token_logprobs"] == [[None, ids[-1], None]]
+
+
+def test_generate_response_shape_batch_and_stop(model_dir):
+    engine = EmbeddedEngine(Qwen3ForCausalLM.from_pretrained(model_dir), seed=1)
+    free = EmbeddedEngine(Qwen3ForCausalLM.from_pretrained(model_dir), seed=1)
+    stop = free.generate_batch([PROMPT], [SamplingParams(max_new_tokens=20)])[0].token_ids[3]
+    with _serve(engine, model_path=str(model_dir)) as (url, _):
+        body = {
+            "input_ids": PROMPT,
+            "sampling_params": {"max_new_tokens": 20, "stop_token_ids": [stop], "skip_special_tokens": True},
+            "return_logprob": True,
+            "rid": "r1",
+        }
+        one = httpx.post(f"{url}/generate", json=body).json()
+        batch = httpx.post(
+            f"{url}/generate", json={"input_ids": [PROMPT, [1, 2]], "sampling_params": {"max_new_tokens": 3}}
+        ).json()
+        info = httpx.get(f"{url}/get_model_info").json()
+        flushed = httpx.post(f"{url}/flush_cache")
+    meta = one["meta_info"]
+    assert one["output_ids"][-1] == stop and meta["finish_reason"] == {"type": "stop", "matched": stop}
+    assert meta["id"] == "r1" and meta["weight_version"] == "0"
+    assert [t[1] for t in meta["output_token_logprobs"]] == one["output_ids"]
+    assert all(t[2] is None for t in meta["output_token_logprobs"])
+    assert meta["completion_tokens"] == len(one["output_ids"]) and meta["prompt_tokens"] == len(PROMPT)
+    assert [len(b["output_ids"]) for b in batch] == [3, 3]
+    assert batch[0]["meta_info"]["finish_reason"] == {"type": "length", "length": 3}
+    assert "output_token_logprobs" not in batch[0]["meta_info"]
+    assert info["model_path"] == str(model_dir) and info["is_generation"] and info["weight_version"] == "0"
+    assert flushed.status_code == 200
+
+
+def test_pause_holds_requests_until_continue(model_dir):
+    with _serve(EmbeddedEngine(Qwen3ForCausalLM.from_pretrained(model_dir))) as (url, _):
+
+        async def run():
+            client = SGLangEngine(SGLangClientConfig(url=url))
+            try:
+                client.pause()
+                task = asyncio.create_task(client.generate(PROMPT, SamplingParams(max_new_tokens=4)))
+                await asyncio.sleep(0.5)
+                held = not task.done()
+                client.resume()
+                span = await asyncio.wait_for(task, 30)
+                return held, span
+            finally:
+                await client.aclose()
+
+        held, span = asyncio.run(run())
+    assert held and len(span.token_ids) == 4
+
+
+def _tensor_payload(named: dict[str, torch.Tensor]) -> str:
+    buf = io.BytesIO()
+    torch.save(list(named.items()), buf)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+def test_weight_updates_from_disk_and_tensor(model_dir, tmp_path):
+    new = _model(11)
+    new.save_pretrained(tmp_path / "v5")
+    with _serve(EmbeddedEngine(Qwen3ForCausalLM.from_pretrained(model_dir))) as (url, state):
+        pusher = SGLangWeightPusher(SGLangPusherConfig(urls=[url]))
+        pusher.push_from_disk(str(tmp_path / "v5"), version=5)
+        served = dict(state.engine.model.named_parameters())
+        assert all(torch.equal(served[k], v) for k, v in new.named_parameters())
+        assert httpx.get(f"{url}/get_weight_version").json() == {"weight_version": "5"}
+        name = "model.layers.0.mlp.up_proj.weight"
+        row = httpx.post(f"{url}/get_weights_by_name", json={"name": name, "truncate_size": 2}).json()
+        assert torch.equal(torch.tensor(row), new.state_dict()[name][:2])
+
+        patch = {name: torch.randn(served[name].shape)}
+        body = {"serialized_named_tensors": [_tensor_payload(patch)], "weight_version": "6"}
+        assert httpx.post(f"{url}/update_weights_from_tensor", json=body).json()["success"]
+        assert torch.equal(served[name], patch[name])
+        out = httpx.post(
+            f"{url}/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}
+        )
+        assert out.json()["meta_info"]["weight_version"] == "6"
+        pusher.shutdown()
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("/generate", {"sampling_params": {"max_new_tokens": 2}}, "input_ids"),
+        ("/generate", {"input_ids": "hello"}, "input_ids"),
+        ("/generate", {"input_ids": [1, 2, 999]}, "input_ids"),
+        ("/generate", {"input_ids": [[1, 2], [3, "x"]]}, "input_ids[1]"),
+        (
+            "/generate",
+            {"input_ids": [1, 2], "sampling_params": {"temperature": "hot"}},
+            "sampling_params.temperature",
+        ),
+        ("/generate", {"input_ids": [1, 2], "sampling_params": {"top_k": 5}}, "sampling_params.top_k"),
+        ("/generate", {"input_ids": [1, 2], "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),
+        ("/generate", {"input_ids": [1, 2], "return_logprob": "yes"}, "return_logprob"),
+        ("/generate", {"input_ids": [1, 2], "logprob_start_len": 9}, "logprob_start_len"),
+        ("/generate", {"text": "hi"}, "text"),
+        ("/pause_generation", {"mode": "later"}, "mode"),
+        (
+            "/update_weights_from_distributed",
+            {"names": ["x"], "dtypes": ["float32"], "shapes": [[1]], "group_name": "nope"},
+            "group_name",
+        ),
+        ("/destroy_weights_update_group", {"group_name": "nope"}, "group_name"),
+        ("/init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1}, "rank_offset"),
+        ("/update_weights_from_disk", {"model_path": "/nonexistent"}, "model_path"),
+        (
+            "/update_weights_from_tensor",
+            {"serialized_named_tensors": ["not base64!"]},
+            "serialized_named_tensors",
+        ),
+    ],
+)
+def test_bad_requests_answer_400_naming_the_field(model_dir, path, body, param):
+    with _serve(EmbeddedEngine(Qwen3ForCausalLM.from_pretrained(model_dir))) as (url, _):
+        response = httpx.post(f"{url}{path}", json=body)
+        assert response.status_code == 400, response.text
+        error = response.json()
+        assert error["param"] == param and param in error["message"] and error["success"] is False
+        garbage = httpx.post(
+            f"{url}/generate", content=b"{not json", headers={"content-type": "application/json"}
+        )
+        assert garbage.status_code == 400 and garbage.json()["param"] == "body"
+        assert httpx.get(f"{url}/health").status_code == 200
+        ok = httpx.post(
+            f"{url}/generate", json={"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
+        )
+        assert ok.status_code == 200 and len(ok.json()["output_ids"]) == 2
+
+
+def test_api_key_is_required_when_set(model_dir):
+    with _serve(EmbeddedEngine(Qwen3ForCausalLM.from_pretrained(model_dir)), api_key="s3cret") as (url, _):
+        body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
+        assert httpx.post(f"{url}/generate", json=body).status_code == 401
+        wrong = {"Authorization": "Bearer nope"}
+        assert httpx.post(f"{url}/generate", json=body, headers=wrong).status_code == 401
+        assert httpx.get(f"{url}/get_weight_version").status_code == 401
+        assert httpx.get(f"{url}/health").status_code == 200
+
+        async def run(key):
+            client = SGLangEngine(SGLangClientConfig(url=url, api_key=key, retries=0))
+            try:
+                return await client.generate([1, 2], SamplingParams(max_new_tokens=2))
+            finally:
+                await client.aclose()
+
+        assert len(asyncio.run(run("s3cret")).token_ids) == 2
+        with pytest.raises(SGLangError, match="401"):
+            asyncio.run(run(None))
+
+
+@pytest.fixture
+def server_process(model_dir):
+    """``loong-train serve-sglang`` in its own process (the gloo group needs two processes)."""
+    port = _port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "loong_train.cli", "serve-sglang", str(model_dir), "--port", str(port)]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"server exited: {proc.stdout.read().decode()}")
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{url}/health").status_code == 200:
+                break
+        time.sleep(0.2)
+    yield url
+    proc.terminate()
+    proc.wait(10)
+
+
+def _served_weights(url: str, names) -> dict[str, torch.Tensor]:
+    get = lambda n: httpx.post(f"{url}/get_weights_by_name", json={"name": n, "truncate_size": 10**9}).json()  # noqa: E731
+    return {n: torch.tensor(get(n)) for n in names}
+
+
+@pytest.mark.integration
+def test_distributed_update_is_bit_exact_and_versioned(server_process):
+    url = server_process
+    new = {k: v.detach().clone() for k, v in _model(23).named_parameters()}
+    config = SGLangPusherConfig(urls=[url], master_port=_port(), bucket_bytes=8 << 10, timeout_s=60)
+    pusher = SGLangWeightPusher(config)
+    pusher.connect()
+
+    async def generate_across_update():
+        client = SGLangEngine(SGLangClientConfig(url=url))
+        try:
+            task = asyncio.create_task(client.generate(PROMPT, SamplingParams(max_new_tokens=4)))
+            await asyncio.to_thread(pusher.push, new, 3)
+            before = await task
+            after = await client.generate(PROMPT, SamplingParams(max_new_tokens=4))
+            return before, after, client.weight_version
+        finally:
+            await client.aclose()
+
+    before, after, seen = asyncio.run(generate_across_update())
+    assert before.weight_version in (0, 3) and after.weight_version == 3 == seen
+    served = _served_weights(url, new)
+    assert all(torch.equal(served[k], v) for k, v in new.items())
+    scored = httpx.post(
+        f"{url}/generate",
+        json={
+            "input_ids": PROMPT,
+            "sampling_params": {"max_new_tokens": 0},
+            "return_logprob": True,
+            "logprob_start_len": 0,
+        },
+    ).json()["meta_info"]
+    reference = Qwen3ForCausalLM(CFG)
+    reference.load_state_dict(new, strict=False)
+    want = _forward_logprobs(reference.eval(), PROMPT)
+    got = torch.tensor([t[0] for t in scored["input_token_logprobs"][1:]], dtype=torch.float64)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+    wrong = {"model.norm.weight": torch.ones(CFG.hidden_size + 1)}
+    with pytest.raises(SGLangUpdateError, match=r"model\.norm\.weight"):
+        pusher.push(wrong, 4)
+    assert httpx.get(f"{url}/get_weight_version").json()["weight_version"] == "3"
+    assert torch.equal(
+        _served_weights(url, ["model.norm.weight"])["model.norm.weight"], new["model.norm.weight"]
+    )
+    pusher.shutdown()
+
+    # Per-tensor broadcasts (SGLang versions without flattened buckets), through a fresh group.
+    direct = SGLangWeightPusher(msgspec.structs.replace(config, load_format="direct", master_port=_port()))
+    direct.connect()
+    newer = {k: v.detach().clone() for k, v in _model(29).named_parameters()}
+    direct.push(newer, 7)
+    served = _served_weights(url, newer)
+    assert all(torch.equal(served[k], v) for k, v in newer.items())
+    direct.shutdown()
+    assert httpx.get(f"{url}/health").status_code == 200

@@ -1,0 +1,332 @@
+"""Push named tensors into running SGLang servers through SGLang's own weight-update endpoints.
+
+No ``import sglang``: this speaks SGLang's native HTTP API (field names as in SGLang's
+``managers/io_struct.py``) and joins the same ``torch.distributed`` group the server creates,
+so any training framework can drive any SGLang server (or Loong's embedded server, which serves
+the same endpoints on CPU).
+
+Protocol, for a trainer (rank 0) and ``n`` servers with ``r`` ranks each (tensor parallel size):
+  1. ``POST /init_weights_update_group {master_address, master_port, rank_offset = 1 + i * r,
+     world_size = 1 + n * r, group_name, backend}`` to every server while the trainer joins the
+     rendezvous at ``tcp://master_address:master_port`` as rank 0 (every call blocks until all
+     ranks joined). The rendezvous is the one SGLang uses: a TCP store hosted by rank 0, keys
+     under ``group_name``, a process group built the way ``torch.distributed`` builds its own.
+  2. Per update: ``POST /pause_generation``; per bucket ``POST /update_weights_from_distributed
+     {names, dtypes, shapes, group_name, flush_cache, weight_version, load_format:
+     "flattened_bucket"}`` while the trainer broadcasts the bucket from rank 0; the last bucket
+     carries ``weight_version``; ``POST /continue_generation``; ``GET /get_weight_version`` must
+     read back the new version.
+  3. ``POST /destroy_weights_update_group {group_name}``.
+
+A flattened bucket (SGLang's ``flattened_bucket`` load format) is the concatenation of the
+flattened tensors, in ``names`` order, as one 1-D tensor with no padding: tensor ``k`` occupies
+elements ``[sum(numel[:k]), sum(numel[:k+1]))``. Its dtype is the promotion of the bucket's
+dtypes, so buckets here hold one dtype each and every byte arrives unconverted (bit-exact).
+``loong_transfermesh.manifest.build_manifest`` is not reused: its buckets are byte buffers with
+64-byte-aligned offsets and mixed dtypes, which is not this wire format.
+
+Backends: ``nccl`` (tensors are moved to the current CUDA device) or ``gloo`` (CPU).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import functools
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import msgspec
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "SGLangPusherConfig",
+    "SGLangUpdateError",
+    "SGLangWeightPusher",
+    "flatten_bucket",
+    "join_weight_update_group",
+    "plan_buckets",
+    "unflatten_bucket",
+]
+
+
+class SGLangUpdateError(RuntimeError):
+    """A server refused or failed a weight-update call; the message is the server's."""
+
+
+class SGLangPusherConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Where the servers are and how to reach them.
+
+    ``urls``: base URLs of the servers (``http://host:port``). ``ranks_per_engine``: each server's
+    tensor-parallel size. ``master_address``/``master_port``: the trainer's rendezvous, reachable
+    from every server. ``bucket_bytes``: upper bound of one broadcast (a larger tensor goes alone).
+    ``pause_mode``: SGLang's ``/pause_generation`` mode (``in_place`` keeps requests running
+    across the update, ``retract`` re-prefills them, ``abort`` returns them early).
+    ``load_format``: ``flattened_bucket`` (one broadcast per bucket) or ``direct`` (one broadcast
+    per tensor, in ``names`` order: for SGLang versions without flattened buckets).
+    """
+
+    urls: list[str]
+    master_address: str = "127.0.0.1"
+    master_port: int = 29600
+    backend: str = "gloo"
+    group_name: str = "weight_update_group"
+    ranks_per_engine: int = 1
+    bucket_bytes: int = 512 << 20
+    api_key: str | None = None
+    timeout_s: float = 600.0
+    pause: bool = True
+    pause_mode: str = "in_place"
+    flush_cache: bool = True
+    load_format: str = "flattened_bucket"
+
+    def __post_init__(self) -> None:
+        if not self.urls:
+            raise ValueError("urls must name at least one server")
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {self.backend!r}")
+        if self.pause_mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"pause_mode must be abort, retract or in_place, got {self.pause_mode!r}")
+        if self.load_format not in ("flattened_bucket", "direct"):
+            raise ValueError(f"load_format must be flattened_bucket or direct, got {self.load_format!r}")
+        if self.ranks_per_engine < 1 or self.bucket_bytes < 1:
+            raise ValueError("ranks_per_engine and bucket_bytes must be >= 1")
+
+
+def join_weight_update_group(
+    master_address: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    group_name: str,
+    backend: str,
+    timeout: datetime.timedelta = datetime.timedelta(minutes=10),
+) -> dist.ProcessGroup:
+    """Join (rank 0: host) the rendezvous SGLang's ``/init_weights_update_group`` joins.
+
+    A standalone group: no default process group is needed or touched, so a trainer that already
+    runs its own ``torch.distributed`` world can add this one next to it.
+    """
+    from torch.distributed.distributed_c10d import (
+        Backend,
+        PrefixStore,
+        _new_process_group_helper,
+        _world,
+        rendezvous,
+    )
+
+    url = f"tcp://{master_address}:{master_port}"
+    store, rank, world_size = next(rendezvous(url, rank, world_size, timeout=timeout))
+    store.set_timeout(timeout)
+    group, _ = _new_process_group_helper(
+        world_size,
+        rank,
+        [],
+        Backend(backend),
+        PrefixStore(group_name, store),
+        group_name=group_name,
+        timeout=timeout,
+    )
+    _world.pg_group_ranks[group] = {i: i for i in range(world_size)}
+    return group
+
+
+def plan_buckets(named: Mapping[str, torch.Tensor], bucket_bytes: int) -> list[list[str]]:
+    """Group names into buckets of one dtype and at most ``bucket_bytes`` (model order kept per dtype)."""
+    open_: dict[torch.dtype, tuple[list[str], int]] = {}
+    buckets: list[list[str]] = []
+    for name, t in named.items():
+        nbytes = t.numel() * t.element_size()
+        names, size = open_.get(t.dtype, ([], 0))
+        if names and size + nbytes > bucket_bytes:
+            buckets.append(names)
+            names, size = [], 0
+        open_[t.dtype] = ([*names, name], size + nbytes)
+    return buckets + [names for names, _ in open_.values()]
+
+
+def flatten_bucket(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    """One 1-D tensor: the flattened ``tensors`` back to back (SGLang's flattened bucket)."""
+    return torch.cat([t.reshape(-1) for t in tensors])
+
+
+def bucket_dtype(dtypes: Sequence[torch.dtype]) -> torch.dtype:
+    """The dtype of a flattened bucket: the promotion of its tensors' dtypes."""
+    return functools.reduce(torch.promote_types, dtypes)
+
+
+def unflatten_bucket(
+    flat: torch.Tensor, names: Sequence[str], dtypes: Sequence[torch.dtype], shapes: Sequence[Sequence[int]]
+) -> dict[str, torch.Tensor]:
+    """Views of ``flat`` (converted where a dtype differs from the bucket's), by name."""
+    out, start = {}, 0
+    for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
+        numel = 1
+        for s in shape:
+            numel *= s
+        out[name] = flat[start : start + numel].view(*shape).to(dtype)
+        start += numel
+    return out
+
+
+def dtype_field(dtype: torch.dtype) -> str:
+    """The dtype as SGLang's ``dtypes`` field spells it (``getattr(torch, name)`` inverts it)."""
+    return str(dtype).removeprefix("torch.")
+
+
+class SGLangWeightPusher:
+    """Drives SGLang's weight-update endpoints on one or more servers.
+
+    Lifecycle::
+
+        pusher = SGLangWeightPusher(SGLangPusherConfig(urls=["http://10.0.0.2:30000"],
+                                                       master_address="10.0.0.1", backend="nccl"))
+        pusher.connect()                         # init_weights_update_group on every server
+        for step in ...:
+            pusher.push(model.state_dict(), version=step)   # pause, buckets, continue, verify
+        pusher.close()                           # destroy_weights_update_group
+
+    ``push_from_disk(path, version)`` needs no group (``/update_weights_from_disk``).
+    Not thread-safe: one update at a time.
+    """
+
+    def __init__(self, config: SGLangPusherConfig) -> None:
+        self.config = config
+        headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+        self._http = httpx.Client(headers=headers, timeout=config.timeout_s)
+        self._pool = ThreadPoolExecutor(max_workers=len(config.urls))
+        self._group: dist.ProcessGroup | None = None
+
+    @property
+    def world_size(self) -> int:
+        return 1 + len(self.config.urls) * self.config.ranks_per_engine
+
+    def connect(self) -> None:
+        """Create the broadcast group: every server joins while this process hosts rank 0."""
+        c = self.config
+        calls = [
+            self._post_async(
+                url,
+                "/init_weights_update_group",
+                {
+                    "master_address": c.master_address,
+                    "master_port": c.master_port,
+                    "rank_offset": 1 + i * c.ranks_per_engine,
+                    "world_size": self.world_size,
+                    "group_name": c.group_name,
+                    "backend": c.backend,
+                },
+            )
+            for i, url in enumerate(c.urls)
+        ]
+        timeout = datetime.timedelta(seconds=c.timeout_s)
+        try:
+            group = join_weight_update_group(
+                c.master_address, c.master_port, 0, self.world_size, c.group_name, c.backend, timeout
+            )
+        finally:
+            _results(calls)
+        self._group = group
+
+    def push(self, named: Mapping[str, torch.Tensor], version: int) -> None:
+        """Broadcast ``named`` bucket by bucket; on return every server serves ``version``."""
+        if self._group is None:
+            raise RuntimeError("call connect() before push()")
+        buckets = plan_buckets(named, self.config.bucket_bytes)
+        with self._paused():
+            for i, names in enumerate(buckets):
+                last = i == len(buckets) - 1
+                self._send_bucket([(n, named[n]) for n in names], str(version) if last else None)
+        self.check_version(version)
+
+    def push_from_disk(self, model_path: str, version: int) -> None:
+        """Have every server load a Hugging Face checkpoint directory it can read."""
+        body = {"model_path": model_path, "weight_version": str(version)}
+        self._all("/update_weights_from_disk", body)
+        self.check_version(version)
+
+    def check_version(self, version: int) -> None:
+        for url in self.config.urls:
+            got = self._http.get(f"{url}/get_weight_version").raise_for_status().json()["weight_version"]
+            if got != str(version):
+                raise SGLangUpdateError(f"{url} reports weight_version {got!r}, expected {version!r}")
+
+    def close(self) -> None:
+        """Destroy the group on the servers and here; the pusher can ``connect()`` again."""
+        if self._group is not None:
+            try:
+                self._all("/destroy_weights_update_group", {"group_name": self.config.group_name})
+            finally:
+                dist.destroy_process_group(self._group)
+                self._group = None
+
+    def shutdown(self) -> None:
+        self.close()
+        self._pool.shutdown()
+        self._http.close()
+
+    def _send_bucket(self, items: list[tuple[str, torch.Tensor]], version: str | None) -> None:
+        c = self.config
+        body: dict[str, Any] = {
+            "names": [n for n, _ in items],
+            "dtypes": [dtype_field(t.dtype) for _, t in items],
+            "shapes": [list(t.shape) for _, t in items],
+            "group_name": c.group_name,
+            "flush_cache": c.flush_cache,
+        }
+        if c.load_format == "flattened_bucket":
+            body["load_format"] = "flattened_bucket"
+        if version is not None:
+            body["weight_version"] = version
+        device = "cuda" if c.backend == "nccl" else "cpu"
+        if c.load_format == "flattened_bucket":
+            sends = [flatten_bucket([t.detach() for _, t in items]).to(device)]
+        else:
+            sends = [t.detach().to(device).contiguous() for _, t in items]
+        calls = [self._post_async(url, "/update_weights_from_distributed", body) for url in c.urls]
+        try:
+            for t in sends:
+                dist.broadcast(t, src=0, group=self._group)
+        finally:
+            _results(calls)
+
+    @contextlib.contextmanager
+    def _paused(self) -> Iterator[None]:
+        if not self.config.pause:
+            yield
+            return
+        self._all("/pause_generation", {"mode": self.config.pause_mode})
+        try:
+            yield
+        finally:
+            self._all("/continue_generation", {})
+
+    def _all(self, path: str, body: dict) -> list[dict]:
+        return _results([self._post_async(url, path, body) for url in self.config.urls])
+
+    def _post_async(self, url: str, path: str, body: dict | None = None) -> Future:
+        return self._pool.submit(self._post, url, path, body)
+
+    def _post(self, url: str, path: str, body: dict | None) -> dict:
+        response = self._http.post(f"{url}{path}", json=body)
+        try:
+            payload = response.json()
+        except ValueError:
+            payload = {"message": response.text}
+        if response.status_code != 200 or payload.get("success") is False:
+            raise SGLangUpdateError(
+                f"{url}{path}: HTTP {response.status_code}: {payload.get('message', payload)}"
+            )
+        return payload
+
+
+def _results(calls: list[Future]) -> list[Any]:
+    """Wait for every call, then raise the first failure (no call is left running)."""
+    errors = [f.exception() for f in calls]
+    for e in errors:
+        if e is not None:
+            raise e
+    return [f.result() for f in calls]
