@@ -1,0 +1,169 @@
+"""Black-box agents: run any program as an episode against the AgentFlow proxy.
+
+The runner opens a proxy session per episode and starts the agent program as a subprocess (in its
+own process group) with this contract:
+
+- environment: ``OPENAI_BASE_URL`` (the proxy's ``/v1``) and ``OPENAI_API_KEY`` (the session
+  key), so the official SDK needs no configuration; ``LOONG_SAMPLE_ID``, ``LOONG_GROUP_ID`` and
+  ``LOONG_TASK`` (the task as JSON, when under 64 KiB). Other ``OPENAI_*`` variables of the
+  parent are removed, so an agent cannot reach a real API by accident.
+- stdin: the task as JSON, then end of file.
+- stdout: the agent's final answer, given to ``reward_fn(task, stdout)``; alternatively the agent
+  (or its environment) posts ``{"reward": r}`` to ``/v1/sessions/reward``, which takes precedence.
+
+Outcome of an episode (never a silent 0): ``timeout`` when it runs past ``timeout_s`` (the whole
+process group is killed); ``failed`` when it exits non-zero, never calls the model, or leaves no
+reward; otherwise ``ok``, or ``truncated`` when the session ran out of tokens or its last call
+was cut by ``max_tokens``. The proxy keeps serving every other session throughout.
+
+Example::
+
+    async with ProxyServer(engine, ChatMLRenderer(codec)) as proxy:
+        runner = BlackBoxRunner(proxy, AgentProgram([sys.executable, "my_agent.py"], timeout_s=60),
+                                reward_fn=lambda task, answer: float(answer == task["answer"]))
+        episodes = await runner.run_many(specs)     # one list of trajectory rows per spec
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from loong_agentflow.agent import EpisodeSpec
+from loong_agentflow.proxy import ProxyServer
+from loong_agentflow.proxy_session import Session
+from loong_core.records import EpisodeStatus, Trajectory
+
+__all__ = ["AgentProgram", "BlackBoxRunner"]
+
+_MAX_ENV_TASK = 64 << 10
+
+
+@dataclass(frozen=True)
+class AgentProgram:
+    """The command that runs one episode, its extra environment, working directory and wall-time limit."""
+
+    argv: Sequence[str]
+    env: Mapping[str, str] = field(default_factory=dict)
+    cwd: str | None = None
+    timeout_s: float = 120.0
+
+
+@dataclass
+class _Exit:
+    returncode: int | None
+    stdout: str
+    stderr: str
+    timed_out: bool
+    wall_s: float
+
+
+class BlackBoxRunner:
+    """Runs episodes of one agent program through one proxy, at most ``max_concurrency`` at a time."""
+
+    def __init__(
+        self,
+        proxy: ProxyServer,
+        program: AgentProgram,
+        reward_fn: Callable[[dict[str, Any], str], float] | None = None,
+        max_concurrency: int = 64,
+    ) -> None:
+        self.proxy, self.program, self.reward_fn = proxy, program, reward_fn
+        self._slots = asyncio.Semaphore(max_concurrency)
+
+    async def run_many(self, specs: Sequence[EpisodeSpec]) -> list[list[Trajectory]]:
+        """All episodes concurrently; one list of rows per spec, in ``specs`` order."""
+        return list(await asyncio.gather(*(self.run(s) for s in specs)))
+
+    async def run(self, spec: EpisodeSpec) -> list[Trajectory]:
+        """One episode: its trajectory rows (see :class:`~loong_agentflow.proxy_session.Session`)."""
+        async with self._slots:
+            session = self.proxy.open_session(spec)
+            try:
+                done = await self._execute(session, spec)
+            finally:
+                self.proxy.close_session(session)
+            return self._trajectories(session, spec, done)
+
+    def _env(self, session: Session, spec: EpisodeSpec, task: str) -> dict[str, str]:
+        env = {k: v for k, v in os.environ.items() if not k.startswith("OPENAI_")}
+        env.update(self.program.env)
+        env.update(
+            OPENAI_BASE_URL=self.proxy.base_url,
+            OPENAI_API_KEY=session.api_key,
+            LOONG_SAMPLE_ID=spec.sample_id,
+            LOONG_GROUP_ID=spec.group_id,
+        )
+        if len(task) < _MAX_ENV_TASK:
+            env["LOONG_TASK"] = task
+        return env
+
+    async def _execute(self, session: Session, spec: EpisodeSpec) -> _Exit:
+        task = json.dumps(spec.task)
+        start = time.monotonic()
+        proc = await asyncio.create_subprocess_exec(
+            *self.program.argv,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=self._env(session, spec, task),
+            cwd=self.program.cwd,
+            start_new_session=True,
+        )
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(task.encode()), self.program.timeout_s)
+            timed_out = False
+        except TimeoutError:
+            out, err, timed_out = b"", b"", True
+        finally:
+            if proc.returncode is None:  # timed out or cancelled: the whole process group goes
+                _kill_group(proc.pid)
+                await proc.wait()
+        text = out.decode(errors="replace")
+        return _Exit(proc.returncode, text, err.decode(errors="replace"), timed_out, time.monotonic() - start)
+
+    def _trajectories(self, session: Session, spec: EpisodeSpec, done: _Exit) -> list[Trajectory]:
+        info = {"wall_s": f"{done.wall_s:.3f}", "returncode": str(done.returncode)}
+        status, reward, error = self._outcome(session, spec, done)
+        if error:
+            info["error"] = error
+        return session.trajectories(reward, status, info)
+
+    def _outcome(self, session: Session, spec: EpisodeSpec, done: _Exit) -> tuple[EpisodeStatus, float, str]:
+        if done.timed_out:
+            return EpisodeStatus.TIMEOUT, 0.0, f"agent ran past {self.program.timeout_s}s and was killed"
+        if done.returncode != 0:
+            return (
+                EpisodeStatus.FAILED,
+                0.0,
+                f"agent exited with code {done.returncode}: {done.stderr[-800:]}",
+            )
+        if not session.calls:
+            return EpisodeStatus.FAILED, 0.0, "agent never called the model"
+        if session.reward is not None:
+            reward = session.reward
+        elif self.reward_fn is None:
+            return (
+                EpisodeStatus.FAILED,
+                0.0,
+                "no reward: nothing posted to /v1/sessions/reward and no reward_fn",
+            )
+        else:
+            try:
+                reward = float(self.reward_fn(spec.task, done.stdout.strip()))
+            except Exception as e:  # a broken reward function fails the episode, not the run
+                return EpisodeStatus.FAILED, 0.0, f"reward_fn raised {type(e).__name__}: {e}"
+        status = EpisodeStatus.TRUNCATED if session.truncated else EpisodeStatus.OK
+        return status, reward, ""
+
+
+def _kill_group(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(pid, signal.SIGKILL)

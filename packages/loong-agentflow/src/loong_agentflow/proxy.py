@@ -1,0 +1,444 @@
+"""The AgentFlow proxy: an OpenAI-compatible server that records token-exact black-box episodes.
+
+Any program that speaks the OpenAI API (the ``openai`` SDK, LangChain, a shell script with curl)
+can be an agent: point ``OPENAI_BASE_URL`` at the proxy and use the session's API key. The proxy
+renders the chat template itself, asks a :class:`~loong_core.protocols.RolloutEngine` for token
+ids with logprobs and weight versions, and records every call of the session.
+
+Endpoints (all need ``Authorization: Bearer <session key>``; unknown or finished keys get 401):
+
+- ``POST /v1/chat/completions``: ``messages``, ``tools`` (Hermes ``<tool_call>`` format),
+  ``stream`` (+ ``stream_options.include_usage``), ``n``, ``temperature``, ``top_p``,
+  ``max_tokens`` / ``max_completion_tokens``, ``stop``, ``logprobs``.
+- ``POST /v1/completions``: ``prompt`` (text or token ids), same sampling fields, ``logprobs`` <= 1.
+- ``GET /v1/models``: the one served model.
+- ``POST /v1/sessions/reward``: ``{"reward": float, "turn_rewards": [float], "done": bool}`` sets
+  the episode's reward from inside the agent (or from its environment); ``done: true`` also ends
+  the session, after which its key answers 401.
+
+Token exactness: when a chat call's messages extend an earlier call of the session (that call's
+messages, then the assistant reply it returned, then new messages, with the same tools), the
+prompt is that call's prompt ids + its completion ids + the renderer's continuation for the new
+messages only; the model's tokens are never re-tokenized. Text completions chain the same way by
+text prefix. Errors are OpenAI-style bodies: malformed JSON or unsupported parameters 400 (naming
+the parameter), oversize bodies 413, engine failures 500. A client that disconnects while its
+completion is generated cancels the engine call.
+
+Lifecycle::
+
+    proxy = ProxyServer(engine, ChatMLRenderer(codec))
+    await proxy.start()                      # binds 127.0.0.1 on a free port by default
+    session = proxy.open_session(spec)       # session.api_key, proxy.base_url
+    ...                                      # the agent calls the proxy
+    proxy.close_session(session)
+    rows = session.trajectories(reward, status)
+    await proxy.stop()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import secrets
+import socket
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Route
+
+from loong_agentflow.proxy_chat import (
+    Choice,
+    chat_body,
+    chat_events,
+    completion_body,
+    completion_events,
+    finish_choice,
+)
+from loong_agentflow.proxy_render import ChatRenderer
+from loong_agentflow.proxy_session import CallRecord, Session, normalize_messages
+from loong_agentflow.proxy_wire import (
+    ApiError,
+    ChatRequest,
+    CompletionRequest,
+    decode_request,
+    error_body,
+    now,
+    unsupported,
+)
+from loong_core.protocols import RolloutEngine, SamplingParams
+from loong_core.records import SpanSource, TokenSpan
+
+if TYPE_CHECKING:
+    from loong_agentflow.agent import EpisodeSpec
+
+__all__ = ["ProxyConfig", "ProxyServer"]
+
+_JSON = "application/json"
+_json = msgspec.json.Encoder()
+
+
+class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How the proxy serves.
+
+    ``temperature`` / ``top_p``, when set, override what agents ask for (RL samples at the
+    training temperature whatever the agent's code says); otherwise temperature 0 (greedy) is a
+    400, because the engine samples. ``max_session_model_tokens`` (0 = unlimited) caps the model
+    tokens of one episode; a call past it is a 400 ``context_length_exceeded`` and the episode is
+    marked truncated.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 0
+    model: str = "loong-policy"
+    max_body_bytes: int = 8 << 20
+    default_max_tokens: int = 1024
+    max_n: int = 8
+    max_session_model_tokens: int = 0
+    temperature: float | None = None
+    top_p: float | None = None
+
+
+class RewardRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    reward: float
+    turn_rewards: list[float] = []
+    done: bool = False
+
+
+class _EventStream:
+    """An ASGI response sending prepared server-sent events one body message each."""
+
+    def __init__(self, events: list[bytes]) -> None:
+        self.events = events
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        for event in self.events:
+            await send({"type": "http.response.body", "body": event, "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+class _Gone:
+    """The response to a client that already disconnected: nothing to send."""
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        return None
+
+
+async def _disconnected(receive: Any) -> None:
+    while (await receive())["type"] != "http.disconnect":
+        pass
+
+
+def _error(e: ApiError) -> Response:
+    return Response(error_body(e), e.status, media_type=_JSON)
+
+
+class ProxyServer:
+    """OpenAI-compatible front of a RolloutEngine; one :class:`Session` per episode."""
+
+    def __init__(
+        self, engine: RolloutEngine, renderer: ChatRenderer, config: ProxyConfig | None = None
+    ) -> None:
+        self.engine, self.renderer = engine, renderer
+        self.config = config or ProxyConfig()
+        self.sessions: dict[str, Session] = {}
+        self.inflight = 0
+        self.port = self.config.port
+        self._stop_cache: dict[str, list[int]] = {}
+        self._server: Any = None
+        self._task: asyncio.Task[None] | None = None
+        routes = [
+            Route("/v1/chat/completions", self._chat, methods=["POST"]),
+            Route("/v1/completions", self._completions, methods=["POST"]),
+            Route("/v1/models", self._models, methods=["GET"]),
+            Route("/v1/sessions/reward", self._reward, methods=["POST"]),
+        ]
+        self.app = Starlette(routes=routes, exception_handlers={HTTPException: self._http_error})
+
+    # -- lifecycle ---------------------------------------------------------------------------
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{self.config.host}:{self.port}/v1"
+
+    async def start(self) -> None:
+        """Serve on ``config.host:config.port`` (port 0 picks a free one) in the running loop."""
+        import uvicorn
+
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.config.host, self.config.port))
+        self.port = sock.getsockname()[1]
+        config = uvicorn.Config(
+            self.app,
+            log_config=None,
+            log_level="warning",
+            access_log=False,
+            lifespan="off",
+            backlog=4096,
+            timeout_keep_alive=60,
+            timeout_graceful_shutdown=5,
+        )
+        self._server = uvicorn.Server(config)
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]), name="loong-proxy-server")
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()
+            await asyncio.sleep(0.005)
+
+    async def stop(self) -> None:
+        if self._server is not None and self._task is not None:
+            self._server.should_exit = True
+            await self._task
+            self._server = self._task = None
+
+    async def __aenter__(self) -> ProxyServer:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def open_session(self, spec: EpisodeSpec) -> Session:
+        key = "sk-loong-" + secrets.token_urlsafe(24)
+        session = Session(key, spec, self.config.max_session_model_tokens)
+        self.sessions[key] = session
+        return session
+
+    def close_session(self, session: Session) -> None:
+        """End a session: its key answers 401 from now on and nothing more is recorded."""
+        session.closed = True
+        self.sessions.pop(session.api_key, None)
+        session.done.set()
+
+    # -- request plumbing --------------------------------------------------------------------
+
+    def _session(self, request: Request) -> Session:
+        auth = request.headers.get("authorization", "")
+        session = self.sessions.get(auth[7:]) if auth[:7].lower() == "bearer " else None
+        if session is None:
+            raise ApiError(
+                401,
+                "Incorrect API key provided: the key is unknown or its session has finished.",
+                code="invalid_api_key",
+            )
+        return session
+
+    async def _body(self, request: Request) -> bytes:
+        limit = self.config.max_body_bytes
+        declared = request.headers.get("content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > limit):
+            raise ApiError(413, f"Request body exceeds {limit} bytes.", code="request_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise ApiError(413, f"Request body exceeds {limit} bytes.", code="request_too_large")
+            chunks.append(chunk)
+        return b"".join(chunks)
+
+    async def _http_error(self, request: Request, exc: Exception) -> Response:
+        status = exc.status_code if isinstance(exc, HTTPException) else 500
+        return _error(ApiError(status, f"{request.method} {request.url.path}: {exc}", code=str(status)))
+
+    def _sampling(
+        self, req: ChatRequest | CompletionRequest, session: Session, max_tokens: int | None
+    ) -> SamplingParams:
+        cfg = self.config
+        temperature = cfg.temperature or (1.0 if req.temperature is None else req.temperature)
+        if temperature == 0:
+            raise ApiError(
+                400,
+                "Unsupported value for parameter 'temperature': 0 (greedy); the engine samples.",
+                param="temperature",
+            )
+        max_new = max_tokens or cfg.default_max_tokens
+        if session.max_model_tokens:
+            left = session.max_model_tokens - session.model_tokens
+            if left <= 0:
+                session.budget_exhausted = True
+                raise ApiError(
+                    400, "The episode's model-token budget is used up.", code="context_length_exceeded"
+                )
+            max_new = min(max_new, left)
+        stop_ids = list(self.renderer.stop_token_ids)
+        for s in self._stops(req):
+            ids = self._stop_cache.get(s)
+            if ids is None:
+                ids = (
+                    self._stop_cache.setdefault(s, self.renderer.encode(s))
+                    if len(self._stop_cache) < 4096
+                    else []
+                )
+            if len(ids) == 1:
+                stop_ids.append(ids[0])
+        return SamplingParams(
+            temperature=temperature,
+            top_p=cfg.top_p or req.top_p or 1.0,
+            max_new_tokens=max_new,
+            stop_token_ids=stop_ids,
+        )
+
+    @staticmethod
+    def _stops(req: ChatRequest | CompletionRequest) -> list[str]:
+        return [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
+
+    async def _generate(
+        self, request: Request, prompt: list[int], sampling: SamplingParams, n: int
+    ) -> list[TokenSpan] | None:
+        """n completions of ``prompt``, or None when the client disconnected first (the engine call is cancelled)."""
+        if n == 1:
+            gen = asyncio.ensure_future(self.engine.generate(prompt, sampling))
+        else:
+            gen = asyncio.gather(*(self.engine.generate(prompt, sampling) for _ in range(n)))
+        watch = asyncio.ensure_future(_disconnected(request.receive))
+        self.inflight += 1
+        try:
+            done, _ = await asyncio.wait((gen, watch), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gen.cancel()  # no-op once done
+            watch.cancel()
+            self.inflight -= 1
+        if gen not in done:
+            await asyncio.gather(gen, return_exceptions=True)
+            return None
+        result = gen.result()
+        return [result] if n == 1 else list(result)
+
+    def _finish(
+        self, spans: list[TokenSpan], sampling: SamplingParams, stops: Sequence[str], chat: bool
+    ) -> list[Choice]:
+        stop_ids = frozenset(sampling.stop_token_ids)
+        return [finish_choice(s, self.renderer, stop_ids, stops, chat) for s in spans]
+
+    # -- endpoints ---------------------------------------------------------------------------
+
+    async def _chat(self, request: Request) -> Any:
+        try:
+            session = self._session(request)
+            req = decode_request(await self._body(request), ChatRequest)
+            unsupported(req, self.config.max_n)
+            messages, keys = normalize_messages(req.messages)
+            tools_key = _json.encode(req.tools) if req.tools else b""
+            parent = session.chat_parent(keys, tools_key)
+            if parent is None:
+                prompt, observation = self.renderer.render(messages, req.tools), SpanSource.ENV
+            else:
+                call, k = parent
+                new = messages[len(call.messages or ()) + 1 :]
+                prompt = call.prompt_ids + call.spans[k].token_ids
+                if not call.closed[k]:
+                    prompt = prompt + self.renderer.turn_end_ids
+                prompt = prompt + self.renderer.continuation(new, req.tools)
+                tool_only = all(m["role"] == "tool" for m in new)
+                observation = SpanSource.TOOL if tool_only else SpanSource.ENV
+            sampling = self._sampling(req, session, req.max_completion_tokens or req.max_tokens)
+            stops = self._stops(req)
+            spans = await self._call_engine(request, session, prompt, sampling, req.n)
+            if spans is None:
+                return _Gone()
+            choices = self._finish(spans, sampling, stops, chat=True)
+            record = CallRecord(
+                prompt_ids=prompt,
+                spans=[c.span for c in choices],
+                closed=[c.closed for c in choices],
+                finish=[c.finish for c in choices],
+                observation=observation,
+                messages=keys,
+                tools_key=tools_key,
+                replies=[c.reply for c in choices if c.reply is not None],
+            )
+            if session.closed:
+                raise ApiError(
+                    401, "The session finished while this call was generated.", code="invalid_api_key"
+                )
+            session.record(record)
+        except ApiError as e:
+            return _error(e)
+        created, model, logprobs = now(), self.config.model, bool(req.logprobs)
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return _EventStream(
+                chat_events(model, len(prompt), choices, self.renderer, logprobs, include_usage, created)
+            )
+        body = chat_body(model, len(prompt), choices, self.renderer, logprobs, created)
+        return Response(_json.encode(body), media_type=_JSON)
+
+    async def _call_engine(
+        self, request: Request, session: Session, prompt: list[int], sampling: SamplingParams, n: int
+    ) -> list[TokenSpan] | None:
+        try:
+            return await self._generate(request, prompt, sampling, n)
+        except Exception as e:  # the engine's failure is this call's 500, not the server's end
+            session.errors.append(f"{type(e).__name__}: {e}")
+            raise ApiError(500, f"The engine failed: {type(e).__name__}: {e}", type="server_error") from None
+
+    async def _completions(self, request: Request) -> Any:
+        try:
+            session = self._session(request)
+            req = decode_request(await self._body(request), CompletionRequest)
+            unsupported(req, self.config.max_n)
+            prompt_text: str | None = None
+            if isinstance(req.prompt, str):
+                prompt_text = req.prompt
+                parent = session.text_parent(prompt_text)
+                if parent is None:
+                    prompt = self.renderer.encode(prompt_text)
+                else:
+                    prompt = parent[0] + (self.renderer.encode(parent[1]) if parent[1] else [])
+            else:
+                prompt = req.prompt
+            sampling = self._sampling(req, session, req.max_tokens or 16)
+            stops = self._stops(req)
+            spans = await self._call_engine(request, session, prompt, sampling, req.n)
+            if spans is None:
+                return _Gone()
+            choices = self._finish(spans, sampling, stops, chat=False)
+            texts = [(c.text, self.renderer.decode(c.span.token_ids)) for c in choices]
+            record = CallRecord(
+                prompt_ids=prompt,
+                spans=[c.span for c in choices],
+                closed=[c.closed for c in choices],
+                finish=[c.finish for c in choices],
+                prompt_text=prompt_text,
+                texts=texts,
+            )
+            if session.closed:
+                raise ApiError(
+                    401, "The session finished while this call was generated.", code="invalid_api_key"
+                )
+            session.record(record)
+        except ApiError as e:
+            return _error(e)
+        created, model = now(), self.config.model
+        if req.stream:
+            include_usage = bool(req.stream_options and req.stream_options.include_usage)
+            return _EventStream(
+                completion_events(model, len(prompt), choices, self.renderer, include_usage, created)
+            )
+        body = completion_body(model, len(prompt), choices, self.renderer, bool(req.logprobs), created)
+        return Response(_json.encode(body), media_type=_JSON)
+
+    async def _models(self, request: Request) -> Response:
+        try:
+            self._session(request)
+        except ApiError as e:
+            return _error(e)
+        model = {"id": self.config.model, "object": "model", "created": 0, "owned_by": "loong"}
+        return Response(_json.encode({"object": "list", "data": [model]}), media_type=_JSON)
+
+    async def _reward(self, request: Request) -> Response:
+        try:
+            session = self._session(request)
+            req = decode_request(await self._body(request), RewardRequest)
+        except ApiError as e:
+            return _error(e)
+        session.reward, session.turn_rewards = req.reward, list(req.turn_rewards)
+        if req.done:
+            self.close_session(session)
+        return Response(_json.encode({"ok": True, "reward": req.reward, "done": req.done}), media_type=_JSON)
