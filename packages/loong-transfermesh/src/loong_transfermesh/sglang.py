@@ -33,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -164,10 +165,8 @@ def unflatten_bucket(
     """Views of ``flat`` (converted where a dtype differs from the bucket's), by name."""
     out, start = {}, 0
     for name, dtype, shape in zip(names, dtypes, shapes, strict=True):
-        numel = 1
-        for s in shape:
-            numel *= s
-        out[name] = flat[start : start + numel].view(*shape).to(dtype)
+        numel = math.prod(shape)
+        out[name] = flat[start : start + numel].view(tuple(shape)).to(dtype)
         start += numel
     return out
 
