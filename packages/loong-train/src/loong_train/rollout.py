@@ -79,7 +79,7 @@ class RolloutWorker:
         """Receive an update through TransferMesh's shm transport. Ray runs an actor's calls one
         at a time, so the update lands between rollout calls: no generation sees mixed weights."""
         start = time.time()
-        self.receiver.apply(manifest, dict(self.engine.model.named_parameters()))
+        self.receiver.apply(dict(self.engine.model.named_parameters()), version=manifest.version)
         self.engine.set_version(manifest.version)
         end = time.time()
         return {
