@@ -6,6 +6,9 @@ import loong_transfermesh
 def test_exports_are_pinned():
     assert sorted(loong_transfermesh.__all__) == [
         "ManifestMismatch",
+        "SGLangPusherConfig",
+        "SGLangUpdateError",
+        "SGLangWeightPusher",
         "ShmReceiver",
         "ShmSender",
         "TcpReceiver",

@@ -9,6 +9,7 @@ from loong_agentflow.agent import (
     ToolAgent,
     run_episodes,
 )
+from loong_agentflow.sglang_client import SGLangClientConfig, SGLangEngine, SGLangError
 from loong_agentflow.tokens import TextCodec, TokenBuffer
 from loong_agentflow.tools import Tool, ToolCall, ToolRegistry, ToolResult, parse_tool_calls
 
@@ -30,4 +31,8 @@ __all__ = [
     "ToolRegistry",
     "ToolResult",
     "parse_tool_calls",
+    # SGLang servers
+    "SGLangClientConfig",
+    "SGLangEngine",
+    "SGLangError",
 ]

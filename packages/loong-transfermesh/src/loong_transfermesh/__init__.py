@@ -1,6 +1,7 @@
 """Loong TransferMesh: move trainer weights into inference engines, bucketed and versioned."""
 
 from loong_transfermesh.manifest import ManifestMismatch, TransferFailed, build_manifest, check_against
+from loong_transfermesh.sglang import SGLangPusherConfig, SGLangUpdateError, SGLangWeightPusher
 from loong_transfermesh.shm import ShmReceiver, ShmSender, remove_slots
 from loong_transfermesh.tcp import TcpReceiver, TcpSender
 from loong_transfermesh.transport import (
@@ -24,6 +25,10 @@ __all__ = [
     "TcpReceiver",
     "TcpSender",
     "remove_slots",
+    # SGLang servers
+    "SGLangPusherConfig",
+    "SGLangUpdateError",
+    "SGLangWeightPusher",
     # manifests
     "ManifestMismatch",
     "TransferFailed",
