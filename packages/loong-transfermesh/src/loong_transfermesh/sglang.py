@@ -47,6 +47,8 @@ __all__ = [
     "SGLangPusherConfig",
     "SGLangUpdateError",
     "SGLangWeightPusher",
+    "bucket_dtype",
+    "dtype_field",
     "flatten_bucket",
     "join_weight_update_group",
     "plan_buckets",

@@ -66,101 +66,19 @@ from starlette.routing import Route
 
 from loong_core.protocols import SamplingParams
 from loong_train.engines.embedded import EmbeddedEngine
+from loong_train.engines.sglang_wire import (
+    BadRequest,
+    bad_request,
+    dtype_named,
+    field,
+    is_int,
+    json_body,
+    sampling_params,
+    token_ids,
+)
 from loong_transfermesh.sglang import bucket_dtype, join_weight_update_group, unflatten_bucket
 
 __all__ = ["BadRequest", "SGLangServer", "build_app", "main", "serve"]
-
-_MISSING = object()
-# SGLang sampling options this server cannot honour, with SGLang's defaults (accepted when default).
-_DEFAULTS: dict[str, Any] = {
-    "top_k": -1, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
-    "repetition_penalty": 1.0, "min_new_tokens": 0, "n": 1, "ignore_eos": False, "stop": None,
-    "logit_bias": None, "regex": None, "json_schema": None, "ebnf": None, "structural_tag": None,
-    "custom_params": None, "sampling_seed": None,
-}  # fmt: skip
-# Options that only shape detokenized text, which this server never returns.
-_TEXT_ONLY = {"skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim", "stream_interval"}
-_KINDS = {
-    int: lambda v: isinstance(v, int) and not isinstance(v, bool),
-    float: lambda v: isinstance(v, int | float) and not isinstance(v, bool),
-    bool: lambda v: isinstance(v, bool),
-    str: lambda v: isinstance(v, str),
-    list: lambda v: isinstance(v, list),
-    dict: lambda v: isinstance(v, dict),
-}
-
-
-class BadRequest(Exception):
-    """A request field is missing or wrong; ``param`` names it."""
-
-    def __init__(self, param: str, message: str) -> None:
-        super().__init__(f"{param}: {message}")
-        self.param = param
-
-
-def _field(body: dict, key: str, kind: type, default: Any = _MISSING, where: str = "") -> Any:
-    value = body.get(key)
-    if value is None:
-        if default is _MISSING:
-            raise BadRequest(where + key, "is required")
-        return default
-    if not _KINDS[kind](value):
-        raise BadRequest(where + key, f"must be {kind.__name__}, got {type(value).__name__}")
-    return value
-
-
-def _token_ids(value: Any, param: str, vocab: int) -> list[int]:
-    if not isinstance(value, list) or not value:
-        raise BadRequest(param, "must be a non-empty list of token ids")
-    if not all(_KINDS[int](t) and 0 <= t < vocab for t in value):
-        raise BadRequest(param, f"must hold integer token ids in [0, {vocab})")
-    return value
-
-
-def _sampling(raw: Any, param: str) -> tuple[SamplingParams, int]:
-    """SGLang ``sampling_params`` -> (Loong SamplingParams, max_new_tokens which may be 0)."""
-    if not isinstance(raw, dict):
-        raise BadRequest(param, "must be an object")
-    where = param + "."
-    for key, value in raw.items():
-        if key in _DEFAULTS and value not in (_DEFAULTS[key], None) and value != []:
-            raise BadRequest(where + key, "is not supported by the embedded server (SGLang default only)")
-        if key not in _DEFAULTS and key not in _TEXT_ONLY and key not in (
-            "max_new_tokens", "temperature", "top_p", "stop_token_ids",
-        ):  # fmt: skip
-            raise BadRequest(where + key, "is not a sampling parameter")
-    max_new = _field(raw, "max_new_tokens", int, 128, where)
-    temperature = _field(raw, "temperature", float, 1.0, where)
-    top_p = _field(raw, "top_p", float, 1.0, where)
-    stops = _field(raw, "stop_token_ids", list, [], where)
-    if max_new < 0:
-        raise BadRequest(where + "max_new_tokens", "must be >= 0")
-    if temperature <= 0:
-        raise BadRequest(where + "temperature", "must be > 0 (greedy decoding is not supported here)")
-    if not 0 < top_p <= 1:
-        raise BadRequest(where + "top_p", "must be in (0, 1]")
-    if not all(_KINDS[int](t) for t in stops):
-        raise BadRequest(where + "stop_token_ids", "must be a list of integers")
-    sampling = SamplingParams(
-        temperature=temperature, top_p=top_p, max_new_tokens=max(max_new, 1), stop_token_ids=stops
-    )
-    return sampling, max_new
-
-
-def _bad(param: str, message: str, status: int = 400) -> JSONResponse:
-    text = f"{param}: {message}"
-    body = {"success": False, "object": "error", "message": text, "type": "BadRequestError"}
-    return JSONResponse({**body, "param": param, "code": status}, status_code=status)
-
-
-async def _body(request: Request) -> dict:
-    try:
-        body = await request.json() if await request.body() else {}
-    except ValueError as e:
-        raise BadRequest("body", f"is not valid JSON ({e})") from None
-    if not isinstance(body, dict):
-        raise BadRequest("body", "must be a JSON object")
-    return body
 
 
 class SGLangServer:
@@ -184,7 +102,7 @@ class SGLangServer:
 
     # ---- generation ----
     async def generate(self, request: Request) -> Response:
-        body = await _body(request)
+        body = await json_body(request)
         if body.get("text") is not None:
             raise BadRequest("text", "this server takes input_ids only (it has no tokenizer)")
         ids = body.get("input_ids")
@@ -194,14 +112,16 @@ class SGLangServer:
         raws = raw if isinstance(raw, list) else [raw] * len(prompts)
         if len(raws) != len(prompts):
             raise BadRequest("sampling_params", "a list must have one entry per prompt")
-        rid = _field(body, "rid", str, uuid.uuid4().hex) if not batch else uuid.uuid4().hex
-        logprob = _field(body, "return_logprob", bool, False)
-        start = _field(body, "logprob_start_len", int, -1)
+        rid = field(body, "rid", str, uuid.uuid4().hex) if not batch else uuid.uuid4().hex
+        logprob = field(body, "return_logprob", bool, False)
+        start = field(body, "logprob_start_len", int, -1)
         jobs = []
         for i, (prompt, sp) in enumerate(zip(prompts, raws, strict=True)):
             suffix = f"[{i}]" if batch else ""
-            prompt = _token_ids(prompt, "input_ids" + suffix, self.vocab)
-            sampling, max_new = _sampling(sp, "sampling_params" + (suffix if isinstance(raw, list) else ""))
+            prompt = token_ids(prompt, "input_ids" + suffix, self.vocab)
+            sampling, max_new = sampling_params(
+                sp, "sampling_params" + (suffix if isinstance(raw, list) else "")
+            )
             first = len(prompt) - 1 if start == -1 else start
             if not 0 <= first < len(prompt):
                 raise BadRequest("logprob_start_len", f"must be -1 or in [0, {len(prompt)})")
@@ -237,7 +157,7 @@ class SGLangServer:
         return {"output_ids": out, "meta_info": meta}
 
     async def pause(self, request: Request) -> Response:
-        mode = _field(await _body(request), "mode", str, "abort")
+        mode = field(await json_body(request), "mode", str, "abort")
         if mode not in ("abort", "retract", "in_place"):
             raise BadRequest("mode", "must be one of abort, retract, in_place")
         self.paused = True
@@ -265,8 +185,8 @@ class SGLangServer:
 
     async def weights_by_name(self, request: Request) -> Response:
         """SGLang's ``/get_weights_by_name {name, truncate_size}``: the first rows of a parameter."""
-        body = await _body(request)
-        name, size = _field(body, "name", str), _field(body, "truncate_size", int, 100)
+        body = await json_body(request)
+        name, size = field(body, "name", str), field(body, "truncate_size", int, 100)
         param = dict(self.engine.model.named_parameters()).get(name)
         if param is None:
             raise BadRequest("name", f"no parameter named {name!r}")
@@ -299,9 +219,9 @@ class SGLangServer:
                     self.engine.resume()
 
     async def from_disk(self, request: Request) -> Response:
-        body = await _body(request)
-        path = Path(_field(body, "model_path", str))
-        if _field(body, "load_format", str, "auto") not in ("auto", "safetensors"):
+        body = await json_body(request)
+        path = Path(field(body, "model_path", str))
+        if field(body, "load_format", str, "auto") not in ("auto", "safetensors"):
             raise BadRequest("load_format", "only safetensors checkpoints are supported")
         files = sorted(path.glob("*.safetensors"))
         if not files:
@@ -311,17 +231,17 @@ class SGLangServer:
         named: dict[str, torch.Tensor] = {}
         for f in files:
             named.update(await asyncio.to_thread(load_file, str(f)))
-        await self.swap(named, _field(body, "weight_version", str, None))
+        await self.swap(named, field(body, "weight_version", str, None))
         return JSONResponse(
             {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
         )
 
     async def init_group(self, request: Request) -> Response:
-        body = await _body(request)
-        address = _field(body, "master_address", str)
-        port, offset = _field(body, "master_port", int), _field(body, "rank_offset", int)
-        world, name = _field(body, "world_size", int), _field(body, "group_name", str, "weight_update_group")
-        backend = _field(body, "backend", str, "nccl")
+        body = await json_body(request)
+        address = field(body, "master_address", str)
+        port, offset = field(body, "master_port", int), field(body, "rank_offset", int)
+        world, name = field(body, "world_size", int), field(body, "group_name", str, "weight_update_group")
+        backend = field(body, "backend", str, "nccl")
         if name in self.groups:
             raise BadRequest("group_name", f"group {name!r} already exists")
         if not 0 < offset < world:
@@ -334,33 +254,33 @@ class SGLangServer:
                 join_weight_update_group, address, port, offset, world, name, backend, timeout
             )
         except Exception as e:  # rendezvous failures are the caller's to fix; keep serving
-            return _bad("master_address", f"could not join group {name!r}: {e}")
+            return bad_request("master_address", f"could not join group {name!r}: {e}")
         self.groups[name] = group
         return JSONResponse({"success": True, "message": "Succeeded to initialize custom process group."})
 
     async def from_distributed(self, request: Request) -> Response:
-        body = await _body(request)
-        names, dtypes, shapes = (_field(body, k, list) for k in ("names", "dtypes", "shapes"))
-        group = self.groups.get(name := _field(body, "group_name", str, "weight_update_group"))
+        body = await json_body(request)
+        names, dtypes, shapes = (field(body, k, list) for k in ("names", "dtypes", "shapes"))
+        group = self.groups.get(name := field(body, "group_name", str, "weight_update_group"))
         if group is None:
             raise BadRequest(
                 "group_name", f"no weight update group named {name!r}; call /init_weights_update_group"
             )
         if not (len(names) == len(dtypes) == len(shapes)) or not names:
             raise BadRequest("names", "names, dtypes and shapes must be non-empty lists of one length")
-        torch_dtypes = [_dtype(d) for d in dtypes]
-        if not all(isinstance(s, list) and all(_KINDS[int](x) and x >= 0 for x in s) for s in shapes):
+        torch_dtypes = [dtype_named(d) for d in dtypes]
+        if not all(isinstance(s, list) and all(is_int(x) and x >= 0 for x in s) for s in shapes):
             raise BadRequest("shapes", "must be lists of non-negative integers")
-        load_format = _field(body, "load_format", str, "direct")
+        load_format = field(body, "load_format", str, "direct")
         if load_format not in ("direct", "flattened_bucket"):
             raise BadRequest("load_format", "must be null or 'flattened_bucket'")
         receive = _receive_flat if load_format == "flattened_bucket" else _receive_each
         named = await asyncio.to_thread(receive, group, names, torch_dtypes, shapes, self.device)
-        await self.swap(named, _field(body, "weight_version", str, None))
+        await self.swap(named, field(body, "weight_version", str, None))
         return JSONResponse({"success": True, "message": "Succeeded to update parameter online."})
 
     async def destroy_group(self, request: Request) -> Response:
-        name = _field(await _body(request), "group_name", str, "weight_update_group")
+        name = field(await json_body(request), "group_name", str, "weight_update_group")
         group = self.groups.pop(name, None)
         if group is None:
             raise BadRequest("group_name", f"no weight update group named {name!r}")
@@ -368,8 +288,8 @@ class SGLangServer:
         return JSONResponse({"success": True, "message": "Succeeded to destroy custom process group."})
 
     async def from_tensor(self, request: Request) -> Response:
-        body = await _body(request)
-        payloads = _field(body, "serialized_named_tensors", list)
+        body = await json_body(request)
+        payloads = field(body, "serialized_named_tensors", list)
         try:
             raw = base64.b64decode(payloads[0], validate=True)
             loaded = torch.load(io.BytesIO(raw), weights_only=True, map_location=self.device)
@@ -380,15 +300,8 @@ class SGLangServer:
                 "entry 0 must be base64 of torch.save([(name, tensor), ...]) (SGLang's CUDA IPC "
                 f"pickles are not accepted by the embedded server): {e}",
             ) from None
-        await self.swap(named, _field(body, "weight_version", str, None))
+        await self.swap(named, field(body, "weight_version", str, None))
         return JSONResponse({"success": True, "message": "Success"})
-
-
-def _dtype(name: Any) -> torch.dtype:
-    dtype = getattr(torch, name, None) if isinstance(name, str) else None
-    if not isinstance(dtype, torch.dtype):
-        raise BadRequest("dtypes", f"{name!r} is not a torch dtype name")
-    return dtype
 
 
 def _receive_flat(group, names, dtypes, shapes, device) -> dict[str, torch.Tensor]:
@@ -436,8 +349,8 @@ def build_app(
     async def flush(request: Request) -> Response:
         return Response("Cache flushed.\n", status_code=200)
 
-    async def bad_request(request: Request, exc: BadRequest) -> Response:
-        return _bad(exc.param, str(exc).removeprefix(f"{exc.param}: "))
+    async def on_bad_request(request: Request, exc: BadRequest) -> Response:
+        return bad_request(exc.param, str(exc).removeprefix(f"{exc.param}: "))
 
     routes = [
         Route("/generate", s.generate, methods=["POST", "PUT"]),
@@ -455,7 +368,7 @@ def build_app(
         Route("/destroy_weights_update_group", s.destroy_group, methods=["POST"]),
         Route("/update_weights_from_tensor", s.from_tensor, methods=["POST"]),
     ]
-    app = Starlette(routes=routes, exception_handlers={BadRequest: bad_request})
+    app = Starlette(routes=routes, exception_handlers={BadRequest: on_bad_request})
     app.state.sglang = s
     return _ApiKey(app, api_key) if api_key else app
 
