@@ -1,0 +1,154 @@
+"""Black-box episodes end to end: an ``openai``-SDK agent program as a subprocess, the real proxy on
+loopback, the scripted bigram engine (a real sampler with exact logprobs).
+
+Exactness: the recorded ids decode to the transcript the agent saw (its own message list, rendered
+by the template) and to a hand-written expected text; model spans are exactly what the engine
+returned; the recorded logprobs match a fresh scoring pass of the policy over the recorded ids.
+Failures: crash -> failed, hang -> timeout (process group killed), never calls -> failed; healthy
+episodes running at the same time are unaffected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+from agentflow_testkit import CODEC, BigramEngine, ScriptedBigramPolicy, reference_logprobs
+
+from loong_agentflow.agent import EpisodeSpec
+from loong_agentflow.blackbox import AgentProgram, BlackBoxRunner
+from loong_agentflow.proxy import ProxyServer
+from loong_agentflow.proxy_render import ChatMLRenderer
+from loong_core.records import EpisodeStatus, SpanSource
+
+pytestmark = pytest.mark.integration
+
+AGENT = [sys.executable, str(Path(__file__).parent / "agents" / "openai_agent.py")]
+
+
+def add(a: int, b: int) -> str:
+    return f'<tool_call>{{"name": "add", "arguments": {{"a": {a}, "b": {b}}}}}</tool_call>'
+
+
+SCRIPT = [f"Let me add.{add(2, 3)}", f"{add(5, 6)}{add(1, 1)}", "The answer is 11."]
+MESSAGES = [{"role": "system", "content": "You add numbers."}, {"role": "user", "content": "What is 2+3+6?"}]
+EXPECTED = (
+    "<|im_start|>system\nYou add numbers.<|im_end|>\n<|im_start|>user\nWhat is 2+3+6?<|im_end|>\n"
+    f"<|im_start|>assistant\n{SCRIPT[0]}<|im_end|>\n"
+    "<|im_start|>user\n<tool_response>5</tool_response><|im_end|>\n"
+    f"<|im_start|>assistant\n{SCRIPT[1]}<|im_end|>\n"
+    "<|im_start|>user\n<tool_response>11</tool_response><|im_end|>\n"
+    "<|im_start|>user\n<tool_response>2</tool_response><|im_end|>\n"
+    f"<|im_start|>assistant\n{SCRIPT[2]}<|im_end|>"
+)
+
+
+def _template_messages(messages: list[dict]) -> list[dict]:
+    out = []
+    for m in messages:
+        m = dict(m)
+        if m.get("tool_calls"):
+            m["tool_calls"] = [
+                {
+                    "function": {
+                        "name": c["function"]["name"],
+                        "arguments": json.loads(c["function"]["arguments"]),
+                    }
+                }
+                for c in m["tool_calls"]
+            ]
+        out.append(m)
+    return out
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_openai_sdk_agent_multi_turn_tools_is_token_exact(stream, tmp_path):
+    policy = ScriptedBigramPolicy(SCRIPT)
+    engine = BigramEngine(policy, seed=1, bump_every=1)  # a weight update after every call
+    transcript = tmp_path / "transcript.json"
+    task = {"messages": MESSAGES, "stream": stream, "transcript": str(transcript), "answer": "11"}
+
+    async def main():
+        async with ProxyServer(engine, ChatMLRenderer(CODEC)) as proxy:
+            runner = BlackBoxRunner(
+                proxy,
+                AgentProgram(AGENT, timeout_s=60),
+                reward_fn=lambda task, out: float(out == f"The answer is {task['answer']}."),
+            )
+            return await runner.run(EpisodeSpec("ep0", "g0", task, tags={"domain": "math"}))
+
+    (row,) = asyncio.run(main())
+    assert row.status is EpisodeStatus.OK and row.reward == 1.0, row.info
+    assert row.sample_id == "ep0" and row.tags == {"domain": "math"}
+    row.validate()
+    text = CODEC.decode(row.token_ids)
+    assert text == EXPECTED
+    seen = json.loads(transcript.read_text())
+    assert (
+        ChatMLRenderer(CODEC).text(_template_messages(seen["messages"]), generation_prompt=False)
+        == text + "\n"
+    )
+    sources = [s.source for s in row.spans]
+    M, P, T = SpanSource.MODEL, SpanSource.PROMPT, SpanSource.TOOL
+    assert sources == [P, M, T, M, T, M]
+    model_spans = [s for s in row.spans if s.is_model]
+    assert model_spans == [
+        span for _, span in engine.log
+    ]  # ids, logprobs and versions as the engine returned
+    assert [s.weight_version for s in model_spans] == [0, 1, 2]
+    assert seen["logprobs"] == [s.logprobs for s in model_spans]  # what the agent was sent
+    fresh = reference_logprobs(policy, row.token_ids, row.loss_mask, temperature=1.0)
+    assert all(abs(a - b) < 1e-9 for a, b in zip(fresh, row.logprobs, strict=True))
+    assert sum(row.loss_mask) == sum(len(s.token_ids) for s in model_spans)
+
+
+def test_failing_agents_are_marked_and_do_not_disturb_healthy_ones(tmp_path):
+    engine = BigramEngine(ScriptedBigramPolicy(["ok"]))
+    pidfile = tmp_path / "hang.pid"
+
+    def spec(i: int, mode: str) -> EpisodeSpec:
+        task = {"messages": MESSAGES, "mode": mode, "pidfile": str(pidfile), "stream": False}
+        task["transcript"] = str(tmp_path / f"t{i}.json")
+        return EpisodeSpec(f"e{i}", "g0", task)
+
+    specs = [spec(0, "crash"), spec(1, "hang"), spec(2, "silent"), spec(3, "post_reward"), spec(4, "tools")]
+
+    async def main():
+        async with ProxyServer(engine, ChatMLRenderer(CODEC)) as proxy:
+            runner = BlackBoxRunner(proxy, AgentProgram(AGENT, timeout_s=10), reward_fn=lambda task, out: 1.0)
+            episodes = await runner.run_many(specs)
+            assert proxy.sessions == {}
+            return episodes
+
+    crash, hang, silent, posted, healthy = (rows[0] for rows in asyncio.run(main()))
+    assert crash.status is EpisodeStatus.FAILED and "agent bug" in crash.info["error"]
+    assert crash.num_model_tokens > 0  # its call is kept, but the status excludes it from training
+    assert hang.status is EpisodeStatus.TIMEOUT and "killed" in hang.info["error"]
+    pid = int(pidfile.read_text())
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
+    assert silent.status is EpisodeStatus.FAILED and silent.spans == []
+    assert silent.info["error"] == "agent never called the model"
+    assert (
+        posted.status is EpisodeStatus.TRUNCATED and posted.reward == 0.75
+    )  # max_tokens=2 cut its only call
+    assert healthy.status is EpisodeStatus.OK and healthy.reward == 1.0
+    assert all(not t.status.trainable for t in (crash, hang, silent))
+
+
+def test_missing_reward_fails_the_episode(tmp_path):
+    engine = BigramEngine(ScriptedBigramPolicy(["ok"]))
+    task = {"messages": MESSAGES, "stream": False, "transcript": str(tmp_path / "t.json")}
+
+    async def main():
+        async with ProxyServer(engine, ChatMLRenderer(CODEC)) as proxy:
+            return await BlackBoxRunner(proxy, AgentProgram(AGENT, timeout_s=30)).run(
+                EpisodeSpec("e", "g", task)
+            )
+
+    (row,) = asyncio.run(main())
+    assert row.status is EpisodeStatus.FAILED and row.info["error"].startswith("no reward")

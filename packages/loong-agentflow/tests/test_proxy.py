@@ -1,0 +1,391 @@
+"""The proxy over real HTTP on loopback, against the scripted bigram engine (a real sampler).
+
+Checks the OpenAI wire format (JSON and SSE), prompt chaining by exact ids, trajectory rows,
+and every bad-input path: malformed JSON, unknown/finished keys, unsupported parameters,
+oversize bodies, client disconnects, engine failures, exhausted budgets.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import httpx
+import pytest
+from agentflow_testkit import CODEC, BigramEngine, ScriptedBigramPolicy
+
+from loong_agentflow.agent import EpisodeSpec
+from loong_agentflow.proxy import ProxyConfig, ProxyServer
+from loong_agentflow.proxy_render import ChatMLRenderer
+from loong_core.protocols import SamplingParams
+from loong_core.records import EpisodeStatus, SpanSource, TokenSpan
+
+pytestmark = pytest.mark.integration
+
+CALL = '<tool_call>{"name": "add", "arguments": {"a": 2, "b": 3}}</tool_call>'
+SCRIPT = [f"Adding.{CALL}", "It is 5."]
+USER = [{"role": "user", "content": "add 2 and 3"}]
+
+
+class CountingRenderer(ChatMLRenderer):
+    def __init__(self) -> None:
+        super().__init__(CODEC)
+        self.full_renders = 0
+
+    def render(self, messages, tools):
+        self.full_renders += 1
+        return super().render(messages, tools)
+
+
+def run(coro):
+    return asyncio.run(asyncio.wait_for(coro, 60))
+
+
+async def _client(proxy: ProxyServer, key: str) -> httpx.AsyncClient:
+    return httpx.AsyncClient(base_url=proxy.base_url, headers={"Authorization": f"Bearer {key}"}, timeout=30)
+
+
+def _spec(i: int = 0) -> EpisodeSpec:
+    return EpisodeSpec(f"s{i}", "g0", {})
+
+
+def _sse(text: str) -> list[dict | str]:
+    events = [e for e in text.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    return [e[6:] if e[6:] == "[DONE]" else json.loads(e[6:]) for e in events]
+
+
+def test_multi_turn_chat_chains_exact_ids_into_one_row():
+    async def main():
+        engine, renderer = BigramEngine(ScriptedBigramPolicy(SCRIPT)), CountingRenderer()
+        async with ProxyServer(engine, renderer) as proxy:
+            session = proxy.open_session(_spec())
+            async with await _client(proxy, session.api_key) as c:
+                r = await c.post("/chat/completions", json={"messages": USER, "top_p": 0.5, "logprobs": True})
+                body = r.json()
+                assert r.status_code == 200 and body["object"] == "chat.completion"
+                choice = body["choices"][0]
+                assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Adding."
+                call = choice["message"]["tool_calls"][0]
+                assert call["function"] == {"name": "add", "arguments": '{"a": 2, "b": 3}'}
+                assert [e["logprob"] for e in choice["logprobs"]["content"]] == engine.log[0][1].logprobs
+                tool = {"role": "tool", "tool_call_id": call["id"], "content": "5"}
+                messages = [*USER, choice["message"], tool]
+                r = await c.post("/chat/completions", json={"messages": messages, "top_p": 0.5})
+                assert r.json()["choices"][0]["message"]["content"] == "It is 5."
+            proxy.close_session(session)
+        assert renderer.full_renders == 1  # the second prompt reused ids + tokenized only the tool turn
+        (p1, s1), (p2, s2) = engine.log
+        assert p2 == p1 + s1.token_ids + CODEC.encode(
+            "\n<|im_start|>user\n<tool_response>5</tool_response><|im_end|>\n<|im_start|>assistant\n"
+        )
+        (row,) = session.trajectories(1.0, EpisodeStatus.OK)
+        assert [s.source for s in row.spans] == [
+            SpanSource.PROMPT,
+            SpanSource.MODEL,
+            SpanSource.TOOL,
+            SpanSource.MODEL,
+        ]
+        assert row.token_ids == p2 + s2.token_ids
+        assert row.spans[1] == s1 and row.spans[3] == s2
+        assert row.loss_mask == [0] * len(p1) + [1] * len(s1.token_ids) + [0] * (
+            len(p2) - len(p1) - len(s1.token_ids)
+        ) + [1] * len(s2.token_ids)
+        assert row.info["rows"] == "1" and row.info["calls"] == "2"
+
+    run(main())
+
+
+def test_edited_history_starts_a_new_row_and_n_choices_fork():
+    async def main():
+        engine = BigramEngine(ScriptedBigramPolicy(["ok"]))
+        async with ProxyServer(engine, ChatMLRenderer(CODEC)) as proxy:
+            session = proxy.open_session(_spec())
+            async with await _client(proxy, session.api_key) as c:
+                r = await c.post("/chat/completions", json={"messages": USER, "n": 2, "top_p": 0.5})
+                assert [ch["message"]["content"] for ch in r.json()["choices"]] == ["ok", "ok"]
+                edited = [{"role": "user", "content": "something else"}]
+                assert (
+                    await c.post("/chat/completions", json={"messages": edited, "top_p": 0.5})
+                ).status_code == 200
+            proxy.close_session(session)
+        rows = session.trajectories(0.5, EpisodeStatus.OK)
+        assert [t.sample_id for t in rows] == ["s0", "s0#1", "s0#2"]
+        assert all(t.reward == 0.5 and t.info["rows"] == "3" for t in rows)
+        assert [[s.source for s in t.spans] for t in rows] == [[SpanSource.PROMPT, SpanSource.MODEL]] * 3
+
+    run(main())
+
+
+def test_stream_is_openai_sse_and_matches_the_json_answer():
+    async def main():
+        engine = BigramEngine(ScriptedBigramPolicy(SCRIPT))
+        async with ProxyServer(engine, ChatMLRenderer(CODEC)) as proxy:
+            session = proxy.open_session(_spec())
+            req = {
+                "messages": USER,
+                "top_p": 0.5,
+                "stream": True,
+                "logprobs": True,
+                "stream_options": {"include_usage": True},
+            }
+            async with await _client(proxy, session.api_key) as c:
+                r = await c.post("/chat/completions", json=req)
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = _sse(r.text)
+        assert events[-1] == "[DONE]" and events[0]["choices"][0]["delta"]["role"] == "assistant"
+        chunks = events[1:-2]
+        content = "".join(e["choices"][0]["delta"].get("content") or "" for e in chunks)
+        calls = [tc for e in chunks for tc in e["choices"][0]["delta"].get("tool_calls") or ()]
+        assert content == "Adding."
+        assert calls[0]["function"] == {"name": "add", "arguments": ""} and calls[0]["id"].startswith("call")
+        assert calls[1]["function"] == {"arguments": '{"a": 2, "b": 3}'}
+        assert chunks[-1]["choices"][0]["finish_reason"] == "tool_calls"
+        lps = [
+            x["logprob"]
+            for e in chunks
+            if e["choices"][0]["logprobs"]
+            for x in e["choices"][0]["logprobs"]["content"]
+        ]
+        assert lps == engine.log[0][1].logprobs
+        usage = events[-2]["usage"]
+        assert events[-2]["choices"] == [] and usage["completion_tokens"] == len(engine.log[0][1].token_ids)
+
+    run(main())
+
+
+def test_stop_string_cuts_the_answer_and_the_row_keeps_the_model_tokens():
+    async def main():
+        engine = BigramEngine(ScriptedBigramPolicy(["one. two. three."]))
+        async with ProxyServer(engine, ChatMLRenderer(CODEC)) as proxy:
+            session = proxy.open_session(_spec())
+            async with await _client(proxy, session.api_key) as c:
+                r = await c.post("/chat/completions", json={"messages": USER, "top_p": 0.5, "stop": ["two"]})
+                choice = r.json()["choices"][0]
+                assert choice["message"]["content"] == "one. " and choice["finish_reason"] == "stop"
+                follow = [
+                    *USER,
+                    {"role": "assistant", "content": "one. "},
+                    {"role": "user", "content": "go on"},
+                ]
+                assert (
+                    await c.post("/chat/completions", json={"messages": follow, "top_p": 0.5})
+                ).status_code == 200
+            proxy.close_session(session)
+        (row,) = session.trajectories(1.0, EpisodeStatus.OK)
+        assert CODEC.decode(row.spans[1].token_ids) == "one. two"  # kept up to the stop string's last token
+        assert CODEC.decode(row.spans[2].token_ids).startswith("<|im_end|>\n<|im_start|>user\ngo on")
+
+    run(main())
+
+
+def test_text_completions_chain_by_text_and_models_lists_the_policy():
+    async def main():
+        engine = BigramEngine(ScriptedBigramPolicy(None), seed=3)
+        async with ProxyServer(engine, ChatMLRenderer(CODEC), ProxyConfig(model="tiny")) as proxy:
+            session = proxy.open_session(_spec())
+            async with await _client(proxy, session.api_key) as c:
+                models = (await c.get("/models")).json()
+                assert models["data"][0]["id"] == "tiny"
+                r = (
+                    await c.post("/completions", json={"prompt": "abc", "max_tokens": 5, "logprobs": 1})
+                ).json()
+                text = r["choices"][0]["text"]
+                assert r["choices"][0]["logprobs"]["token_logprobs"] == engine.log[0][1].logprobs
+                assert r["choices"][0]["finish_reason"] in ("length", "stop")
+                r = await c.post(
+                    "/completions", json={"prompt": "abc" + text + "xyz", "max_tokens": 3, "stream": True}
+                )
+                events = _sse(r.text)
+                assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"]
+            proxy.close_session(session)
+        (p1, s1), (p2, _) = engine.log
+        assert p2 == p1 + s1.token_ids + CODEC.encode("xyz")
+        assert len(session.trajectories(1.0, EpisodeStatus.OK)) == 1
+
+    run(main())
+
+
+def test_bad_requests_get_openai_error_bodies():
+    async def main():
+        engine = BigramEngine(ScriptedBigramPolicy(["ok"]))
+        config = ProxyConfig(max_body_bytes=4096)
+        async with ProxyServer(engine, ChatMLRenderer(CODEC), config) as proxy:
+            session = proxy.open_session(_spec())
+            async with await _client(proxy, session.api_key) as c:
+                cases = {
+                    "malformed": await c.post(
+                        "/chat/completions",
+                        content=b'{"messages": [',
+                        headers={"content-type": "application/json"},
+                    ),
+                    "unknown_param": await c.post(
+                        "/chat/completions", json={"messages": USER, "frobnicate": 1}
+                    ),
+                    "seed": await c.post("/chat/completions", json={"messages": USER, "seed": 7}),
+                    "greedy": await c.post("/chat/completions", json={"messages": USER, "temperature": 0}),
+                    "wrong_type": await c.post("/chat/completions", json={"messages": USER, "n": "two"}),
+                    "oversize": await c.post(
+                        "/chat/completions", json={"messages": [{"role": "user", "content": "x" * 5000}]}
+                    ),
+                }
+                bad_key = await c.post(
+                    "/chat/completions", json={"messages": USER}, headers={"Authorization": "Bearer nope"}
+                )
+                no_key = await c.get("/models", headers={"Authorization": ""})
+                ok = await c.post("/chat/completions", json={"messages": USER, "top_p": 0.5})
+                proxy.close_session(session)
+                finished = await c.post("/chat/completions", json={"messages": USER})
+        assert ok.status_code == 200
+        expected = {
+            "malformed": (400, None),
+            "unknown_param": (400, "frobnicate"),
+            "seed": (400, "seed"),
+            "greedy": (400, "temperature"),
+            "wrong_type": (400, "n"),
+            "oversize": (413, None),
+        }
+        for name, (status, param) in expected.items():
+            r = cases[name]
+            err = r.json()["error"]
+            assert r.status_code == status, name
+            assert set(err) == {"message", "type", "param", "code"} and err["type"] == "invalid_request_error"
+            assert err["param"] == param, name
+            if param:
+                assert param in err["message"]
+        for r in (bad_key, no_key, finished):
+            assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert len(session.calls) == 1
+
+    run(main())
+
+
+class BlockingEngine:
+    """Blocks in generate until released; records cancellations."""
+
+    weight_version = 0
+
+    def __init__(self) -> None:
+        self.started, self.release = asyncio.Event(), asyncio.Event()
+        self.cancelled = 0
+
+    def pause(self) -> None:
+        pass
+
+    def resume(self) -> None:
+        pass
+
+    async def generate(self, input_ids: list[int], sampling: SamplingParams) -> TokenSpan:
+        self.started.set()
+        try:
+            await self.release.wait()
+        except asyncio.CancelledError:
+            self.cancelled += 1
+            raise
+        return TokenSpan(
+            token_ids=CODEC.encode("x" * 4000),
+            source=SpanSource.MODEL,
+            logprobs=[-1.0] * 4000,
+            weight_version=0,
+        )
+
+
+def _our_tasks() -> list[asyncio.Task]:
+    return [
+        t
+        for t in asyncio.all_tasks()
+        if "generate" in repr(t.get_coro()) or "_disconnected" in repr(t.get_coro())
+    ]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_client_disconnect_while_generating_cancels_the_engine_call(stream):
+    async def main():
+        engine = BlockingEngine()
+        async with ProxyServer(engine, ChatMLRenderer(CODEC)) as proxy:
+            session = proxy.open_session(_spec())
+            async with await _client(proxy, session.api_key) as c:
+                req = asyncio.create_task(
+                    c.post("/chat/completions", json={"messages": USER, "stream": stream})
+                )
+                await engine.started.wait()
+                assert proxy.inflight == 1
+                req.cancel()  # closes the connection
+                for _ in range(200):
+                    if engine.cancelled:
+                        break
+                    await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)
+            assert engine.cancelled == 1 and proxy.inflight == 0 and not _our_tasks()
+            assert session.calls == []
+            engine.release.set()  # the proxy still serves the session
+            async with await _client(proxy, session.api_key) as c:
+                assert (await c.post("/chat/completions", json={"messages": USER})).status_code == 200
+
+    run(main())
+
+
+def test_client_disconnect_mid_stream_leaves_no_task_and_proxy_serves_on():
+    async def main():
+        engine = BlockingEngine()
+        engine.release.set()
+        async with ProxyServer(engine, ChatMLRenderer(CODEC)) as proxy:
+            session = proxy.open_session(_spec())
+            async with (
+                await _client(proxy, session.api_key) as c,
+                c.stream("POST", "/chat/completions", json={"messages": USER, "stream": True}) as r,
+            ):
+                first = await anext(r.aiter_bytes())
+                assert first.startswith(b"data: ")
+                # leaving the block closes the connection with ~4000 events unsent
+            await asyncio.sleep(0.1)
+            assert proxy.inflight == 0 and not _our_tasks()
+            async with await _client(proxy, session.api_key) as c:
+                r = await c.post("/chat/completions", json={"messages": USER, "stream": True})
+                assert _sse(r.text)[-1] == "[DONE]"
+
+    run(main())
+
+
+class FailingEngine(BlockingEngine):
+    async def generate(self, input_ids, sampling):
+        raise RuntimeError("device lost")
+
+
+def test_engine_failure_is_a_500_and_other_sessions_keep_working():
+    async def main():
+        async with ProxyServer(FailingEngine(), ChatMLRenderer(CODEC)) as proxy:
+            session = proxy.open_session(_spec())
+            async with await _client(proxy, session.api_key) as c:
+                r = await c.post("/chat/completions", json={"messages": USER})
+                assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
+                assert "device lost" in r.json()["error"]["message"]
+            proxy.close_session(session)
+        (row,) = session.trajectories(0.0, EpisodeStatus.FAILED)
+        assert row.spans == [] and "device lost" in row.info["proxy_errors"]
+
+    run(main())
+
+
+def test_reward_endpoint_and_session_budget():
+    async def main():
+        engine = BigramEngine(ScriptedBigramPolicy(["a long answer"]))
+        config = ProxyConfig(max_session_model_tokens=20)
+        async with ProxyServer(engine, ChatMLRenderer(CODEC), config) as proxy:
+            session = proxy.open_session(_spec())
+            async with await _client(proxy, session.api_key) as c:
+                r = await c.post("/chat/completions", json={"messages": USER, "top_p": 0.5, "max_tokens": 10})
+                assert r.json()["choices"][0]["finish_reason"] == "length"
+                r = await c.post("/chat/completions", json={"messages": USER, "top_p": 0.5, "max_tokens": 50})
+                assert len(engine.log[1][1].token_ids) == 10  # clamped to the budget left
+                r = await c.post("/chat/completions", json={"messages": USER})
+                assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+                assert session.truncated
+                r = await c.post(
+                    "/sessions/reward", json={"reward": 0.25, "turn_rewards": [0.0, 0.25], "done": True}
+                )
+                assert r.status_code == 200
+                assert (await c.post("/sessions/reward", json={"reward": 1.0})).status_code == 401
+        assert session.closed and session.reward == 0.25 and session.turn_rewards == [0.0, 0.25]
+
+    run(main())
