@@ -61,8 +61,13 @@ class EmbeddedEngine:
         self._running.set()
 
     async def wait_idle(self) -> None:
-        """Return once no batch or scoring pass is running (after ``pause()``: stays so)."""
-        await self._idle.wait()
+        """Return once no batch or scoring pass is running (after ``pause()``: stays so).
+
+        Idleness is checked right before returning, so a caller that does not await between
+        this and its weight copy cannot overlap a batch (even if someone resumed meanwhile).
+        """
+        while self._busy:
+            await self._idle.wait()
 
     async def _start_work(self) -> None:
         # No await between the running check and the busy count: a pause() seen by the

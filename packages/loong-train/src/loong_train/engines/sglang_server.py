@@ -206,12 +206,13 @@ class SGLangServer:
                     "shapes",
                     f"tensor {name!r} has shape {list(t.shape)}, model has {list(params[name].shape)}",
                 )
-        label = self.label if label is None else label
-        version = int(label) if label.lstrip("-").isdigit() else self.engine.weight_version + 1
         async with self._update_lock:
+            label = self.label if label is None else label
+            version = int(label) if label.lstrip("-").isdigit() else self.engine.weight_version + 1
             self.engine.pause()
             try:
                 await self.engine.wait_idle()
+                # No await between the idle check and the copy: no batch can start in between.
                 self.engine.load_weights(named, version)
                 self.labels[version], self.label = label, label
             finally:
