@@ -170,7 +170,8 @@ class ProxyServer:
         """Serve on ``config.host:config.port`` (port 0 picks a free one) in the running loop."""
         import uvicorn
 
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        # proto=TCP explicitly: asyncio only sets TCP_NODELAY on sockets that say so (else Nagle + delayed ACK add 40 ms)
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.config.host, self.config.port))
         self.port = sock.getsockname()[1]
