@@ -6,10 +6,18 @@ import loong_agentflow
 def test_exports_are_pinned():
     assert sorted(loong_agentflow.__all__) == [
         "Agent",
+        "AgentProgram",
+        "BlackBoxRunner",
         "ChatML",
+        "ChatMLRenderer",
+        "ChatRenderer",
         "Episode",
         "EpisodeLimits",
         "EpisodeSpec",
+        "HFChatRenderer",
+        "ProxyConfig",
+        "ProxyServer",
+        "ProxySession",
         "SGLangClientConfig",
         "SGLangEngine",
         "SGLangError",

@@ -9,6 +9,10 @@ from loong_agentflow.agent import (
     ToolAgent,
     run_episodes,
 )
+from loong_agentflow.blackbox import AgentProgram, BlackBoxRunner
+from loong_agentflow.proxy import ProxyConfig, ProxyServer
+from loong_agentflow.proxy_render import ChatMLRenderer, ChatRenderer, HFChatRenderer
+from loong_agentflow.proxy_session import ProxySession
 from loong_agentflow.sglang_client import SGLangClientConfig, SGLangEngine, SGLangError
 from loong_agentflow.tokens import TextCodec, TokenBuffer
 from loong_agentflow.tools import Tool, ToolCall, ToolRegistry, ToolResult, parse_tool_calls
@@ -22,6 +26,15 @@ __all__ = [
     "EpisodeSpec",
     "ToolAgent",
     "run_episodes",
+    # black-box agents (OpenAI-compatible proxy)
+    "AgentProgram",
+    "BlackBoxRunner",
+    "ChatMLRenderer",
+    "ChatRenderer",
+    "HFChatRenderer",
+    "ProxyConfig",
+    "ProxyServer",
+    "ProxySession",
     # transcript
     "TextCodec",
     "TokenBuffer",

@@ -38,7 +38,7 @@ from typing import Any
 
 from loong_agentflow.agent import EpisodeSpec
 from loong_agentflow.proxy import ProxyServer
-from loong_agentflow.proxy_session import Session
+from loong_agentflow.proxy_session import ProxySession
 from loong_core.records import EpisodeStatus, Trajectory
 
 __all__ = ["AgentProgram", "BlackBoxRunner"]
@@ -83,7 +83,7 @@ class BlackBoxRunner:
         return list(await asyncio.gather(*(self.run(s) for s in specs)))
 
     async def run(self, spec: EpisodeSpec) -> list[Trajectory]:
-        """One episode: its trajectory rows (see :class:`~loong_agentflow.proxy_session.Session`)."""
+        """One episode: its trajectory rows (see :class:`~loong_agentflow.proxy_session.ProxySession`)."""
         async with self._slots:
             session = self.proxy.open_session(spec)
             try:
@@ -92,7 +92,7 @@ class BlackBoxRunner:
                 self.proxy.close_session(session)
             return self._trajectories(session, spec, done)
 
-    def _env(self, session: Session, spec: EpisodeSpec, task: str) -> dict[str, str]:
+    def _env(self, session: ProxySession, spec: EpisodeSpec, task: str) -> dict[str, str]:
         env = {k: v for k, v in os.environ.items() if not k.startswith("OPENAI_")}
         env.update(self.program.env)
         env.update(
@@ -105,7 +105,7 @@ class BlackBoxRunner:
             env["LOONG_TASK"] = task
         return env
 
-    async def _execute(self, session: Session, spec: EpisodeSpec) -> _Exit:
+    async def _execute(self, session: ProxySession, spec: EpisodeSpec) -> _Exit:
         task = json.dumps(spec.task)
         start = time.monotonic()
         proc = await asyncio.create_subprocess_exec(
@@ -129,14 +129,16 @@ class BlackBoxRunner:
         text = out.decode(errors="replace")
         return _Exit(proc.returncode, text, err.decode(errors="replace"), timed_out, time.monotonic() - start)
 
-    def _trajectories(self, session: Session, spec: EpisodeSpec, done: _Exit) -> list[Trajectory]:
+    def _trajectories(self, session: ProxySession, spec: EpisodeSpec, done: _Exit) -> list[Trajectory]:
         info = {"wall_s": f"{done.wall_s:.3f}", "returncode": str(done.returncode)}
         status, reward, error = self._outcome(session, spec, done)
         if error:
             info["error"] = error
         return session.trajectories(reward, status, info)
 
-    def _outcome(self, session: Session, spec: EpisodeSpec, done: _Exit) -> tuple[EpisodeStatus, float, str]:
+    def _outcome(
+        self, session: ProxySession, spec: EpisodeSpec, done: _Exit
+    ) -> tuple[EpisodeStatus, float, str]:
         if done.timed_out:
             return EpisodeStatus.TIMEOUT, 0.0, f"agent ran past {self.program.timeout_s}s and was killed"
         if done.returncode != 0:

@@ -59,7 +59,7 @@ from loong_agentflow.proxy_chat import (
     finish_choice,
 )
 from loong_agentflow.proxy_render import ChatRenderer
-from loong_agentflow.proxy_session import CallRecord, Session, normalize_messages
+from loong_agentflow.proxy_session import CallRecord, ProxySession, normalize_messages
 from loong_agentflow.proxy_wire import (
     ApiError,
     ChatRequest,
@@ -139,14 +139,14 @@ def _error(e: ApiError) -> Response:
 
 
 class ProxyServer:
-    """OpenAI-compatible front of a RolloutEngine; one :class:`Session` per episode."""
+    """OpenAI-compatible front of a RolloutEngine; one :class:`ProxySession` per episode."""
 
     def __init__(
         self, engine: RolloutEngine, renderer: ChatRenderer, config: ProxyConfig | None = None
     ) -> None:
         self.engine, self.renderer = engine, renderer
         self.config = config or ProxyConfig()
-        self.sessions: dict[str, Session] = {}
+        self.sessions: dict[str, ProxySession] = {}
         self.inflight = 0
         self.port = self.config.port
         self._stop_cache: dict[str, list[int]] = {}
@@ -205,13 +205,13 @@ class ProxyServer:
     async def __aexit__(self, *exc: object) -> None:
         await self.stop()
 
-    def open_session(self, spec: EpisodeSpec) -> Session:
+    def open_session(self, spec: EpisodeSpec) -> ProxySession:
         key = "sk-loong-" + secrets.token_urlsafe(24)
-        session = Session(key, spec, self.config.max_session_model_tokens)
+        session = ProxySession(key, spec, self.config.max_session_model_tokens)
         self.sessions[key] = session
         return session
 
-    def close_session(self, session: Session) -> None:
+    def close_session(self, session: ProxySession) -> None:
         """End a session: its key answers 401 from now on and nothing more is recorded."""
         session.closed = True
         self.sessions.pop(session.api_key, None)
@@ -219,7 +219,7 @@ class ProxyServer:
 
     # -- request plumbing --------------------------------------------------------------------
 
-    def _session(self, request: Request) -> Session:
+    def _session(self, request: Request) -> ProxySession:
         auth = request.headers.get("authorization", "")
         session = self.sessions.get(auth[7:]) if auth[:7].lower() == "bearer " else None
         if session is None:
@@ -248,7 +248,7 @@ class ProxyServer:
         return _error(ApiError(status, f"{request.method} {request.url.path}: {exc}", code=str(status)))
 
     def _sampling(
-        self, req: ChatRequest | CompletionRequest, session: Session, max_tokens: int | None
+        self, req: ChatRequest | CompletionRequest, session: ProxySession, max_tokens: int | None
     ) -> SamplingParams:
         cfg = self.config
         temperature = cfg.temperature or (1.0 if req.temperature is None else req.temperature)
@@ -371,7 +371,7 @@ class ProxyServer:
         return Response(_json.encode(body), media_type=_JSON)
 
     async def _call_engine(
-        self, request: Request, session: Session, prompt: list[int], sampling: SamplingParams, n: int
+        self, request: Request, session: ProxySession, prompt: list[int], sampling: SamplingParams, n: int
     ) -> list[TokenSpan] | None:
         try:
             return await self._generate(request, prompt, sampling, n)

@@ -27,7 +27,7 @@ from loong_core.records import EpisodeStatus, SpanSource, TokenSpan, Trajectory
 if TYPE_CHECKING:
     from loong_agentflow.agent import EpisodeSpec
 
-__all__ = ["CallRecord", "Session", "build_rows", "normalize_messages"]
+__all__ = ["CallRecord", "ProxySession", "build_rows", "normalize_messages"]
 
 _ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
 
@@ -98,7 +98,7 @@ class CallRecord:
     texts: list[tuple[str, str]] = field(default_factory=list)
 
 
-class Session:
+class ProxySession:
     """One episode's calls, reward and state. Created by ``ProxyServer.open_session``."""
 
     def __init__(self, api_key: str, spec: EpisodeSpec, max_model_tokens: int = 0) -> None:
