@@ -5,6 +5,20 @@ import loong_teacher
 
 def test_exports_are_pinned():
     assert sorted(loong_teacher.__all__) == [
+        "LocalTeacher",
+        "LocalTeacherConfig",
+        "RowScores",
+        "SGLangTeacher",
+        "SGLangTeacherConfig",
+        "ScoreRequest",
+        "Teacher",
+        "TeacherBudgetError",
+        "TeacherConfig",
+        "TeacherManager",
+        "TeacherManagerConfig",
+        "TeacherRoutingError",
+        "TeacherScores",
+        "TeacherServerError",
         "TokenizerMapping",
         "TokenizerMismatch",
         "check_tokenizers",
