@@ -189,7 +189,7 @@ def test_missing_slot_fails_cleanly(sender: ShmSender) -> None:
     with pytest.raises(TransferFailed, match="no version newer than -1"):
         ShmReceiver(f"absent-{uuid.uuid4().hex[:12]}").apply(_zeros_like(_state(4)))
     with pytest.raises(TransferFailed, match="no shared-memory slot"):
-        ShmReceiver(f"absent-{uuid.uuid4().hex[:12]}").apply(_zeros_like(_state(4)), version=1)
+        ShmReceiver(f"absent-{uuid.uuid4().hex[:12]}", timeout_s=0.1).apply(_zeros_like(_state(4)), version=1)
 
 
 def test_close_unlinks_the_slots(name: str) -> None:

@@ -64,6 +64,7 @@ _SHM_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.ge
 _MAGIC = int.from_bytes(b"LOONGTM1", "little")
 _HEADER = 64
 _PAGE = 4096
+_RETIRED = -2  # header version of a slot file the sender replaced with a larger one
 _MAGIC_F, _VERSION_F, _PID_F, _MANIFEST_F, _BUCKETS_F, _DATA_F, _CHECKSUM_F = range(7)
 
 
@@ -75,7 +76,10 @@ def remove_slots(name: str) -> None:
     """Unlink the slots of transport ``name`` (safe from any process, e.g. an owner cleaning up
     after a sender died). Receivers that still map a slot keep their mapping."""
     for slot in (0, 1):
-        _slot_path(name, slot).unlink(missing_ok=True)
+        path = _slot_path(name, slot)
+        path.unlink(missing_ok=True)
+        for staging in path.parent.glob(f"{path.name}.*.new"):  # a sender died while growing a slot
+            staging.unlink(missing_ok=True)
 
 
 def _align(n: int, to: int) -> int:
@@ -112,7 +116,7 @@ class _Slot:
 class ShmSender:
     """Writes named tensors into a shared-memory slot; buffers are allocated once and reused."""
 
-    def __init__(self, name: str, bucket_bytes: int = 64 << 20, checksum: bool = True) -> None:
+    def __init__(self, name: str, bucket_bytes: int = 64 << 20, checksum: bool = False) -> None:
         self.name, self.bucket_bytes, self.checksum = name, bucket_bytes, checksum
         self._slots: dict[int, _Slot] = {}
         atexit.register(self.close)
@@ -152,10 +156,14 @@ class ShmSender:
         if held is None or held.data < need_data or held.size < held.data + manifest.total_bytes:
             data = _align(need_data + need_data // 4, _PAGE)  # room for the manifest to grow
             path = _slot_path(self.name, index)
-            path.unlink(missing_ok=True)  # receivers mapping the old file keep it
-            held = _Slot(path, data + manifest.total_bytes)
+            staging = path.with_name(f"{path.name}.{os.getpid()}.new")
+            held = _Slot(staging, data + manifest.total_bytes)
             held.flat.zero_()  # touch every page once, here, not during an update
             held.header[_MAGIC_F], held.header[_DATA_F], held.header[_VERSION_F] = _MAGIC, data, -1
+            old = self._slots.get(index)
+            if old is not None:
+                old.header[_VERSION_F] = _RETIRED  # receivers waiting on the old file reopen
+            os.replace(staging, path)  # appears whole; receivers mapping the old file keep it
             self._slots[index] = held
         return held
 
@@ -189,10 +197,19 @@ class ShmReceiver:
         Raises ManifestMismatch (names, shapes, dtypes or a checksum differ) or TransferFailed
         (sender died, timed out, or the slot was reused); either way no target was touched."""
         version = self._newest() if version is None else version
-        slot = self._open(version % 2)
         deadline = time.monotonic() + self.timeout_s
-        head = slot.header
-        _wait(lambda: int(head[_VERSION_F]) == version, head, version, deadline, "its manifest")
+        while True:  # the sender may not have created the slot yet, or may replace it
+            slot = self._open(version % 2, deadline)
+            head = slot.header
+            _wait(
+                lambda h=head: int(h[_VERSION_F]) in (version, _RETIRED),
+                head,
+                version,
+                deadline,
+                "its manifest",
+            )
+            if int(head[_VERSION_F]) == version:
+                break
         nbytes = int(head[_MANIFEST_F])
         manifest = decode(slot.flat[_HEADER : _HEADER + nbytes].numpy().tobytes(), WeightManifest)
         check_against(manifest, targets)
@@ -237,12 +254,18 @@ class ShmReceiver:
             raise TransferFailed(f"no version newer than {self.version} in shared memory '{self.name}'")
         return newest
 
-    def _open(self, index: int) -> _Slot:
+    def _open(self, index: int, deadline: float | None = None) -> _Slot:
+        """Map slot ``index`` (again if the sender replaced it), waiting until ``deadline`` for
+        it to appear."""
         path = _slot_path(self.name, index)
-        try:
-            stat = path.stat()
-        except FileNotFoundError:
-            raise TransferFailed(f"no shared-memory slot {path}: has the sender pushed?") from None
+        while True:
+            try:
+                stat = path.stat()
+                break
+            except FileNotFoundError:
+                if deadline is None or time.monotonic() > deadline:
+                    raise TransferFailed(f"no shared-memory slot {path}: has the sender pushed?") from None
+                time.sleep(0.001)
         held = self._slots.get(index)
         if held is None or held.inode != stat.st_ino or held.size != stat.st_size:
             held = self._slots[index] = _Slot(path)
