@@ -173,3 +173,18 @@ def test_a_stranger_connection_does_not_disturb_the_sender(sender: TcpSender) ->
     sender.push(_state(5), version=5)
     thread.join(timeout=30)
     assert out == {"version": 5} and sender.receivers == 1
+
+
+def test_zero_copy_targets_view_alternating_receive_buffers(sender: TcpSender) -> None:
+    receiver = TcpReceiver(sender.address, timeout_s=10, mode="zero_copy")
+    sender.wait_for_receivers(1)
+    params = {k: torch.nn.Parameter(v, requires_grad=False) for k, v in _zeros(_state(0)).items()}
+    pointers = []
+    for version in (1, 2, 3):
+        thread, out = _apply_in_thread(receiver, params)
+        sender.push(_state(version), version=version)
+        thread.join(timeout=30)
+        assert out == {"version": version}
+        assert _same({k: p.data for k, p in params.items()}, _state(version))
+        pointers.append(params["embed"].data_ptr())
+    assert pointers[0] == pointers[2] != pointers[1]  # two buffers, alternating

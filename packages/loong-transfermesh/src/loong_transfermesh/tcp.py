@@ -8,7 +8,9 @@ Wire format, per connection (all integers little-endian u64)::
                          bucket_0 bytes, checksum_0, bucket_1 bytes, checksum_1, ...
 
 The sender binds loopback by default; binding any other address requires a ``key`` that every
-receiver must present. Receivers may connect at any time and get every update pushed after
+receiver must present. A receiver in ``copy`` mode copies each update into its tensors; in ``zero_copy`` mode its tensors
+become views of the receive buffer (two alternate, so the next update never lands under a view in
+use), which saves the copy. Receivers may connect at any time and get every update pushed after
 they connected; one that fails mid-update (or whose manifest does not match) is dropped by the
 sender or drains the update, and reconnects on its next ``apply``.
 
@@ -206,12 +208,16 @@ class TcpSender:
 class TcpReceiver:
     """Connects to a TcpSender and applies the updates it streams, all or nothing."""
 
-    def __init__(self, address: str, timeout_s: float = 60.0, key: str = "") -> None:
+    def __init__(self, address: str, timeout_s: float = 60.0, key: str = "", mode: str = "copy") -> None:
+        if mode not in ("copy", "zero_copy"):
+            raise ValueError(f"mode must be 'copy' or 'zero_copy', got {mode!r}")
         self.host, self.port = _split(address)
-        self.timeout_s, self._key = timeout_s, key.encode()
+        self.timeout_s, self._key, self.mode = timeout_s, key.encode(), mode
         self.version = -1
         self._sock: socket.socket | None = None
-        self._staging = torch.empty(0, dtype=torch.uint8)
+        # zero_copy: two receive buffers; targets view one while the next update lands in the other
+        self._staging = [torch.empty(0, dtype=torch.uint8)] * (2 if mode == "zero_copy" else 1)
+        self._turn = 0
         try:
             self._connect()
         except (OSError, TransferFailed):
@@ -254,7 +260,12 @@ class TcpReceiver:
         starts = bucket_starts(manifest)
         for e in manifest.tensors:
             begin = starts[e.bucket] + e.offset
-            targets[e.name].copy_(flat[begin : begin + e.nbytes].view(targets[e.name].dtype).view(e.shape))
+            view = flat[begin : begin + e.nbytes].view(targets[e.name].dtype).view(e.shape)
+            if self.mode == "copy":
+                targets[e.name].copy_(view)
+            else:
+                targets[e.name].data = view
+        self._turn = (self._turn + 1) % len(self._staging)
         self.version = manifest.version
         return self.version
 
@@ -265,12 +276,12 @@ class TcpReceiver:
         return manifest, bool(flags & 1)
 
     def _receive(self, sock: socket.socket, manifest: WeightManifest, checked: bool) -> torch.Tensor:
-        """Receive every bucket into the reused staging buffer and verify them."""
-        if self._staging.numel() < manifest.total_bytes:
-            self._staging = torch.zeros(manifest.total_bytes, dtype=torch.uint8)
-        bad: list[int] = []
+        """Receive every bucket into this turn's reused staging buffer and verify them."""
+        if self._staging[self._turn].numel() < manifest.total_bytes:
+            self._staging[self._turn] = torch.zeros(manifest.total_bytes, dtype=torch.uint8)
+        staging, bad = self._staging[self._turn], []
         for b, (start, size) in enumerate(zip(bucket_starts(manifest), manifest.bucket_sizes, strict=True)):
-            bucket = self._staging[start : start + size]
+            bucket = staging[start : start + size]
             try:
                 _recv_into(sock, memoryview(bucket.numpy()))
                 (expected,) = _U64.unpack(_recv_exact(sock, 8))
@@ -284,7 +295,7 @@ class TcpReceiver:
         if bad:
             names = [e.name for e in manifest.tensors if e.bucket == bad[0]]
             raise ManifestMismatch(f"bucket {bad[0]} checksum mismatch (tensors {', '.join(names[:4])})")
-        return self._staging
+        return staging
 
     def _reset(self) -> None:
         if self._sock is not None:

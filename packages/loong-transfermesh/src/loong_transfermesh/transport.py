@@ -50,8 +50,10 @@ class TransportConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     - ``type``: ``shm``, ``tcp``, ``nccl`` or ``cuda_ipc``.
     - ``name``: the shared-memory name (``shm``), or the channel name for GPU transports.
     - ``bucket_mb``: bucket size; tensors are packed into buckets of at most this many MiB.
-    - ``checksum``: compute and verify a sum64 checksum per bucket.
-    - ``mode``: receivers ``copy`` into their tensors, or (``shm``) make them ``zero_copy`` views.
+    - ``checksum``: compute and verify a sum64 checksum per bucket; unset means the transport's
+      default (``tcp``: on; ``shm``: off, as sender and receivers share the same memory).
+    - ``mode``: receivers ``copy`` into their tensors, or make them ``zero_copy`` views of the
+      transport's buffers (``shm``: the shared slot; ``tcp``: the receive buffer).
     - ``address``: ``tcp`` sender's ``host:port`` (port 0 picks a free one); loopback by default.
     - ``key``: shared secret receivers present; required when the address is not loopback.
     - ``timeout_s``: how long a receiver waits for an update before reporting it failed.
@@ -60,7 +62,7 @@ class TransportConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     type: Literal["shm", "tcp", "nccl", "cuda_ipc"] = "shm"
     name: str = "loong"
     bucket_mb: float = 64.0
-    checksum: bool = True
+    checksum: bool | None = None
     mode: Literal["copy", "zero_copy"] = "copy"
     address: str = "127.0.0.1:0"
     key: str = ""
@@ -76,11 +78,11 @@ def open_sender(config: TransportConfig) -> WeightSender:
     if config.type == "shm":
         from loong_transfermesh.shm import ShmSender
 
-        return ShmSender(config.name, config.bucket_bytes, config.checksum)
+        return ShmSender(config.name, config.bucket_bytes, bool(config.checksum))
     if config.type == "tcp":
         from loong_transfermesh.tcp import TcpSender
 
-        return TcpSender(config.address, config.bucket_bytes, config.checksum, config.key)
+        return TcpSender(config.address, config.bucket_bytes, config.checksum is not False, config.key)
     raise ValueError(f"transport {config.type!r} has no standalone sender here; use its module directly")
 
 
@@ -93,5 +95,5 @@ def open_receiver(config: TransportConfig, address: str | None = None) -> Weight
     if config.type == "tcp":
         from loong_transfermesh.tcp import TcpReceiver
 
-        return TcpReceiver(address or config.address, config.timeout_s, config.key)
+        return TcpReceiver(address or config.address, config.timeout_s, config.key, config.mode)
     raise ValueError(f"transport {config.type!r} has no standalone receiver here; use its module directly")
