@@ -6,7 +6,8 @@ Payload: a Qwen-like bf16 tensor mix (embedding, per-layer attention and MLP mat
 norm vectors) of 256 MiB or 1 GiB, to 1 or 4 receiver processes. Cases (``extra_info["case"]``):
 
 - ``floor_memcpy``: one memcpy of the same bytes between two preallocated, touched buffers.
-- ``shm``, ``shm_zero_copy``, ``tcp``: Loong TransferMesh, default settings (checksums on).
+- ``shm``, ``shm_zero_copy``, ``tcp``, ``tcp_zero_copy``: Loong TransferMesh with its defaults
+  (checksums off for ``shm``, on for ``tcp``); ``shm_checksum``: ``shm`` with checksums on.
 - ``floor_flat_gloo``: one torch.distributed gloo broadcast of a flat buffer of the same bytes
   (the floor for ``tcp``).
 - ``baseline_per_tensor_gloo``: one gloo broadcast per tensor, straight into the receivers'
@@ -153,12 +154,13 @@ def test_floor_memcpy(benchmark, payload) -> None:
 
 
 @pytest.mark.parametrize("receivers", [1, 4])
-@pytest.mark.parametrize("mode", ["copy", "zero_copy"])
+@pytest.mark.parametrize("mode", ["copy", "zero_copy", "checksum"])
 def test_shm(benchmark, payload, receivers: int, mode: str) -> None:
+    """``checksum``: copy mode with per-bucket checksums turned on (off by default for shm)."""
     state, spec = payload
     name = f"bench-{uuid.uuid4().hex[:8]}"
-    sender = ShmSender(name)
-    peers = Peers(spec, "shm", [[name, mode]] * receivers)
+    sender = ShmSender(name, checksum=mode == "checksum")
+    peers = Peers(spec, "shm", [[name, "zero_copy" if mode == "zero_copy" else "copy"]] * receivers)
 
     def step(version: int) -> None:
         peers.go(version)  # receivers start first and stream behind the sender
@@ -166,7 +168,8 @@ def test_shm(benchmark, payload, receivers: int, mode: str) -> None:
         peers.wait(version)
 
     try:
-        _record(benchmark, "shm" if mode == "copy" else "shm_zero_copy", state, receivers)
+        case = {"copy": "shm", "zero_copy": "shm_zero_copy", "checksum": "shm_checksum"}[mode]
+        _record(benchmark, case, state, receivers)
         _run(benchmark, step)
     finally:
         peers.close()
