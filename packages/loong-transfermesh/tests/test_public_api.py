@@ -6,6 +6,7 @@ import loong_transfermesh
 def test_exports_are_pinned():
     assert sorted(loong_transfermesh.__all__) == [
         "ManifestMismatch",
+        "MegatronLayout",
         "SGLangPusherConfig",
         "SGLangUpdateError",
         "SGLangWeightPusher",
@@ -19,6 +20,7 @@ def test_exports_are_pinned():
         "WeightSender",
         "build_manifest",
         "check_against",
+        "megatron_to_hf",
         "open_receiver",
         "open_sender",
         "remove_slots",

@@ -1,5 +1,6 @@
 """Loong TransferMesh: move trainer weights into inference engines, bucketed and versioned."""
 
+from loong_transfermesh.layout import MegatronLayout, megatron_to_hf
 from loong_transfermesh.manifest import ManifestMismatch, TransferFailed, build_manifest, check_against
 from loong_transfermesh.sglang import SGLangPusherConfig, SGLangUpdateError, SGLangWeightPusher
 from loong_transfermesh.shm import ShmReceiver, ShmSender, remove_slots
@@ -29,6 +30,9 @@ __all__ = [
     "SGLangPusherConfig",
     "SGLangUpdateError",
     "SGLangWeightPusher",
+    # layout conversion
+    "MegatronLayout",
+    "megatron_to_hf",
     # manifests
     "ManifestMismatch",
     "TransferFailed",
