@@ -12,7 +12,9 @@ For every selected package NAME:
    installs of torch hard links, so this stays fast);
 3. in that venv (``python -I``, so neither the workspace nor PYTHONPATH leak in), import ``loong_<name>``
    and every submodule, skipping lazily imported GPU backends (``--lazy`` patterns);
-4. assert that no forbidden module is in ``sys.modules`` and name the first module that pulled one in.
+4. assert that no forbidden module is in ``sys.modules`` and name the first module that pulled one in;
+5. run every code block of the package README fenced as ```` ```python example ```` as a script in that
+   venv: the README's examples work with nothing but the package installed.
 
 Usage::
 
@@ -217,7 +219,21 @@ def check_package(
     if isinstance(report, str):
         return Result(package, False, f"{package}: {report}", time.perf_counter() - start)
     ok, summary = judge(package, venv, report)
+    if ok and (failure := run_examples(venv, package)):
+        ok, summary = False, f"{package}: {failure}"
     return Result(package, ok, summary, time.perf_counter() - start)
+
+
+def run_examples(venv: pathlib.Path, package: str) -> str | None:
+    """Run the README's ```python example blocks in ``venv``; an error message or None."""
+    readme = (ROOT / "packages" / package / "README.md").read_text()
+    for i, code in enumerate(re.findall(r"```python example\n(.*?)```", readme, re.S)):
+        script = venv.parent / f"{package}-example-{i}.py"
+        script.write_text(code)
+        proc = run([venv / "bin" / "python", "-I", script], cwd=venv.parent)
+        if proc.returncode != 0:
+            return f"README example {i} failed (exit {proc.returncode}):\n{tail(proc.stderr + proc.stdout)}"
+    return None
 
 
 # ----------------------------------------------------------------------------------------------- CLI
