@@ -5,20 +5,23 @@ Tolerance reached: max |logp_trainer - logp_engine| <= 2e-6 per token (fp32; the
 left-padded against a KV cache, the trainer runs right-padded full sequences).
 """
 
+import pytest
+
 from loong_train.algorithms import grpo_advantages, pack_batch
 from loong_train.pipeline import GroupSource
 from loong_train.rollout import RolloutWorker
 from loong_train.tasks import calc
 from loong_train.trainer import TrainerWorker
+from loong_transfermesh import TransportConfig
 
 
-def _rollout(tiny_dir, groups=4):
+def _rollout(tiny_dir, groups=4, transport=None):
     worker = RolloutWorker(
         str(tiny_dir),
         seed=0,
         sampling={"temperature": 1.0, "max_new_tokens": 24},
         limits={"max_turns": 2, "max_model_tokens": 40},
-        transport_name="first-step-test",
+        transport=transport or TransportConfig(name="first-step-test"),
     )
     source = GroupSource(calc.train_tasks(0, []), group_size=4)
     specs = [s for _ in range(groups) for s in source.specs(source.next_group())]
@@ -28,7 +31,7 @@ def _rollout(tiny_dir, groups=4):
 def test_trainer_logprobs_equal_engine_logprobs_on_first_step(tiny_dir, recipe):
     _, trajs = _rollout(tiny_dir)
     batch = pack_batch(trajs, grpo_advantages(trajs), policy_version=0)
-    trainer = TrainerWorker(str(tiny_dir), recipe, "first-step-test")
+    trainer = TrainerWorker(str(tiny_dir), recipe, TransportConfig(name="first-step-test"))
     try:
         recomputed = trainer.logprobs(batch)
         gaps = [
@@ -45,9 +48,11 @@ def test_trainer_logprobs_equal_engine_logprobs_on_first_step(tiny_dir, recipe):
         trainer.close()
 
 
-def test_weights_reach_the_engine_through_transfermesh(tiny_dir, recipe):
-    worker, trajs = _rollout(tiny_dir, groups=2)
-    trainer = TrainerWorker(str(tiny_dir), recipe, "first-step-test")
+@pytest.mark.parametrize("mode", ["copy", "zero_copy"])
+def test_weights_reach_the_engine_through_transfermesh(tiny_dir, recipe, mode):
+    transport = TransportConfig(name=f"first-step-{mode}", mode=mode)
+    worker, trajs = _rollout(tiny_dir, groups=2, transport=transport)
+    trainer = TrainerWorker(str(tiny_dir), recipe, transport)
     try:
         _, manifest = trainer.publish(
             trainer.train_step(pack_batch(trajs, [1.0] * len(trajs), policy_version=0))
@@ -55,8 +60,10 @@ def test_weights_reach_the_engine_through_transfermesh(tiny_dir, recipe):
         info = worker.apply_weights(manifest)
         assert info["version"] == worker.weight_version() == 1
         sent = trainer.backend.named_weights()
+        slot = worker.receiver.read(1)
         for name, p in worker.engine.model.named_parameters():
             assert p.equal(sent[name]), name
+            assert (p.data_ptr() == slot[name].data_ptr()) == (mode == "zero_copy"), name
         source = GroupSource(calc.train_tasks(5, []), group_size=2)
         after = worker.rollout(source.specs(source.next_group()))["trajectories"]
         assert {t.oldest_version for t in after} == {1}

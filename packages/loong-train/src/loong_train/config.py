@@ -14,6 +14,7 @@ from typing import Literal
 import msgspec
 
 from loong_core.config import ConfigError, load_config
+from loong_transfermesh import TransportConfig
 
 __all__ = [
     "LossConfig",
@@ -185,11 +186,17 @@ class Recipe(_Section):
     train: TrainConfig = TrainConfig()
     loss: LossConfig = LossConfig()
     eval: EvalConfig = EvalConfig()
+    transport: TransportConfig = TransportConfig()
     ray_address: str = ""
 
     def __post_init__(self) -> None:
         if self.task != "calc":
             raise ValueError(f"unknown task {self.task!r} (expected one of: 'calc')")
+        if self.transport.type != "shm":
+            raise ValueError(
+                f"transport.type {self.transport.type!r}: loong-train drives 'shm' (trainer and "
+                "engines on one host) for now"
+            )
 
 
 def recipe_names() -> list[str]:

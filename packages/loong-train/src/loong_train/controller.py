@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
+import msgspec
 import ray
 from tqdm import tqdm
 
@@ -28,7 +29,7 @@ from loong_train.run_dir import RunDir
 from loong_train.tasks import calc
 from loong_train.trainer import TrainerWorker
 from loong_train.warmstart import prepare_model
-from loong_transfermesh import remove_slots
+from loong_transfermesh import TransportConfig, remove_slots
 
 __all__ = ["run"]
 
@@ -40,7 +41,8 @@ def run(recipe: Recipe, out: Path, cache: Path) -> Path:
     run_dir = RunDir(out, recipe)
     model_path = str(prepare_model(recipe, cache))
     started_ray = not ray.is_initialized()
-    pipe = _start(recipe, model_path, run_dir.name)
+    transport = msgspec.structs.replace(recipe.transport, name=run_dir.name)
+    pipe = _start(recipe, model_path, transport)
     try:
         run_dir.begin(pipe)
         bar = tqdm(total=recipe.train.steps, desc=recipe.name, unit="step")
@@ -69,7 +71,7 @@ def run(recipe: Recipe, out: Path, cache: Path) -> Path:
     return run_dir.path
 
 
-def _start(recipe: Recipe, model_path: str, transport: str) -> Pipeline:
+def _start(recipe: Recipe, model_path: str, transport: TransportConfig) -> Pipeline:
     if not ray.is_initialized():
         ray.init(
             address=recipe.ray_address or None,
@@ -91,7 +93,7 @@ def _start(recipe: Recipe, model_path: str, transport: str) -> Pipeline:
             seed=recipe.seed * 1000 + i,
             sampling=sampling,
             limits=limits,
-            transport_name=transport,
+            transport=transport,
             threads=recipe.threads,
             worker_id=i,
         )

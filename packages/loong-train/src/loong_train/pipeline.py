@@ -131,13 +131,15 @@ class Pipeline:
 
         The trainer publishes version v + 1 into the shm slot that version v - 1 used, so the
         publish call depends on every worker having applied v - 1 (a Ray dependency: the
-        controller never blocks on it).
+        controller never blocks on it); with ``zero_copy`` receivers the engines read v - 1's slot
+        until they apply v, so it depends on v's applies instead.
         """
         if self.train_ref is not None or self.window.version >= self.recipe.train.steps:
             return None
         if (groups := self.window.take_batch()) is None:
             return None
-        slot_users = self.applies.get(self.window.version - 1, [])
+        lag = 0 if self.recipe.transport.mode == "zero_copy" else 1
+        slot_users = self.applies.get(self.window.version - lag, [])
         trajs = [t for g in groups for t in self.finished.pop(g)]
         self.source.release(groups)
         adv = grpo_advantages(trajs, self.recipe.loss.scale_adv_by_std)

@@ -15,7 +15,7 @@ from loong_train.engines.embedded import EmbeddedEngine
 from loong_train.models.qwen3 import Qwen3ForCausalLM
 from loong_train.tasks import calc
 from loong_train.tokenizer import load_tokenizer
-from loong_transfermesh import ShmReceiver
+from loong_transfermesh import TransportConfig, open_receiver
 
 __all__ = ["HFCodec", "RolloutWorker"]
 
@@ -43,7 +43,7 @@ class RolloutWorker:
         seed: int,
         sampling: dict[str, Any],
         limits: dict[str, Any],
-        transport_name: str = "",
+        transport: TransportConfig | None = None,
         threads: int = 1,
         worker_id: int = 0,
     ) -> None:
@@ -58,7 +58,7 @@ class RolloutWorker:
         self.sampling = SamplingParams(**sampling, stop_token_ids=[end])
         self.limits = EpisodeLimits(**limits)
         self.agent = ToolAgent(calc.tool_registry(), calc.reward)
-        self.receiver = ShmReceiver(transport_name)
+        self.receiver = open_receiver(transport or TransportConfig())
 
     def rollout(self, specs: list[EpisodeSpec]) -> dict[str, Any]:
         """Run episodes; returns their trajectories and the call's wall-clock span."""
@@ -76,7 +76,7 @@ class RolloutWorker:
         }
 
     def apply_weights(self, manifest: WeightManifest) -> dict[str, float]:
-        """Receive an update through TransferMesh's shm transport. Ray runs an actor's calls one
+        """Receive an update through TransferMesh. Ray runs an actor's calls one
         at a time, so the update lands between rollout calls: no generation sees mixed weights."""
         start = time.time()
         self.receiver.apply(dict(self.engine.model.named_parameters()), version=manifest.version)

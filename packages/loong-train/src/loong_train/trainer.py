@@ -10,16 +10,16 @@ from loong_core.records import TrainBatch, WeightManifest
 from loong_train.backends.torch_backend import TorchBackend
 from loong_train.config import Recipe
 from loong_train.models.qwen3 import Qwen3ForCausalLM
+from loong_transfermesh import TransportConfig, open_sender
 
 __all__ = ["TrainerWorker"]
 
 
 class TrainerWorker:
-    """Runs one optimizer step per batch, then pushes the new weights (version + 1) to shm."""
+    """Runs one optimizer step per batch, then pushes the new weights (version + 1) through
+    TransferMesh."""
 
-    def __init__(self, model_path: str, recipe: Recipe, transport_name: str) -> None:
-        from loong_transfermesh import ShmSender
-
+    def __init__(self, model_path: str, recipe: Recipe, transport: TransportConfig) -> None:
         torch.set_num_threads(recipe.threads)
         torch.manual_seed(recipe.seed)
         t = recipe.train
@@ -32,7 +32,7 @@ class TrainerWorker:
             loss=recipe.loss,
             temperature=recipe.rollout.temperature,
         )
-        self.sender = ShmSender(transport_name)
+        self.sender = open_sender(transport)
         self.version = 0
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:

@@ -68,6 +68,12 @@ class TransportConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     key: str = ""
     timeout_s: float = 60.0
 
+    def __post_init__(self) -> None:
+        if self.bucket_mb <= 0:
+            raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+
     @property
     def bucket_bytes(self) -> int:
         return max(64, int(self.bucket_mb * (1 << 20)))
