@@ -1,0 +1,174 @@
+"""Teacher scoring throughput and peak memory under a budget, against keeping every teacher
+resident and against reloading teachers from disk for every batch, in the same run.
+
+Setup: four local Qwen3-shaped teachers (hidden 768, 8 layers, vocabulary 32000, float32: 398 MB
+each), written once with transformers. Workload: batches of 16 samples of 128 tokens (96 scored),
+every batch mixing the four domains (4 samples each), one warm-up batch then 4 timed ones. Cases
+(``extra_info["case"]``), each in its own child process (one torch thread) so that its peak RSS
+(``VmHWM``) is its own:
+
+- ``managed``: ``TeacherManager`` with ``budget_bytes`` = 1.5 teachers (one resident at a time).
+- ``all_resident``: ``TeacherManager`` without a budget: all four stay resident (the floor for time).
+- ``reload_each_batch``: per batch and teacher, ``AutoModelForCausalLM.from_pretrained`` from the
+  checkpoint directory (what code without a manager does), scored by the same scoring function, dropped.
+
+``extra_info``: ``case``, ``tokens`` (scored, timed batches), ``tokens_per_s`` (timed batches only),
+``peak_rss_bytes``, ``base_rss_bytes`` (RSS after imports, before any teacher), ``teacher_bytes``,
+``bytes_paged_in``. Run: ``uv run pytest packages/loong-teacher/benchmarks --benchmark-enable -q``.
+With benchmarks disabled (the default test run) the cases run in process on tiny teachers, as a
+smoke test of the harness.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+FULL = {"hidden": 768, "layers": 8, "vocab": 32000, "batches": 5, "samples": 16, "seq": 128, "prompt": 32}
+SMOKE = {"hidden": 64, "layers": 2, "vocab": 256, "batches": 2, "samples": 8, "seq": 24, "prompt": 8}
+DOMAINS = ["math", "code", "chat", "science"]
+CASES = ["managed", "all_resident", "reload_each_batch"]
+
+
+def _write_teachers(root: Path, spec: dict) -> list[str]:
+    import transformers
+
+    paths = []
+    for i, name in enumerate(DOMAINS):
+        config = transformers.Qwen3Config(
+            vocab_size=spec["vocab"], hidden_size=spec["hidden"], intermediate_size=spec["hidden"] * 8 // 3,
+            num_hidden_layers=spec["layers"], num_attention_heads=12 if spec["hidden"] % 12 == 0 else 4,
+            num_key_value_heads=4, head_dim=64 if spec["hidden"] >= 512 else 16, tie_word_embeddings=False,
+        )  # fmt: skip
+        torch.manual_seed(i)
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(root / name)
+        paths.append(str(root / name))
+    return paths
+
+
+def _workload(spec: dict) -> list[list]:
+    from loong_teacher import ScoreRequest
+
+    rng = random.Random(0)
+    scored = [0] * spec["prompt"] + [1] * (spec["seq"] - spec["prompt"])
+    batches = []
+    for _ in range(spec["batches"]):
+        domains = [DOMAINS[i % len(DOMAINS)] for i in range(spec["samples"])]
+        rng.shuffle(domains)
+        batches.append([
+            ScoreRequest(token_ids=[rng.randrange(spec["vocab"]) for _ in range(spec["seq"])], loss_mask=scored,
+                         tags={"domain": d})
+            for d in domains
+        ])  # fmt: skip
+    return batches
+
+
+def _rss(field: str) -> int:
+    """``VmHWM`` (peak) or ``VmRSS`` (now) of this process, in bytes. Not ``ru_maxrss``: Linux keeps
+    that across ``execve``, so a child forked from a large pytest process would report the parent's."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise KeyError(field)
+
+
+def run_case(case: str, paths: list[str], spec: dict) -> dict:
+    """Run one case in this process; returns what ``extra_info`` records."""
+    import transformers  # noqa: F401  (every case needs it; its import is not teacher memory)
+
+    from loong_teacher import LocalTeacher, LocalTeacherConfig, TeacherManager, TeacherManagerConfig
+
+    torch.set_num_threads(1)
+    base = _rss("VmRSS")
+    batches = _workload(spec)
+    teachers = [LocalTeacherConfig(name=d, path=p, tags=[d]) for d, p in zip(DOMAINS, paths, strict=True)]
+    manager = None
+    if case == "reload_each_batch":
+        step = _reloading(dict(zip(DOMAINS, paths, strict=True)))
+    else:
+        budget = int(1.5 * max(LocalTeacher(t).nbytes for t in teachers)) if case == "managed" else None
+        manager = TeacherManager(TeacherManagerConfig(teachers=teachers, budget_bytes=budget))
+        step = manager.score
+    step(batches[0])  # warm-up: not timed
+    paged = manager.residency.paged_in if manager else 0
+    t0 = time.perf_counter()
+    for batch in batches[1:]:
+        step(batch)
+    seconds = time.perf_counter() - t0
+    tokens = sum(sum(s.loss_mask) for b in batches[1:] for s in b)
+    return {
+        "case": case, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
+        "peak_rss_bytes": _rss("VmHWM"), "base_rss_bytes": base, "teachers": len(paths),
+        "teacher_bytes": os.path.getsize(Path(paths[0]) / "model.safetensors"),
+        "bytes_paged_in": (manager.residency.paged_in - paged) if manager else None,
+    }  # fmt: skip
+
+
+def _reloading(paths: dict[str, str]):
+    """Score a batch loading each needed teacher from its checkpoint, then dropping it."""
+    import transformers
+
+    from loong_teacher.local import score_rows
+
+    def step(batch) -> None:
+        groups: dict[str, list] = {}
+        for s in batch:
+            groups.setdefault(s.tags["domain"], []).append(s)
+        for domain, samples in groups.items():
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                paths[domain], dtype=torch.float32
+            ).eval()
+            rows = [(s.token_ids, [t for t, m in enumerate(s.loss_mask) if m]) for s in samples]
+            score_rows(model, rows, 0, 8192, torch.device("cpu"))
+            del model
+
+    return step
+
+
+@pytest.fixture(scope="module")
+def setup(request, tmp_path_factory) -> tuple[list[str], dict, bool]:
+    # the root config passes --benchmark-disable; --benchmark-enable on the command line wins
+    disabled = request.config.getoption("benchmark_disable") and not request.config.getoption(
+        "benchmark_enable"
+    )
+    spec = SMOKE if disabled else FULL
+    torch.set_num_threads(1)
+    return _write_teachers(tmp_path_factory.mktemp("bench-teachers"), spec), spec, disabled
+
+
+def _in_child(case: str, paths: list[str], spec: dict) -> dict:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TRANSFORMERS_VERBOSITY": "error", "HF_HUB_OFFLINE": "1"}
+    # A fixed glibc mmap threshold (every case alike): freed activations go back to the OS, so RSS
+    # shows live memory rather than heap the allocator kept after raising its dynamic threshold.
+    env["MALLOC_MMAP_THRESHOLD_"] = os.environ.get("MALLOC_MMAP_THRESHOLD_", str(1 << 20))
+    out = subprocess.run(
+        [sys.executable, __file__, case, json.dumps(paths), json.dumps(spec)],
+        capture_output=True, text=True, env=env, check=False, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_teacher_scoring(benchmark, setup, case):
+    paths, spec, disabled = setup
+    result: dict = {}
+
+    def run() -> None:
+        result.update(run_case(case, paths, spec) if disabled else _in_child(case, paths, spec))
+
+    benchmark.pedantic(run, rounds=1, iterations=1)
+    benchmark.extra_info.update(result, rss_measured_in="this process" if disabled else "child process")
+    assert result["tokens"] > 0
+
+
+if __name__ == "__main__":
+    print(json.dumps(run_case(sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]))))
