@@ -42,7 +42,7 @@ from torch import nn
 
 from loong_teacher.teacher import RowScores, TeacherConfigBase
 
-__all__ = ["LocalTeacher", "LocalTeacherConfig", "hf_causal_lm"]
+__all__ = ["LocalTeacher", "LocalTeacherConfig", "hf_causal_lm", "score_rows"]
 
 _ALIGN = 64
 _CHUNK = 32 << 20
@@ -114,7 +114,6 @@ class LocalTeacher:
             for key, buf in module._buffers.items():
                 if buf is not None:
                     module._buffers[key] = buf.to(self.device)
-        self._keep_arg = "logits_to_keep" in inspect.signature(self.model.forward).parameters
         self._pinned: torch.Tensor | None = None
         if self.device.type == "cuda":  # GPU path: offloaded bytes live in pinned host memory
             self._pinned = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
@@ -155,48 +154,10 @@ class LocalTeacher:
             self.page_out()
         self._pinned = None
 
-    @torch.inference_mode()
     def score(self, rows: Sequence[tuple[Sequence[int], Sequence[int]]], top_k: int = 0) -> list[RowScores]:
         """See :class:`loong_teacher.teacher.Teacher`; the teacher must be resident."""
         assert self.resident, f"teacher {self.name!r} scored while offloaded"
-        order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]))
-        out: list[RowScores | None] = [None] * len(rows)
-        for chunk in _micro_batches(order, [len(r[0]) for r in rows], self.config.max_batch_tokens):
-            for i, scores in zip(chunk, self._score_batch([rows[i] for i in chunk], top_k), strict=True):
-                out[i] = scores
-        return out  # type: ignore[return-value]
-
-    def _score_batch(self, rows, top_k: int) -> list[RowScores]:
-        width = max(len(ids) for ids, _ in rows)
-        ids = torch.zeros(len(rows), width, dtype=torch.long)
-        attn = torch.zeros(len(rows), width, dtype=torch.long)
-        for b, (row, _) in enumerate(rows):
-            ids[b, : len(row)] = torch.as_tensor(row)
-            attn[b, : len(row)] = 1
-        b_idx = torch.cat([torch.full((len(p),), b) for b, (_, p) in enumerate(rows)])
-        t_idx = torch.cat([torch.as_tensor(p, dtype=torch.long) for _, p in rows])
-        logits = self._logits_at(ids.to(self.device), attn.to(self.device), b_idx, t_idx - 1)
-        logp = torch.log_softmax(logits.float(), dim=-1).cpu()
-        target = ids[b_idx, t_idx]
-        scored = RowScores(logp.gather(-1, target[:, None]).squeeze(-1))
-        if top_k:
-            top_lp, top_ids = logp.topk(top_k, dim=-1)
-            tail = logp.scatter(-1, top_ids, -torch.inf).logsumexp(-1)
-            scored = RowScores(scored.logprobs, top_ids, top_lp, tail)
-        sizes = [len(p) for _, p in rows]
-        parts = [t.split(sizes) if t is not None else [None] * len(rows) for t in _fields(scored)]
-        return [RowScores(*fields) for fields in zip(*parts, strict=True)]
-
-    def _logits_at(self, ids, attn, b_idx, t_idx) -> torch.Tensor:
-        """Logits predicting position ``t + 1`` from ``(b, t)`` for each pair: ``[n, vocab]``."""
-        if not self._keep_arg:
-            out = self.model(input_ids=ids, attention_mask=attn)
-            return getattr(out, "logits", out)[b_idx, t_idx]
-        keep = torch.unique(t_idx)  # sorted
-        where = torch.full((ids.shape[1],), -1, dtype=torch.long)
-        where[keep] = torch.arange(len(keep))
-        out = self.model(input_ids=ids, attention_mask=attn, logits_to_keep=keep.to(self.device))
-        return out.logits[b_idx, where[t_idx]]
+        return score_rows(self.model, rows, top_k, self.config.max_batch_tokens, self.device)
 
     def _bind(self, flat: torch.Tensor | None) -> None:
         """Point every parameter (tied names share one) at its view of ``flat``, or at ``meta``."""
@@ -209,6 +170,59 @@ class LocalTeacher:
             for name in slot.names:
                 owner, _, leaf = name.rpartition(".")
                 self.model.get_submodule(owner)._parameters[leaf] = param
+
+
+@torch.inference_mode()
+def score_rows(
+    model: nn.Module,
+    rows: Sequence[tuple[Sequence[int], Sequence[int]]],
+    top_k: int,
+    max_batch_tokens: int,
+    device: torch.device,
+) -> list[RowScores]:
+    """Score ``rows`` with any causal LM ``model`` on ``device`` (the ``Teacher.score`` contract)."""
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]))
+    out: list[RowScores | None] = [None] * len(rows)
+    for chunk in _micro_batches(order, [len(r[0]) for r in rows], max_batch_tokens):
+        for i, scores in zip(
+            chunk, _score_batch(model, [rows[i] for i in chunk], top_k, device), strict=True
+        ):
+            out[i] = scores
+    return out  # type: ignore[return-value]
+
+
+def _score_batch(model: nn.Module, rows, top_k: int, device: torch.device) -> list[RowScores]:
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    attn = torch.zeros(len(rows), width, dtype=torch.long)
+    for b, (row, _) in enumerate(rows):
+        ids[b, : len(row)] = torch.as_tensor(row)
+        attn[b, : len(row)] = 1
+    b_idx = torch.cat([torch.full((len(p),), b) for b, (_, p) in enumerate(rows)])
+    t_idx = torch.cat([torch.as_tensor(p, dtype=torch.long) for _, p in rows])
+    logits = _logits_at(model, ids.to(device), attn.to(device), b_idx, t_idx - 1)
+    logp = torch.log_softmax(logits.float(), dim=-1).cpu()
+    target = ids[b_idx, t_idx]
+    scored = RowScores(logp.gather(-1, target[:, None]).squeeze(-1))
+    if top_k:
+        top_lp, top_ids = logp.topk(top_k, dim=-1)
+        tail = logp.scatter(-1, top_ids, -torch.inf).logsumexp(-1)
+        scored = RowScores(scored.logprobs, top_ids, top_lp, tail)
+    sizes = [len(p) for _, p in rows]
+    parts = [t.split(sizes) if t is not None else [None] * len(rows) for t in _fields(scored)]
+    return [RowScores(*fields) for fields in zip(*parts, strict=True)]
+
+
+def _logits_at(model: nn.Module, ids, attn, b_idx, t_idx) -> torch.Tensor:
+    """Logits predicting position ``t + 1`` from ``(b, t)`` for each pair: ``[n, vocab]``."""
+    if "logits_to_keep" not in inspect.signature(model.forward).parameters:
+        out = model(input_ids=ids, attention_mask=attn)
+        return getattr(out, "logits", out)[b_idx, t_idx]
+    keep = torch.unique(t_idx)  # sorted
+    where = torch.full((ids.shape[1],), -1, dtype=torch.long)
+    where[keep] = torch.arange(len(keep))
+    out = model(input_ids=ids, attention_mask=attn, logits_to_keep=keep.to(ids.device))
+    return out.logits[b_idx, where[t_idx]]
 
 
 def _fields(scores: RowScores) -> list[torch.Tensor | None]:
