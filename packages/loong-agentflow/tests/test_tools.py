@@ -9,32 +9,10 @@ import time
 
 import pytest
 
-import loong_agentflow
 from loong_agentflow import Tool, ToolCall, ToolRegistry, ToolResult, parse_tool_calls
 
 _NEEDS_NAME = 'error: tool call needs {"name": str, "arguments": object}'
 _NEEDS_OBJECT = "error: tool call arguments must be a JSON object"
-
-
-def test_exports() -> None:
-    assert sorted(loong_agentflow.__all__) == sorted(
-        [
-            "Agent",
-            "ChatML",
-            "Episode",
-            "EpisodeLimits",
-            "EpisodeSpec",
-            "ToolAgent",
-            "run_episodes",
-            "TextCodec",
-            "TokenBuffer",
-            "Tool",
-            "ToolCall",
-            "ToolRegistry",
-            "ToolResult",
-            "parse_tool_calls",
-        ]
-    )
 
 
 # ---- parse_tool_calls ----------------------------------------------------------------------------
