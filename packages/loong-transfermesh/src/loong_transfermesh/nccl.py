@@ -142,10 +142,11 @@ class NcclReceiver:
         version = self.version + 1 if version is None else version
         manifest = decode(self._store.get(f"loong-tm/manifest/{version}"), WeightManifest)
         check_against(manifest, targets)  # a mismatch here leaves the group out of step: fatal
-        if self._staging[self._turn].numel() < manifest.total_bytes:
-            self._staging[self._turn] = torch.zeros(
-                manifest.total_bytes, dtype=torch.uint8, device=self.device
-            )
+        if self._staging[self._turn].numel() < manifest.total_bytes:  # all turns allocated at once
+            self._staging = [
+                torch.zeros(manifest.total_bytes, dtype=torch.uint8, device=self.device)
+                for _ in self._staging
+            ]
         staging = self._staging[self._turn]
         starts = bucket_starts(manifest)
         for start, size in zip(starts, manifest.bucket_sizes, strict=True):

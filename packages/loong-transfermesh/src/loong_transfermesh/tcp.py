@@ -218,6 +218,7 @@ class TcpReceiver:
         # zero_copy: two receive buffers; targets view one while the next update lands in the other
         self._staging = [torch.empty(0, dtype=torch.uint8)] * (2 if mode == "zero_copy" else 1)
         self._turn = 0
+        self._verifier = ThreadPoolExecutor(1, thread_name_prefix="tcp-verify")
         try:
             self._connect()
         except (OSError, TransferFailed):
@@ -277,9 +278,9 @@ class TcpReceiver:
 
     def _receive(self, sock: socket.socket, manifest: WeightManifest, checked: bool) -> torch.Tensor:
         """Receive every bucket into this turn's reused staging buffer and verify them."""
-        if self._staging[self._turn].numel() < manifest.total_bytes:
-            self._staging[self._turn] = torch.zeros(manifest.total_bytes, dtype=torch.uint8)
-        staging, bad = self._staging[self._turn], []
+        if self._staging[self._turn].numel() < manifest.total_bytes:  # all turns touched at once
+            self._staging = [torch.zeros(manifest.total_bytes, dtype=torch.uint8) for _ in self._staging]
+        staging, verified = self._staging[self._turn], []
         for b, (start, size) in enumerate(zip(bucket_starts(manifest), manifest.bucket_sizes, strict=True)):
             bucket = staging[start : start + size]
             try:
@@ -290,11 +291,12 @@ class TcpReceiver:
                 raise TransferFailed(
                     f"update {manifest.version} broke off in bucket {b} of {len(manifest.bucket_sizes)}: {e}"
                 ) from e
-            if checked and sum64(bucket) != expected:
-                bad.append(b)
-        if bad:
-            names = [e.name for e in manifest.tensors if e.bucket == bad[0]]
-            raise ManifestMismatch(f"bucket {bad[0]} checksum mismatch (tensors {', '.join(names[:4])})")
+            if checked:  # verified on another thread while the next bucket arrives
+                verified.append((b, expected, self._verifier.submit(sum64, bucket)))
+        for b, expected, total in verified:
+            if total.result() != expected:
+                names = [e.name for e in manifest.tensors if e.bucket == b]
+                raise ManifestMismatch(f"bucket {b} checksum mismatch (tensors {', '.join(names[:4])})")
         return staging
 
     def _reset(self) -> None:
