@@ -293,21 +293,23 @@ def _views(
 
 
 def _wait(ready, head: torch.Tensor, version: int, deadline: float, what: str) -> None:
-    """Spin (yielding) until ``ready()``; fail fast if the slot moved past ``version`` or the
-    sender process is gone."""
-    pid, polls = int(head[_PID_F]), 0
+    """Poll until ``ready()``; fail fast if the slot moved past ``version`` or the sender process
+    is gone. The sleep between polls grows with the time already waited (a twentieth of it, at
+    most 1 ms), so a long update costs a waiting receiver little CPU and a short one little delay."""
+    pid, polls, start = int(head[_PID_F]), 0, time.monotonic()
     while not ready():
         current = int(head[_VERSION_F])
         if current > version:
             raise TransferFailed(f"version {version} was overwritten by {current} before it was read")
         polls += 1
-        if polls % 256 == 0:
-            if time.monotonic() > deadline:
+        now = time.monotonic()
+        if polls % 64 == 0:
+            if now > deadline:
                 raise TransferFailed(f"timed out waiting for {what} of version {version}")
             pid = int(head[_PID_F]) or pid
             if pid and not _alive(pid):
                 raise TransferFailed(f"sender process {pid} died before writing {what} of version {version}")
-        time.sleep(0.0001 if polls > 64 else 0)
+        time.sleep(min(0.001, (now - start) / 20))
 
 
 def _alive(pid: int) -> bool:
