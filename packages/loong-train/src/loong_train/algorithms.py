@@ -1,12 +1,13 @@
 """RL algorithms: GRPO advantages, the batch packer, and the policy loss with its options.
 
-Advantages. GRPO (Shao et al., 2024), per group g of G trajectories of one prompt with rewards
-r_1..r_G (failed or timed-out episodes are excluded before the statistics):
+Advantages. GRPO (Shao et al., 2024), per group g of G episodes of one prompt with rewards
+r_1..r_G (failed or timed-out episodes are excluded before the statistics; the rows of a
+black-box episode, which share ``info["episode"]``, count as one episode and share its A):
 
     A_i = (r_i - mean(r)) / (std(r) + eps)        (``scale_by_std=True``)
     A_i =  r_i - mean(r)                          (``scale_by_std=False``, Dr. GRPO)
 
-with the population standard deviation; every model token of trajectory i gets A_i.
+with the population standard deviation; every model token of episode i (all its rows) gets A_i.
 
 Policy loss (:func:`policy_loss`, options in :class:`~loong_train.config.LossConfig`). Per token
 t of row i, all tensors ``[batch, seq]``: m mask (1 = loss token), A advantage, l the trainer's
@@ -54,26 +55,33 @@ import torch
 from loong_core.records import TrainBatch, Trajectory
 from loong_train.config import LossConfig
 
-__all__ = ["aggregate", "grpo_advantages", "kl_estimate", "pack_batch", "policy_loss"]
+__all__ = ["aggregate", "episode_id", "grpo_advantages", "kl_estimate", "pack_batch", "policy_loss"]
+
+
+def episode_id(t: Trajectory) -> str:
+    """The episode a trajectory row belongs to: ``info["episode"]`` (black-box rows), else its sample id."""
+    return t.info.get("episode", t.sample_id)
 
 
 def grpo_advantages(
     trajectories: Sequence[Trajectory], scale_by_std: bool = True, eps: float = 1e-6
 ) -> list[float]:
-    """One advantage per trajectory; untrainable ones (failed, timeout) get 0 and no say."""
-    groups: dict[str, list[int]] = defaultdict(list)
-    for i, t in enumerate(trajectories):
+    """One advantage per row (its episode's); untrainable ones (failed, timeout) get 0 and no say."""
+    groups: dict[str, dict[str, float]] = defaultdict(dict)
+    for t in trajectories:
         if t.status.trainable:
-            groups[t.group_id].append(i)
-    adv = [0.0] * len(trajectories)
-    for members in groups.values():
-        rewards = [trajectories[i].reward for i in members]
+            groups[t.group_id][episode_id(t)] = t.reward
+    centre: dict[str, tuple[float, float]] = {}
+    for group_id, episodes in groups.items():
+        rewards = list(episodes.values())
         mean = sum(rewards) / len(rewards)
         std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
         scale = 1 / (std + eps) if scale_by_std and std > 0 else 1.0  # equal rewards: r - mean = 0 anyway
-        for i, r in zip(members, rewards, strict=True):
-            adv[i] = (r - mean) * scale
-    return adv
+        centre[group_id] = mean, scale
+    return [
+        (t.reward - centre[t.group_id][0]) * centre[t.group_id][1] if t.status.trainable else 0.0
+        for t in trajectories
+    ]
 
 
 def pack_batch(

@@ -14,9 +14,11 @@ from typing import Literal
 import msgspec
 
 from loong_core.config import ConfigError, load_config
+from loong_train.agents import missing_openai
 from loong_transfermesh import TransportConfig
 
 __all__ = [
+    "AgentConfig",
     "LossConfig",
     "ModelConfig",
     "Recipe",
@@ -175,6 +177,27 @@ class EvalConfig(_Section):
         _at_least(self, every=1, num_tasks=1)
 
 
+class AgentConfig(_Section):
+    """The ``[agent]`` table: how rollout workers run the task's agent.
+
+    - ``kind = "whitebox"``: :class:`~loong_agentflow.ToolAgent` episodes in process (token buffer).
+    - ``kind = "blackbox"``: each worker hosts an AgentFlow proxy (OpenAI API on 127.0.0.1) over its
+      engine and runs every episode as a subprocess of ``command`` (the contract of
+      :mod:`loong_agentflow.blackbox`; ``LOONG_MAX_TURNS`` holds ``rollout.max_turns``), at most
+      ``max_concurrency`` at a time per worker. An empty ``command`` is the shipped calc agent
+      (:mod:`loong_train.agents.calc_agent`), an ``openai``-SDK program run by this interpreter.
+    """
+
+    kind: Literal["whitebox", "blackbox"] = "whitebox"
+    command: list[str] = []
+    max_concurrency: int = 16
+
+    def __post_init__(self) -> None:
+        _at_least(self, max_concurrency=1)
+        if self.kind == "blackbox" and not self.command and (problem := missing_openai()):
+            raise ValueError(problem)
+
+
 class Recipe(_Section):
     name: str
     task: str = "calc"
@@ -186,6 +209,7 @@ class Recipe(_Section):
     train: TrainConfig = TrainConfig()
     loss: LossConfig = LossConfig()
     eval: EvalConfig = EvalConfig()
+    agent: AgentConfig = AgentConfig()
     transport: TransportConfig = TransportConfig()
     ray_address: str = ""
 

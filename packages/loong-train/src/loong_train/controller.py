@@ -96,6 +96,7 @@ def _start(recipe: Recipe, model_path: str, transport: TransportConfig) -> Pipel
             transport=transport,
             threads=recipe.threads,
             worker_id=i,
+            agent=recipe.agent,
         )
         for i in range(r.workers)
     ]

@@ -1,4 +1,9 @@
-"""A rollout worker: an engine plus an AgentFlow runner, usable in-process or as a Ray actor."""
+"""A rollout worker: an engine plus an AgentFlow runner, usable in-process or as a Ray actor.
+
+The runner is white-box (:class:`~loong_agentflow.ToolAgent` in process) or black-box
+(:class:`BlackBoxHost`: agent programs as subprocesses against a proxy over the same engine),
+chosen by the recipe's ``[agent] kind``; either way ``rollout`` returns trajectories.
+"""
 
 from __future__ import annotations
 
@@ -8,16 +13,28 @@ from typing import Any
 
 import torch
 
-from loong_agentflow import EpisodeLimits, EpisodeSpec, ToolAgent, run_episodes
+from loong_agentflow import (
+    AgentProgram,
+    BlackBoxRunner,
+    EpisodeLimits,
+    EpisodeSpec,
+    HFChatRenderer,
+    ProxyConfig,
+    ProxyServer,
+    ToolAgent,
+    run_episodes,
+)
 from loong_core.protocols import SamplingParams
-from loong_core.records import WeightManifest
+from loong_core.records import SpanSource, TokenSpan, Trajectory, WeightManifest
+from loong_train.agents import calc_agent_argv, missing_openai
+from loong_train.config import AgentConfig
 from loong_train.engines.embedded import EmbeddedEngine
 from loong_train.models.qwen3 import Qwen3ForCausalLM
 from loong_train.tasks import calc
 from loong_train.tokenizer import load_tokenizer
 from loong_transfermesh import TransportConfig, open_receiver
 
-__all__ = ["HFCodec", "RolloutWorker"]
+__all__ = ["BlackBoxHost", "HFCodec", "RolloutWorker"]
 
 
 class HFCodec:
@@ -33,8 +50,63 @@ class HFCodec:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
 
 
+class BlackBoxHost:
+    """A worker's proxy and black-box runner, served from an event loop the worker owns.
+
+    The :class:`~loong_agentflow.ProxyServer` listens on 127.0.0.1 (a free port of its own) for the
+    worker's lifetime, renders with the tokenizer's chat template (:class:`HFChatRenderer`), forces
+    the recipe's temperature and top_p whatever an agent asks for, and caps each session at the
+    episode's model-token budget. Between ``run`` calls the loop is idle, so a weight update (the
+    worker's next call) never overlaps a generation.
+
+    Each episode's rows come back flat: row 0 keeps the spec's ``sample_id``, row i > 0 is
+    ``"<sample_id>#<i>"``, all with the spec's ``group_id`` and ``info["episode"]`` (GRPO counts
+    an episode once, see :func:`loong_train.algorithms.grpo_advantages`). An episode that never
+    got an answer (failed or timed out before its first call) is one row with an empty prompt span.
+    """
+
+    def __init__(
+        self,
+        engine: EmbeddedEngine,
+        tokenizer: Any,
+        agent: AgentConfig,
+        sampling: SamplingParams,
+        limits: EpisodeLimits,
+    ) -> None:
+        if not agent.command and (problem := missing_openai()):
+            raise RuntimeError(problem)
+        config = ProxyConfig(
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            default_max_tokens=sampling.max_new_tokens,
+            max_session_model_tokens=limits.max_model_tokens,
+        )
+        self.proxy = ProxyServer(engine, HFChatRenderer(tokenizer), config)
+        self.loop = asyncio.new_event_loop()
+        self.loop.run_until_complete(self.proxy.start())
+        program = AgentProgram(
+            agent.command or calc_agent_argv(),
+            env={"LOONG_MAX_TURNS": str(limits.max_turns)},
+            timeout_s=limits.timeout_s,
+        )
+        self.runner = BlackBoxRunner(self.proxy, program, calc.reward, agent.max_concurrency)
+
+    def run(self, specs: list[EpisodeSpec]) -> list[Trajectory]:
+        episodes = self.loop.run_until_complete(self.runner.run_many(specs))
+        rows = [t for episode in episodes for t in episode]
+        for t in rows:
+            if not t.spans:
+                t.spans = [TokenSpan(token_ids=[], source=SpanSource.PROMPT)]
+        return rows
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.proxy.stop())
+        self.loop.close()
+
+
 class RolloutWorker:
-    """Runs white-box tool-agent episodes on an embedded engine; receives weights by manifest."""
+    """Runs tool-agent episodes (white-box, or black-box through a :class:`BlackBoxHost`) on an
+    embedded engine; receives weights by manifest."""
 
     def __init__(
         self,
@@ -46,6 +118,7 @@ class RolloutWorker:
         transport: TransportConfig | None = None,
         threads: int = 1,
         worker_id: int = 0,
+        agent: AgentConfig | None = None,
     ) -> None:
         torch.set_num_threads(threads)
         self.worker_id, self._model_path = worker_id, model_path
@@ -58,14 +131,24 @@ class RolloutWorker:
         self.sampling = SamplingParams(**sampling, stop_token_ids=[end])
         self.limits = EpisodeLimits(**limits)
         self.agent = ToolAgent(calc.tool_registry(), calc.reward)
+        agent = agent or AgentConfig()
+        self.blackbox = (
+            BlackBoxHost(self.engine, tokenizer, agent, self.sampling, self.limits)
+            if agent.kind == "blackbox"
+            else None
+        )
         self.receiver = open_receiver(transport or TransportConfig())
 
     def rollout(self, specs: list[EpisodeSpec]) -> dict[str, Any]:
-        """Run episodes; returns their trajectories and the call's wall-clock span."""
+        """Run episodes; returns their trajectories (black-box: every row of each episode) and the
+        call's wall-clock span."""
         start = time.time()
-        out = asyncio.run(
-            run_episodes(self.agent, specs, self.engine, self.codec, self.sampling, self.limits)
-        )
+        if self.blackbox is not None:
+            out = self.blackbox.run(specs)
+        else:
+            out = asyncio.run(
+                run_episodes(self.agent, specs, self.engine, self.codec, self.sampling, self.limits)
+            )
         end = time.time()
         return {
             "trajectories": out,
