@@ -54,6 +54,7 @@ def _example_batch() -> TrainBatch:
         row_lens=[3, 2],
         sample_ids=["a", "b"],
         policy_version=4,
+        row_tags=[{"domain": "add"}, {"domain": "mul"}],
     )
 
 
@@ -358,6 +359,7 @@ def test_trajectory_validate_checks_every_span() -> None:
         ("versions", [1], "versions has 1 entries"),
         ("row_lens", [3, 1], "row_lens sum to 4, expected 5"),
         ("sample_ids", ["a"], "one sample_id per row"),
+        ("row_tags", [{"domain": "add"}], "row_tags must be empty or hold one dict per row"),
     ],
 )
 def test_train_batch_validate_rejects(field: str, value: list, message: str) -> None:

@@ -155,6 +155,8 @@ class TrainBatch(msgspec.Struct):
     Rows are concatenated; ``row_lens[i]`` tokens belong to row i (sum == num_tokens).
     ``advantages`` are per token (0 where ``loss_mask`` is 0); ``behaviour_logprobs`` are the
     rollout engine's logprobs; ``versions`` the weight version of each token (-1 if not model).
+    ``row_tags`` is empty or holds each row's trajectory tags (``[rows]``; e.g. the ``domain``
+    that routes a row to its teacher in on-policy distillation).
     """
 
     token_ids: list[int]
@@ -165,6 +167,7 @@ class TrainBatch(msgspec.Struct):
     row_lens: list[int]
     sample_ids: list[str]
     policy_version: int
+    row_tags: list[dict[str, str]] = []
 
     @property
     def num_tokens(self) -> int:
@@ -186,6 +189,8 @@ class TrainBatch(msgspec.Struct):
             raise ValueError(f"TrainBatch.row_lens sum to {sum(self.row_lens)}, expected {n}")
         if len(self.sample_ids) != len(self.row_lens):
             raise ValueError("TrainBatch needs one sample_id per row")
+        if self.row_tags and len(self.row_tags) != len(self.row_lens):
+            raise ValueError("TrainBatch.row_tags must be empty or hold one dict per row")
 
 
 class TensorEntry(msgspec.Struct, frozen=True):

@@ -107,6 +107,7 @@ def pack_batch(
         row_lens=lens,
         sample_ids=[t.sample_id for t, _ in keep],
         policy_version=policy_version,
+        row_tags=[dict(t.tags) for t, _ in keep],
     )
 
 

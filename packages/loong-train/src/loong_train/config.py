@@ -14,15 +14,19 @@ from typing import Literal
 import msgspec
 
 from loong_core.config import ConfigError, load_config
+from loong_teacher import LocalTeacherConfig, TeacherManagerConfig
 from loong_train.agents import missing_openai
+from loong_train.tasks import TASKS
 from loong_transfermesh import TransportConfig
 
 __all__ = [
     "AgentConfig",
     "LossConfig",
     "ModelConfig",
+    "OPDConfig",
     "Recipe",
     "RolloutConfig",
+    "TeacherBuild",
     "TrainConfig",
     "WarmstartConfig",
     "load_recipe",
@@ -198,6 +202,67 @@ class AgentConfig(_Section):
             raise ValueError(problem)
 
 
+class TeacherBuild(_Section):
+    """One ``[[opd.build]]`` entry: how a tiny recipe makes the local teacher ``teacher`` (whose
+    ``path`` is empty): supervised training on ``task`` (a one-domain task set), started from the
+    student's warm-started checkpoint, with these settings over the recipe's ``[warmstart]``
+    (stopping at the first probe whose sampled success reaches ``target_success``). Cached."""
+
+    teacher: str
+    task: str
+    steps: int = 1000
+    lr: float = 1e-3
+    label_smoothing: float = 0.0
+    target_success: float = 0.9
+
+
+class OPDConfig(_Section):
+    """The ``[opd]`` table: on-policy distillation; formulas and metrics in :mod:`loong_train.opd`.
+
+    - ``enabled``: score every batch with the teachers before the loss (false: the task reward
+      alone, the same run otherwise; teachers are still built, so both runs can be compared).
+    - ``mode``: ``"teacher_only"`` (A_t = -lambda (logp_student - logp_teacher)) or ``"mixed"``
+      (plus ``task_coef`` times the GRPO advantage of the row).
+    - ``teachers``: a ``loong_teacher.TeacherManagerConfig`` (routing tag, default teacher, memory
+      budget, and the teachers with their coefficients lambda).
+    - ``build``: how to make local teachers whose ``path`` is empty (see :class:`TeacherBuild`).
+    - ``baseline_run``: a run directory (e.g. the same recipe with ``opd.enabled=false``) whose
+      per-domain eval success is plotted beside this run's; skipped until it has a summary.
+    """
+
+    enabled: bool = False
+    mode: Literal["teacher_only", "mixed"] = "teacher_only"
+    task_coef: float = 1.0
+    teachers: TeacherManagerConfig | None = None
+    build: list[TeacherBuild] = []
+    baseline_run: str = ""
+
+    def __post_init__(self) -> None:
+        if problems := _opd_problems(self):
+            raise ValueError("; ".join(problems))
+
+
+def _opd_problems(c: OPDConfig) -> list[str]:
+    teachers = c.teachers.teachers if c.teachers is not None else []
+    names = [t.name for t in teachers]
+    unbuilt = [t.name for t in teachers if isinstance(t, LocalTeacherConfig) and not t.path]
+    built = [b.teacher for b in c.build]
+    checks = [
+        (not c.enabled or teachers, "enabled = true needs [opd.teachers] with at least one teacher"),
+        (c.task_coef >= 0, f"task_coef must be >= 0, got {c.task_coef}"),
+        (set(built) <= set(names), f"build names teachers {sorted(set(built) - set(names))} not in {names}"),
+        (
+            set(unbuilt) <= set(built),
+            f"local teachers {sorted(set(unbuilt) - set(built))} need a path or a build",
+        ),
+        (
+            all(b.task in TASKS for b in c.build),
+            f"build tasks must be among {list(TASKS)}, got {[b.task for b in c.build]}",
+        ),
+    ]
+    return [msg for ok, msg in checks if not ok]
+
+
 class Recipe(_Section):
     name: str
     task: str = "calc"
@@ -209,13 +274,14 @@ class Recipe(_Section):
     train: TrainConfig = TrainConfig()
     loss: LossConfig = LossConfig()
     eval: EvalConfig = EvalConfig()
+    opd: OPDConfig = OPDConfig()
     agent: AgentConfig = AgentConfig()
     transport: TransportConfig = TransportConfig()
     ray_address: str = ""
 
     def __post_init__(self) -> None:
-        if self.task != "calc":
-            raise ValueError(f"unknown task {self.task!r} (expected one of: 'calc')")
+        if self.task not in TASKS:
+            raise ValueError(f"unknown task {self.task!r} (expected one of: {', '.join(map(repr, TASKS))})")
         if self.transport.type != "shm":
             raise ValueError(
                 f"transport.type {self.transport.type!r}: loong-train drives 'shm' (trainer and "

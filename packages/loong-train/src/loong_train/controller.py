@@ -22,11 +22,12 @@ import ray
 from tqdm import tqdm
 
 from loong_core.window import StalenessWindow
+from loong_train import tasks
 from loong_train.config import Recipe
+from loong_train.opd import prepare_teachers
 from loong_train.pipeline import GroupSource, Pipeline
 from loong_train.rollout import RolloutWorker
 from loong_train.run_dir import RunDir
-from loong_train.tasks import calc
 from loong_train.trainer import TrainerWorker
 from loong_train.warmstart import prepare_model
 from loong_transfermesh import TransportConfig, remove_slots
@@ -38,8 +39,9 @@ log = logging.getLogger("loong.controller")
 
 def run(recipe: Recipe, out: Path, cache: Path) -> Path:
     """Train ``recipe``; writes the run directory ``out`` and returns it."""
-    run_dir = RunDir(out, recipe)
     model_path = str(prepare_model(recipe, cache))
+    recipe = prepare_teachers(recipe, cache, Path(model_path))  # OPD recipes: build their teachers
+    run_dir = RunDir(out, recipe)
     started_ray = not ray.is_initialized()
     transport = msgspec.structs.replace(recipe.transport, name=run_dir.name)
     pipe = _start(recipe, model_path, transport)
@@ -101,9 +103,9 @@ def _start(recipe: Recipe, model_path: str, transport: TransportConfig) -> Pipel
         for i in range(r.workers)
     ]
     trainer = ray.remote(num_cpus=1)(TrainerWorker).remote(model_path, recipe, transport)
-    held_out = calc.eval_tasks(recipe.eval.num_tasks)
+    held_out = tasks.eval_tasks(recipe.task, recipe.eval.num_tasks)
     source = GroupSource(
-        calc.train_tasks(recipe.seed + 2, held_out), r.group_size
+        tasks.train_tasks(recipe.task, recipe.seed + 2, held_out), r.group_size
     )  # warm start used seed + 1
     window = StalenessWindow(recipe.train.max_staleness, recipe.train.batch_groups)
     return Pipeline(recipe, workers, trainer, window, source)

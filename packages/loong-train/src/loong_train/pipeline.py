@@ -43,9 +43,8 @@ class GroupSource:
 
     def specs(self, group_id: str) -> list[EpisodeSpec]:
         task = self.issued[group_id]
-        return [
-            EpisodeSpec(f"{group_id}-{j}", group_id, task, dict(self.tags)) for j in range(self.group_size)
-        ]
+        tags = {**self.tags, **task.get("tags", {})}  # a task's own tags (its domain) route it
+        return [EpisodeSpec(f"{group_id}-{j}", group_id, task, dict(tags)) for j in range(self.group_size)]
 
 
 @dataclass

@@ -1,12 +1,15 @@
-"""End-of-run plots: reward and held-out eval reward, staleness, and utilization over steps."""
+"""End-of-run plots: reward and held-out eval reward, staleness, and utilization over steps;
+for task sets with domains, held-out success per domain beside a baseline run and the teachers."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
 from loong_core.telemetry import read_metrics
 
-__all__ = ["plot_run"]
+__all__ = ["plot_domains", "plot_run"]
 
 
 def plot_run(run_dir: Path, evals: dict[int, float]) -> list[Path]:
@@ -66,3 +69,38 @@ def plot_run(run_dir: Path, evals: dict[int, float]) -> list[Path]:
     ax.legend()
     save(fig, "mismatch.png")
     return out
+
+
+def plot_domains(run_dir: Path, summary: dict[str, Any], baseline: Path | None = None) -> Path:
+    """Write ``plots/eval_by_domain.png``: one panel per domain with this run's held-out success
+    by policy version, the baseline run's (when ``baseline/summary.json`` exists) and, dashed, the
+    held-out success of the domain's teacher."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [(summary.get("label", run_dir.name), summary, "C3")]
+    if baseline is not None and (baseline / "summary.json").exists():
+        other = json.loads((baseline / "summary.json").read_text())
+        runs.append((other.get("label", baseline.name), other, "C0"))
+    domains = sorted(summary["eval_reward_by_domain"])
+    fig, axes = plt.subplots(1, len(domains), figsize=(5 * len(domains), 3.8), squeeze=False)
+    for ax, domain in zip(axes[0], domains, strict=True):
+        for label, s, color in runs:
+            curve = sorted((int(v), x) for v, x in s.get("eval_reward_by_domain", {}).get(domain, {}).items())
+            if curve:
+                ax.plot(*zip(*curve, strict=True), "o-", color=color, label=label)
+        if teacher := summary.get("teacher_by_domain", {}).get(domain):
+            ax.axhline(
+                teacher["held_out_success"], ls="--", color="C2", label=f"teacher {teacher['teacher']!r}"
+            )
+        ax.set(xlabel="train step (policy version)", ylabel="held-out success", ylim=(-0.02, 1.02))
+        ax.set_title(f"domain {domain!r}")
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    path = run_dir / "plots" / "eval_by_domain.png"
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -2,7 +2,8 @@
 
 ``runs/<name>/``: ``config.toml`` (resolved recipe), ``metrics.jsonl`` (one object per train
 step), ``trace.json`` (Perfetto: rollout, eval, train and sync spans per actor), ``plots/*.png``,
-``checkpoints/final`` (Hugging Face format), ``summary.json``.
+``checkpoints/final`` (Hugging Face format), ``summary.json``. Task sets with domains add
+held-out success per domain (``eval_reward/<domain>``, ``plots/eval_by_domain.png``).
 
 Busy fractions are cumulative: busy seconds of the trainer (or the mean rollout worker) over
 the wall time since the run started, so they read as the run's utilization so far.
@@ -24,10 +25,11 @@ from loong_agentflow import EpisodeSpec
 from loong_core.config import dump_toml
 from loong_core.records import EpisodeStatus, Trajectory
 from loong_core.telemetry import MetricsWriter, TraceWriter
+from loong_train import tasks
 from loong_train.config import Recipe
+from loong_train.opd import teacher_success
 from loong_train.pipeline import Pipeline
-from loong_train.plots import plot_run
-from loong_train.tasks import calc
+from loong_train.plots import plot_domains, plot_run
 
 __all__ = ["RunDir"]
 
@@ -39,9 +41,20 @@ _TRAIN_KEYS = (
     "onpolicy_mismatch_abs_logp",
     "loss",
     "grad_norm",
-    "clip_frac",
     "lr",
+    # loong_train.algorithms.policy_loss
+    "pg_loss",
+    "clip_frac",
+    "dual_clip_frac",
+    "tis_frac",
+    "mis_drop_frac",
+    "is_weight_mean",
+    "is_weight_min",
+    "is_weight_max",
+    "kl",
+    "kl_loss",
 )
+_TRAIN_PREFIXES = ("opd/", "teacher/")  # per-teacher OPD metrics (loong_train.opd), named by teacher
 
 
 class RunDir:
@@ -56,9 +69,10 @@ class RunDir:
         (path / "metrics.jsonl").unlink(missing_ok=True)  # a new run starts a new log
         self.metrics = MetricsWriter(path / "metrics.jsonl")
         self.trace = TraceWriter(path / "trace.json")
-        self.held_out = calc.eval_tasks(recipe.eval.num_tasks)
+        self.held_out = tasks.eval_tasks(recipe.task, recipe.eval.num_tasks)
         self.evals: dict[int, Any] = {}
         self.eval_results: dict[int, float] = {}
+        self.eval_by_domain: dict[int, dict[str, float]] = {}  # tasks tagged with a domain only
         self.reported_evals: set[int] = set()
         self.start = self.last_step_end = time.time()
         self.rollout_busy = self.trainer_busy = 0.0
@@ -75,7 +89,7 @@ class RunDir:
     def evaluate(self, pipe: Pipeline, version: int) -> None:
         """Queue a held-out evaluation on worker 0 behind the weight update to ``version``."""
         specs = [
-            EpisodeSpec(f"eval-v{version}-{i}", f"eval-v{version}-{i}", t)
+            EpisodeSpec(f"eval-v{version}-{i}", f"eval-v{version}-{i}", t, dict(t.get("tags", {})))
             for i, t in enumerate(self.held_out)
         ]
         self.evals[version] = pipe.workers[0].rollout.remote(specs)
@@ -121,6 +135,7 @@ class RunDir:
             "policy_version": version,
             **self.batch,
             **{k: m.get(k) for k in _TRAIN_KEYS},
+            **{k: v for k, v in m.items() if k.startswith(_TRAIN_PREFIXES)},
             "trainer_busy_frac": min(1.0, self.trainer_busy / wall),
             "rollout_busy_frac": min(1.0, self.rollout_busy / (wall * len(pipe.workers))),
             "samples_per_s": self.batch["samples"] / interval,
@@ -148,6 +163,10 @@ class RunDir:
         self.trace.span(
             "push_weights", "sync", "trainer", "sync", m["push_start"], m["push_end"], {"version": version}
         )
+        if "teacher_end" in m:
+            self.trace.span(
+                "teacher_score", "teacher", "trainer", "train", m["train_start"], m["teacher_end"], {}
+            )
         for a in pipe.applied():
             self.apply_s = a["apply_s"]
             self.trace.span(
@@ -169,6 +188,7 @@ class RunDir:
                 result = ray.get(self.evals[v])
                 trajs = result["trajectories"]
                 self.eval_results[v] = sum(t.reward for t in trajs) / len(trajs)
+                self.eval_by_domain[v] = _by_domain(trajs)
                 self.rollout_busy += result["end"] - result["start"]
                 self.trace.span(
                     "eval",
@@ -187,7 +207,8 @@ class RunDir:
             return {}
         self.reported_evals.update(fresh)
         v = max(fresh)
-        return {"eval_reward_mean": self.eval_results[v], "eval_policy_version": v}
+        by_domain = {f"eval_reward/{d}": x for d, x in self.eval_by_domain[v].items()}
+        return {"eval_reward_mean": self.eval_results[v], "eval_policy_version": v, **by_domain}
 
     def postfix(self) -> dict[str, str]:
         out = {
@@ -214,11 +235,44 @@ class RunDir:
             "steps": pipe.window.version,
             "wall_s": time.time() - self.start,
         }
+        if any(self.eval_by_domain.values()):
+            summary |= self._domain_summary()
         (self.path / "summary.json").write_text(json.dumps(summary, indent=2))
         self.close()
         plot_run(self.path, evals)
+        if "eval_reward_by_domain" in summary:
+            baseline = Path(self.recipe.opd.baseline_run) if self.recipe.opd.enabled else None
+            plot_domains(self.path, summary, baseline)
+
+    def _domain_summary(self) -> dict[str, Any]:
+        """Per-domain eval success by version, the run's label, and (OPD recipes) each domain's
+        teacher with its held-out success on that domain."""
+        domains = sorted({d for by in self.eval_by_domain.values() for d in by})
+        o = self.recipe.opd
+        routes = {tag: t.name for t in (o.teachers.teachers if o.teachers else []) for tag in t.tags}
+        levels = teacher_success(self.recipe)
+        return {
+            "label": "on-policy distillation" if o.enabled else "RL only (task reward)",
+            "eval_reward_by_domain": {
+                d: {v: by[d] for v, by in sorted(self.eval_by_domain.items()) if d in by} for d in domains
+            },
+            "teacher_by_domain": {
+                d: {"teacher": routes[d], "held_out_success": levels[routes[d]][d]}
+                for d in domains
+                if d in routes and d in levels.get(routes[d], {})
+            },
+        }
 
     def close(self) -> None:
         """Flush the metrics and trace files (idempotent; also runs when a run fails)."""
         self.metrics.close()
         self.trace.save()
+
+
+def _by_domain(trajs: list[Trajectory]) -> dict[str, float]:
+    """Mean reward per ``domain`` tag; empty when no trajectory carries one."""
+    rewards: dict[str, list[float]] = {}
+    for t in trajs:
+        if "domain" in t.tags:
+            rewards.setdefault(t.tags["domain"], []).append(t.reward)
+    return {d: sum(r) / len(r) for d, r in sorted(rewards.items())}

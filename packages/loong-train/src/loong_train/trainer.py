@@ -10,6 +10,7 @@ from loong_core.records import TrainBatch, WeightManifest
 from loong_train.backends.torch_backend import TorchBackend
 from loong_train.config import Recipe
 from loong_train.models.qwen3 import Qwen3ForCausalLM
+from loong_train.opd import Distiller
 from loong_transfermesh import TransportConfig, open_sender
 
 __all__ = ["TrainerWorker"]
@@ -34,12 +35,18 @@ class TrainerWorker:
         )
         self.sender = open_sender(transport)
         self.version = 0
+        self.distiller = Distiller(recipe.opd, model_path) if recipe.opd.enabled else None
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step; an all-failed (empty) batch skips the step but still advances."""
+        """One optimizer step; an all-failed (empty) batch skips the step but still advances.
+        With ``[opd] enabled`` the teachers first replace the batch's advantages (:mod:`loong_train.opd`)."""
         start = time.time()
+        opd: dict[str, float] = {}
+        if self.distiller is not None and batch.row_lens:
+            batch, opd = self.distiller.distill(batch)
+            opd["teacher_end"] = time.time()
         metrics = self.backend.train_step(batch) if batch.row_lens else {"skipped": 1.0}
-        return {**metrics, "train_start": start, "train_end": time.time()}
+        return {**metrics, **opd, "train_start": start, "train_end": time.time()}
 
     def publish(
         self, metrics: dict[str, float], *slot_free: object
@@ -62,3 +69,5 @@ class TrainerWorker:
 
     def close(self) -> None:
         self.sender.close()
+        if self.distiller is not None:
+            self.distiller.close()

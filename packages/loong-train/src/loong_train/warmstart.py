@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from loong_agentflow import EpisodeLimits, EpisodeSpec, ToolAgent, run_episodes
 from loong_core.protocols import SamplingParams
+from loong_train import tasks
 from loong_train.config import Recipe
 from loong_train.engines.embedded import EmbeddedEngine
 from loong_train.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
@@ -102,8 +103,10 @@ def warm_start(path: Path, recipe: Recipe) -> dict:
     codec, model = HFCodec(tokenizer), Qwen3ForCausalLM.from_pretrained(path).train()
     opt = torch.optim.AdamW(model.parameters(), lr=w.lr, betas=(0.9, 0.99))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, w.warmup_steps)))
-    probe = calc.eval_tasks(w.eval_tasks, seed=recipe.seed + 7)  # probe set, distinct from held-out eval
-    stream = calc.train_tasks(recipe.seed + 1, calc.eval_tasks(recipe.eval.num_tasks))
+    probe = tasks.eval_tasks(recipe.task, w.eval_tasks, seed=recipe.seed + 7)  # probe set, not held-out eval
+    stream = tasks.train_tasks(
+        recipe.task, recipe.seed + 1, tasks.eval_tasks(recipe.task, recipe.eval.num_tasks)
+    )
     success, step = 0.0, 0
     bar = tqdm(range(1, w.steps + 1), desc="warm start", unit="step", leave=False)
     for step in bar:

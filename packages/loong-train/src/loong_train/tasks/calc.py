@@ -18,7 +18,7 @@ from typing import Any
 
 from loong_agentflow import ChatML, Tool, ToolRegistry, ToolResult
 
-__all__ = ["calc", "demonstration", "eval_tasks", "reward", "tool_registry", "train_tasks"]
+__all__ = ["calc", "demonstration", "eval_tasks", "random_task", "reward", "tool_registry", "train_tasks"]
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
@@ -44,22 +44,23 @@ def tool_registry() -> ToolRegistry:
     return ToolRegistry([Tool("calc", calc, "Evaluate an integer arithmetic expression.")], timeout_s=5.0)
 
 
-def _task(rng: random.Random) -> dict[str, Any]:
-    a, b, op = rng.randint(10, 99), rng.randint(10, 99), rng.choice("+-*")
+def random_task(rng: random.Random, ops: str = "+-*") -> dict[str, Any]:
+    """``compute A<op>B`` with two-digit operands and ``op`` drawn from ``ops``."""
+    a, b, op = rng.randint(10, 99), rng.randint(10, 99), rng.choice(ops)
     expr = f"{a}{op}{b}"
     return {"messages": [{"role": "user", "content": f"compute {expr}"}], "expr": expr, "answer": calc(expr)}
 
 
 def eval_tasks(n: int, seed: int = 1_000_003) -> list[dict[str, Any]]:
     rng = random.Random(seed)
-    return [_task(rng) for _ in range(n)]
+    return [random_task(rng) for _ in range(n)]
 
 
 def train_tasks(seed: int, held_out: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
     """An endless stream of training questions, skipping any held-out expression."""
     rng, banned = random.Random(seed), {t["expr"] for t in held_out}
     while True:
-        task = _task(rng)
+        task = random_task(rng)
         if task["expr"] not in banned:
             yield task
 

@@ -1,0 +1,188 @@
+"""On-policy distillation (OPD) inside the trainer: teachers score each batch before the loss.
+
+The student samples episodes as in RL; before the train step, a
+:class:`loong_teacher.TeacherManager` routes every row of the batch by its ``domain`` tag (carried
+from the task through the episode into ``Trajectory.tags`` and ``TrainBatch.row_tags``) to one
+teacher, which scores the tokens the student sampled. The per-token advantage replaces the
+batch's GRPO advantage (:func:`loong_teacher.reverse_kl_advantage`), for row i routed to teacher
+T(i) with coefficient lambda_T(i), at each model token t (m_t = 1):
+
+    teacher_only:  A_t = -lambda_T(i) * (b_t - log pi_T(i)(y_t))
+    mixed:         A_t = alpha * A_i^GRPO - lambda_T(i) * (b_t - log pi_T(i)(y_t))
+
+where b_t is the behaviour logprob (the sampling engine's logprob of y_t, temperature included)
+and alpha is ``opd.task_coef``. b_t - log pi_T(y_t) is the one-sample estimate of the reverse KL
+KL(pi_S || pi_T) at t, for y_t drawn from the sampler (tinker-cookbook's and slime's form; the
+sampler's logprob costs no extra forward pass). The policy loss is the recipe's ``[loss]``
+unchanged (PPO-clipped, IS-weighted against b), so OPD and RL share one code path.
+
+Metrics per step: ``opd/kl`` (mean of b_t - log pi_T(y_t) over loss tokens), ``opd/<teacher>/kl``
+(the same over that teacher's rows), ``opd/<teacher>/samples`` (routing counts, 0 included) and the
+manager's ``teacher/...`` metrics (tokens, loads, bytes paged in, resident bytes, score seconds).
+
+Tiny recipes make their teachers with the project's own warm start (:func:`prepare_teachers`):
+supervised training on one domain's demonstrations, from the student's warm-started checkpoint,
+cached like the student; each teacher's held-out success per domain is stored with it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import torch
+from torch import nn
+
+from loong_core.records import TrainBatch
+from loong_teacher import (
+    LocalTeacherConfig,
+    ScoreRequest,
+    TeacherManager,
+    TeacherScores,
+    check_tokenizers,
+    reverse_kl_advantage,
+)
+from loong_teacher.local import hf_causal_lm
+from loong_train import tasks
+from loong_train.config import OPDConfig, Recipe, TeacherBuild
+from loong_train.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from loong_train.tokenizer import load_tokenizer
+from loong_train.warmstart import sampled_success, warm_start
+
+__all__ = ["Distiller", "prepare_teachers", "qwen3_build", "teacher_success"]
+
+
+class _ScoringQwen3(Qwen3ForCausalLM):
+    """Loong's Qwen3 with the ``forward(input_ids=, attention_mask=)`` a local teacher calls; rows
+    are right-padded and attention is causal, so the mask changes nothing and is not needed."""
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        return super().forward(input_ids)
+
+
+def qwen3_build(config: dict[str, Any]) -> nn.Module:
+    """``LocalTeacher`` build: Loong's own Qwen3 for ``model_type = "qwen3"`` (no transformers
+    import, same numerics as the student), transformers for any other architecture."""
+    if config.get("model_type") == "qwen3":
+        return _ScoringQwen3(Qwen3Config.from_hf(config))
+    return hf_causal_lm(config)
+
+
+class Distiller:
+    """The trainer's OPD step: refuse mismatched tokenizers, then score and rewrite advantages.
+
+    Lifecycle: ``Distiller(cfg, student_path)`` once per trainer; ``distill(batch)`` per step;
+    ``close()`` at the end. Local teachers' tokenizers (their checkpoint directories) are checked
+    against the student's with :func:`loong_teacher.check_tokenizers`; remote ones are not.
+    """
+
+    def __init__(self, cfg: OPDConfig, student_path: str) -> None:
+        if cfg.teachers is None:
+            raise ValueError("[opd] needs [opd.teachers]")
+        self.cfg = cfg
+        student = load_tokenizer(student_path)
+        for t in cfg.teachers.teachers:
+            if isinstance(t, LocalTeacherConfig):
+                check_tokenizers(student, load_tokenizer(t.path), t.tokenizer_mapping)
+        self.manager = TeacherManager(cfg.teachers, build=qwen3_build)
+
+    def distill(self, batch: TrainBatch) -> tuple[TrainBatch, dict[str, float]]:
+        """``batch`` with OPD advantages (module docstring) and this step's OPD metrics."""
+        lens = batch.row_lens
+        tags = batch.row_tags or [{}] * len(lens)
+        rows = [
+            ScoreRequest(token_ids=batch.token_ids[s:e], loss_mask=batch.loss_mask[s:e], tags=tg)
+            for (s, e), tg in zip(batch.rows(), tags, strict=True)
+        ]
+        scores = self.manager.score(rows)
+        student = _padded(batch.behaviour_logprobs, lens)
+        task = self.cfg.task_coef * _padded(batch.advantages, lens) if self.cfg.mode == "mixed" else None
+        adv = reverse_kl_advantage(
+            student, scores.logprobs, scores.mask, coef=scores.coef, task_advantages=task
+        )
+        flat = torch.cat([adv[i, :n] for i, n in enumerate(lens)]).tolist()
+        return msgspec.structs.replace(batch, advantages=flat), self._metrics(student, scores)
+
+    def _metrics(self, student: torch.Tensor, scores: TeacherScores) -> dict[str, float]:
+        gap, mask = (student - scores.logprobs) * scores.mask, scores.mask
+        out = {"opd/kl": float(gap.sum() / mask.sum().clamp(min=1))}
+        for name in self.manager.teachers:
+            rows = [i for i, t in enumerate(scores.teacher) if t == name]
+            out[f"opd/{name}/samples"] = float(len(rows))
+            if rows and mask[rows].sum() > 0:
+                out[f"opd/{name}/kl"] = float(gap[rows].sum() / mask[rows].sum())
+        return out | scores.metrics
+
+    def close(self) -> None:
+        self.manager.close()
+
+
+def _padded(values: list[float], lens: list[int]) -> torch.Tensor:
+    """A packed per-token list as ``[rows, max(lens)]``, right-padded with 0."""
+    rows = torch.tensor(values, dtype=torch.float32).split(lens)
+    return torch.nn.utils.rnn.pad_sequence(list(rows), batch_first=True)
+
+
+def prepare_teachers(recipe: Recipe, cache_dir: Path, student: Path) -> Recipe:
+    """The recipe with every ``[[opd.build]]`` teacher built (or found in the cache) and its path set."""
+    o = recipe.opd
+    if o.teachers is None or not o.build:
+        return recipe
+    builds = {b.teacher: b for b in o.build}
+    teachers = [
+        msgspec.structs.replace(t, path=str(_build_teacher(recipe, builds[t.name], cache_dir, student)))
+        if isinstance(t, LocalTeacherConfig) and not t.path and t.name in builds
+        else t
+        for t in o.teachers.teachers
+    ]
+    replace = msgspec.structs.replace
+    return replace(recipe, opd=replace(o, teachers=replace(o.teachers, teachers=teachers)))
+
+
+def _build_teacher(recipe: Recipe, build: TeacherBuild, cache_dir: Path, student: Path) -> Path:
+    r = recipe.rollout
+    episodes = [r.temperature, r.top_p, r.max_new_tokens, r.max_turns, r.max_model_tokens]
+    parts = [str(student), build, recipe.warmstart, episodes, recipe.seed, recipe.task, recipe.eval.num_tasks]
+    key = hashlib.sha256(json.dumps(msgspec.to_builtins(parts)).encode()).hexdigest()[:16]
+    path = cache_dir / f"teacher-{build.teacher}-{key}"
+    if (path / "teacher.json").exists():
+        return path
+    tmp = path.with_name(path.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    shutil.copytree(student, tmp)
+    w = msgspec.structs.replace(
+        recipe.warmstart,
+        steps=build.steps,
+        lr=build.lr,
+        label_smoothing=build.label_smoothing,
+        target_success=build.target_success,
+    )
+    info = warm_start(tmp, msgspec.structs.replace(recipe, task=build.task, warmstart=w))
+    info["held_out_success"] = _held_out_success(tmp, recipe)
+    (tmp / "teacher.json").write_text(json.dumps(info))
+    tmp.rename(path)
+    return path
+
+
+def _held_out_success(path: Path, recipe: Recipe) -> dict[str, float]:
+    """Sampled success of the checkpoint at ``path`` on the run's held-out set, per domain."""
+    model, tokenizer = Qwen3ForCausalLM.from_pretrained(path), load_tokenizer(path)
+    held_out = tasks.eval_tasks(recipe.task, recipe.eval.num_tasks)
+    by_domain: dict[str, list[dict]] = {}
+    for t in held_out:
+        by_domain.setdefault(t.get("tags", {}).get("domain", ""), []).append(t)
+    return {d: sampled_success(model, tokenizer, recipe, ts, seed=recipe.seed) for d, ts in by_domain.items()}
+
+
+def teacher_success(recipe: Recipe) -> dict[str, dict[str, float]]:
+    """Each built teacher's held-out success per domain (from its cache entry), by teacher name."""
+    teachers = recipe.opd.teachers.teachers if recipe.opd.teachers is not None else []
+    out = {}
+    for t in teachers:
+        if isinstance(t, LocalTeacherConfig) and (Path(t.path) / "teacher.json").exists():
+            out[t.name] = json.loads((Path(t.path) / "teacher.json").read_text())["held_out_success"]
+    return out

@@ -1,0 +1,260 @@
+"""On-policy distillation in loong-train: the trainer's OPD advantages against a float64 reference,
+routing tags from the task to the TrainBatch, the ``[opd]`` recipe table, and a short real run."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import tomllib
+
+import msgspec
+import pytest
+import torch
+
+from loong_agentflow import EpisodeLimits, ToolAgent, run_episodes
+from loong_core.config import ConfigError, dump_toml, load_config
+from loong_core.protocols import SamplingParams
+from loong_core.records import TrainBatch
+from loong_core.telemetry import read_metrics
+from loong_teacher import LocalTeacherConfig, TeacherManagerConfig, TokenizerMismatch
+from loong_train import tasks
+from loong_train.algorithms import grpo_advantages, pack_batch
+from loong_train.config import OPDConfig, Recipe, load_recipe
+from loong_train.engines.embedded import EmbeddedEngine
+from loong_train.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from loong_train.pipeline import GroupSource
+from loong_train.rollout import HFCodec
+from loong_train.tasks import calc
+from loong_train.tokenizer import build_tokenizer, load_tokenizer
+from loong_train.trainer import TrainerWorker
+from loong_transfermesh import TransportConfig
+
+TEACHERS = {"add-teacher": (1, 1.0), "mul-teacher": (2, 0.5)}  # name: (init seed, coefficient)
+
+
+def _checkpoint(path, seed: int):
+    """A small random Qwen3 (logits far from uniform) beside the char tokenizer."""
+    build_tokenizer(path)
+    cfg = Qwen3Config(
+        vocab_size=len(load_tokenizer(path)),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=16,
+    )
+    model = Qwen3ForCausalLM(cfg)
+    model.init_weights(seed, std=0.3)
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("opd")
+    out = {"student": _checkpoint(root / "student", 0)}
+    for name, (seed, _) in TEACHERS.items():
+        out[name] = _checkpoint(root / name, seed)
+    return out
+
+
+def _opd(dirs, mode: str, task_coef: float = 1.0) -> OPDConfig:
+    teachers = [
+        LocalTeacherConfig(name=n, path=str(dirs[n]), tags=[n.split("-")[0]], coefficient=c)
+        for n, (_, c) in TEACHERS.items()
+    ]
+    manager = TeacherManagerConfig(teachers=teachers, default="add-teacher", budget_bytes=10**6)
+    return OPDConfig(enabled=True, mode=mode, task_coef=task_coef, teachers=manager)
+
+
+def _batch(vocab: int) -> TrainBatch:
+    """Three rows: domain add, domain mul, and an untagged row (the default teacher's)."""
+    gen = torch.Generator().manual_seed(3)
+    lens = [9, 7, 6]
+    masks = [[0, 0, 0, 1, 1, 1, 0, 1, 1], [0, 0, 1, 1, 1, 1, 1], [0, 0, 0, 0, 1, 1]]
+    task_adv = [0.8, -1.2, 0.3]
+    mask = [m for row in masks for m in row]
+    behaviour = (-torch.rand(sum(lens), generator=gen) * 4).tolist()
+    return TrainBatch(
+        token_ids=torch.randint(1, vocab, (sum(lens),), generator=gen).tolist(),
+        loss_mask=mask,
+        advantages=[a * m for a, row in zip(task_adv, masks, strict=True) for m in row],
+        behaviour_logprobs=[b * m for b, m in zip(behaviour, mask, strict=True)],
+        versions=[0 if m else -1 for m in mask],
+        row_lens=lens,
+        sample_ids=["a", "b", "c"],
+        policy_version=0,
+        row_tags=[{"domain": "add"}, {"domain": "mul"}, {}],
+    )
+
+
+def _reference(dirs, batch: TrainBatch, mode: str, task_coef: float) -> tuple[list[float], dict]:
+    """A_t = [alpha A_task_t] - lambda_T (b_t - log pi_T(y_t)), teachers run in float64, plain loops."""
+    route = {"add": "add-teacher", "mul": "mul-teacher"}
+    models = {n: Qwen3ForCausalLM.from_pretrained(dirs[n]).double().eval() for n in TEACHERS}
+    out, gaps = [], {n: [] for n in TEACHERS}
+    for (s, e), tags in zip(batch.rows(), batch.row_tags, strict=True):
+        name = route.get(tags.get("domain", ""), "add-teacher")
+        ids = torch.tensor([batch.token_ids[s:e]])
+        with torch.no_grad():
+            logp = torch.log_softmax(models[name](ids)[0].double(), dim=-1)
+        for t in range(e - s):
+            if not batch.loss_mask[s + t]:
+                out.append(0.0)
+                continue
+            gap = batch.behaviour_logprobs[s + t] - float(logp[t - 1, ids[0, t]])
+            gaps[name].append(gap)
+            task = task_coef * batch.advantages[s + t] if mode == "mixed" else 0.0
+            out.append(task - TEACHERS[name][1] * gap)
+    return out, {n: sum(g) / len(g) for n, g in gaps.items()}
+
+
+def _trainer(dirs, opd: OPDConfig, name: str) -> TrainerWorker:
+    recipe = msgspec.structs.replace(load_recipe("tiny-calc-agent"), opd=opd)
+    return TrainerWorker(str(dirs["student"]), recipe, TransportConfig(name=name))
+
+
+@pytest.mark.parametrize(("mode", "task_coef"), [("teacher_only", 1.0), ("mixed", 0.5)])
+def test_trainer_opd_advantages_match_a_float64_reference(dirs, mode, task_coef):
+    trainer = _trainer(dirs, _opd(dirs, mode, task_coef), f"opd-test-{mode}")
+    seen = []
+    step = trainer.backend.train_step
+    trainer.backend.train_step = lambda b: (seen.append(b), step(b))[1]
+    try:
+        batch = _batch(len(load_tokenizer(dirs["student"])))
+        metrics = trainer.train_step(batch)
+    finally:
+        trainer.close()
+    want, kl = _reference(dirs, batch, mode, task_coef)
+    assert seen[0].advantages == pytest.approx(want, abs=2e-5)
+    assert seen[0].behaviour_logprobs == batch.behaviour_logprobs
+    assert metrics["opd/add-teacher/samples"] == 2.0  # the untagged row goes to the default
+    assert metrics["opd/mul-teacher/samples"] == 1.0
+    for name in TEACHERS:
+        assert metrics[f"opd/{name}/kl"] == pytest.approx(kl[name], abs=2e-5)
+    assert metrics["teacher/loads"] >= 1 and metrics["teacher/resident_bytes"] <= 10**6
+    assert metrics["teacher_end"] <= metrics["train_end"]
+    assert "clip_frac" in metrics
+
+
+def test_distiller_refuses_a_teacher_with_another_chat_template(dirs, tmp_path):
+    other = _checkpoint(tmp_path / "other", 5)
+    config = json.loads((other / "tokenizer_config.json").read_text())
+    config["chat_template"] = config["chat_template"].replace("assistant\\n", "assistant:\\n")
+    (other / "tokenizer_config.json").write_text(json.dumps(config))
+    teachers = [LocalTeacherConfig(name="odd", path=str(other), tags=["add"])]
+    cfg = OPDConfig(enabled=True, teachers=TeacherManagerConfig(teachers=teachers, default="odd"))
+    with pytest.raises(TokenizerMismatch, match="template"):
+        _trainer(dirs, cfg, "opd-test-mismatch")
+
+
+def test_domain_tag_travels_from_the_task_to_the_train_batch(tiny_dir, recipe):
+    held_out = tasks.eval_tasks("calc-domains", 8)
+    stream = tasks.train_tasks("calc-domains", 2, held_out)
+    source = GroupSource(stream, group_size=2, tags={"run": "test"})
+    groups = [source.next_group() for _ in range(2)]
+    specs = [s for g in groups for s in source.specs(g)]
+    assert [s.tags for s in specs] == [{"run": "test", "domain": d} for d in ("add", "add", "mul", "mul")]
+    tokenizer = load_tokenizer(tiny_dir)
+    engine = EmbeddedEngine(Qwen3ForCausalLM.from_pretrained(tiny_dir), seed=0, pad_id=tokenizer.pad_token_id)
+    sampling = SamplingParams(max_new_tokens=3, stop_token_ids=[])
+    agent = ToolAgent(calc.tool_registry(), calc.reward)
+    trajs = asyncio.run(
+        run_episodes(agent, specs, engine, HFCodec(tokenizer), sampling, EpisodeLimits(max_turns=1))
+    )
+    assert [t.tags["domain"] for t in trajs] == ["add", "add", "mul", "mul"]
+    batch = pack_batch(trajs, grpo_advantages(trajs), policy_version=0)
+    assert batch.row_tags == [t.tags for t in trajs if t.status.trainable]
+    batch.validate()
+
+
+def test_domain_task_sets_share_one_held_out_set():
+    both = tasks.eval_tasks("calc-domains", 10)
+    assert [t["tags"]["domain"] for t in both] == ["add", "mul"] * 5
+    assert tasks.eval_tasks("calc-add", 10) == [t for t in both if t["tags"]["domain"] == "add"]
+    assert tasks.eval_tasks("calc-mul", 10) == [t for t in both if t["tags"]["domain"] == "mul"]
+    assert all(set(t["expr"]) & set("+-") for t in tasks.eval_tasks("calc-add", 40))
+    stream = tasks.train_tasks("calc-mul", 0, both)
+    drawn = [next(stream) for _ in range(200)]
+    assert all("*" in t["expr"] and t["tags"] == {"domain": "mul"} for t in drawn)
+    assert not {t["expr"] for t in drawn} & {t["expr"] for t in both}
+    assert tasks.eval_tasks("calc", 16) == calc.eval_tasks(16)  # the untagged task set is unchanged
+
+
+def test_opd_recipe_loads_and_round_trips():
+    recipe = load_recipe("tiny-multi-teacher-opd")
+    assert recipe.task == "calc-domains" and recipe.opd.enabled and recipe.opd.mode == "teacher_only"
+    teachers = recipe.opd.teachers.teachers
+    assert [(t.name, t.tags, t.path) for t in teachers] == [
+        ("add-teacher", ["add"], ""),
+        ("mul-teacher", ["mul"], ""),
+    ]
+    assert [(b.teacher, b.task) for b in recipe.opd.build] == [
+        ("add-teacher", "calc-add"),
+        ("mul-teacher", "calc-mul"),
+    ]
+    assert load_config(tomllib.loads(dump_toml(recipe)), Recipe) == recipe
+    assert not load_recipe("tiny-multi-teacher-opd", ["opd.enabled=false"]).opd.enabled
+    assert load_recipe("tiny-calc-agent").opd == OPDConfig()
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("opd.mode='both'", "'opd.mode': invalid value 'both'"),
+        ("opd.task_coef=-1.0", "task_coef must be >= 0"),
+        ("opd.build=[{teacher='nobody', task='calc-add'}]", "build names teachers ['nobody']"),
+        ("opd.build=[]", "local teachers ['add-teacher', 'mul-teacher'] need a path or a build"),
+        (
+            "opd.build=[{teacher='add-teacher', task='calc-div'}, {teacher='mul-teacher', task='calc-mul'}]",
+            "build tasks must be among",
+        ),
+        ("task='calc-div'", "unknown task 'calc-div'"),
+    ],
+)
+def test_opd_table_validation(override, message):
+    with pytest.raises(ConfigError, match=message.replace("[", r"\[").replace("]", r"\]")):
+        load_recipe("tiny-multi-teacher-opd", [override])
+
+
+def test_enabled_opd_needs_teachers():
+    with pytest.raises(ConfigError, match="enabled = true needs"):
+        load_recipe("tiny-calc-agent", ["opd.enabled=true"])
+
+
+SMOKE = [
+    "warmstart.steps=2",
+    "warmstart.eval_tasks=4",
+    "train.steps=2",
+    "train.batch_groups=2",
+    "rollout.group_size=2",
+    "rollout.max_new_tokens=8",
+    "rollout.max_model_tokens=16",
+    "eval.every=1",
+    "eval.num_tasks=4",
+    "opd.build=[{teacher='add-teacher', task='calc-add', steps=2}, {teacher='mul-teacher', task='calc-mul', steps=2}]",
+]
+
+
+@pytest.mark.integration
+def test_opd_recipe_smoke_run(tmp_path):
+    from loong_train.controller import run
+
+    base = tmp_path / "rl"
+    run(load_recipe("tiny-multi-teacher-opd", [*SMOKE, "opd.enabled=false"]), base, tmp_path / "cache")
+    recipe = load_recipe("tiny-multi-teacher-opd", [*SMOKE, f"opd.baseline_run='{base}'"])
+    out = run(recipe, tmp_path / "opd", tmp_path / "cache")
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["opd/add-teacher/samples"] + r["opd/mul-teacher/samples"] == 4
+        assert {"opd/kl", "teacher/bytes_paged_in", "clip_frac", "pg_loss"} <= set(r)
+    assert any("eval_reward/add" in r and "eval_reward/mul" in r for r in rows)
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary["eval_reward_by_domain"]) == {"add", "mul"}
+    assert summary["teacher_by_domain"]["mul"]["teacher"] == "mul-teacher"
+    assert (out / "plots" / "eval_by_domain.png").exists()
+    assert "teacher_score" in (out / "trace.json").read_text()
+    assert "opd/kl" not in read_metrics(base / "metrics.jsonl")[0]
+    assert len(list((tmp_path / "cache").glob("teacher-*"))) == 2  # built once, reused by the second run
