@@ -57,6 +57,8 @@ class TransportConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     - ``address``: ``tcp`` sender's ``host:port`` (port 0 picks a free one); loopback by default.
     - ``key``: shared secret receivers present; required when the address is not loopback.
     - ``timeout_s``: how long a receiver waits for an update before reporting it failed.
+    - ``delta``: ``tcp`` only: send zstd-compressed XOR deltas against each receiver's previous
+      version, for slow links (extra ``[delta]``).
     """
 
     type: Literal["shm", "tcp", "nccl", "cuda_ipc"] = "shm"
@@ -67,12 +69,15 @@ class TransportConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     address: str = "127.0.0.1:0"
     key: str = ""
     timeout_s: float = 60.0
+    delta: bool = False
 
     def __post_init__(self) -> None:
         if self.bucket_mb <= 0:
             raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.delta and self.type != "tcp":
+            raise ValueError(f"delta works with type 'tcp', not {self.type!r}")
 
     @property
     def bucket_bytes(self) -> int:
@@ -85,6 +90,10 @@ def open_sender(config: TransportConfig) -> WeightSender:
         from loong_transfermesh.shm import ShmSender
 
         return ShmSender(config.name, config.bucket_bytes, bool(config.checksum))
+    if config.type == "tcp" and config.delta:
+        from loong_transfermesh.delta import DeltaSender
+
+        return DeltaSender(config.address, key=config.key)
     if config.type == "tcp":
         from loong_transfermesh.tcp import TcpSender
 
@@ -98,6 +107,10 @@ def open_receiver(config: TransportConfig, address: str | None = None) -> Weight
         from loong_transfermesh.shm import ShmReceiver
 
         return ShmReceiver(config.name, config.mode, config.timeout_s)
+    if config.type == "tcp" and config.delta:
+        from loong_transfermesh.delta import DeltaReceiver
+
+        return DeltaReceiver(address or config.address, config.timeout_s, config.key)
     if config.type == "tcp":
         from loong_transfermesh.tcp import TcpReceiver
 
