@@ -100,7 +100,7 @@ def _rollout(worker: RolloutWorker, specs: list[EpisodeSpec]) -> list[Trajectory
     try:
         return worker.rollout(specs)["trajectories"]
     finally:
-        worker.blackbox.close()
+        worker.close()
 
 
 def _worst_logprob_error(model: torch.nn.Module, row: Trajectory) -> float:

@@ -173,6 +173,11 @@ class RolloutWorker:
             "worker": self.worker_id,
         }
 
+    def close(self) -> None:
+        """Stop the black-box proxy (a Ray actor's process just ends; in process, call this)."""
+        if self.blackbox is not None:
+            self.blackbox.close()
+
     def model_path(self) -> str:
         return self._model_path
 
