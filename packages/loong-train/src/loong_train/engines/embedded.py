@@ -1,20 +1,30 @@
-"""The embedded rollout engine: batched KV-cache generation on a local torch model.
+"""The embedded rollout engine: continuous batching with a KV cache on a local torch model.
 
-Requests arrive one by one from concurrent episodes (``await engine.generate(...)``); a batcher
-gathers everything queued in the same event-loop tick and runs it as one left-padded batch with
-a preallocated KV cache. Each sampled token's logprob is ``log_softmax(logits / T)`` of the
-exact distribution sampled from, and each span carries the weight version that produced it.
+Requests arrive one by one from concurrent episodes (``await engine.generate(...)``) and join the
+running batch between decode steps; finished ones leave it at once, so a long-tailed batch does
+not hold the engine at low occupancy (``engines/batching.py`` has the cache layout and the exact
+math: each row's logprobs equal its own unpadded computation). Each sampled token's logprob is
+``log_softmax(logits / T)`` of the exact distribution sampled from.
+
+Randomness: request number ``n`` (counted from 0 in arrival order) samples from its own
+``torch.Generator`` seeded ``request_seed(n)`` unless ``generate(..., seed=s)`` names one, so a
+request's tokens do not depend on what else runs beside it: the same seed gives the same tokens
+alone, in a batch, or joining mid-way. Arrival order is deterministic because the engine yields
+to the event loop after each step, before admitting, so every runnable episode enqueues first.
 
 Prefill-only scoring (``score``) runs one full forward and returns ``log_softmax(logits)`` of each
 prompt token given its prefix (temperature 1), the way a teacher or SGLang's
 ``max_new_tokens=0, return_logprob`` request scores a sequence.
 
-Quiescence: ``pause()`` stops new batches from starting; ``await wait_idle()`` then returns once
-the batch in flight (if any) has finished, so weights can be swapped with no forward running.
+Pause and weight updates: ``pause()`` holds everything between decode steps (the step in flight
+finishes; running rows keep their place, queued requests wait); ``await wait_idle()`` then returns
+with no forward running, so weights can be swapped (``load_weights`` or a copy plus
+``set_version``). After ``resume()`` the running rows are re-prefilled under the new weights and
+continue; each token is stamped with the version that produced it, and a span that crossed the
+update lists per-token ``versions`` (``TokenSpan``) with ``weight_version`` the newest.
 
-Padding: prompts are left-padded; pad positions attend only to themselves (so no row of the
-attention is fully masked and no NaN can reach real tokens) and real tokens never attend to
-pads; position ids count real tokens only, so a row's math equals its unpadded computation.
+``continuous=False`` admits requests only into an empty batch (static batching: a batch runs
+until its longest row finishes); it exists as the benchmark's baseline.
 """
 
 from __future__ import annotations
@@ -25,24 +35,37 @@ from collections.abc import Sequence
 import torch
 
 from loong_core.protocols import SamplingParams
-from loong_core.records import SpanSource, TokenSpan
-from loong_train.models.qwen3 import KVCache, Qwen3ForCausalLM
+from loong_core.records import TokenSpan
+from loong_train.engines.batching import BatchStats, Request, RunningBatch
+from loong_train.models.qwen3 import Qwen3ForCausalLM
 
 __all__ = ["EmbeddedEngine"]
 
 
 class EmbeddedEngine:
-    """In-process engine implementing ``loong_core.protocols.RolloutEngine``."""
+    """In-process engine implementing ``loong_core.protocols.RolloutEngine``.
+
+    ``stats`` counts sampling steps and tokens (``stats.mean_occupancy``: rows per step).
+    """
 
     def __init__(
-        self, model: Qwen3ForCausalLM, *, seed: int = 0, max_batch: int = 256, pad_id: int = 0
+        self,
+        model: Qwen3ForCausalLM,
+        *,
+        seed: int = 0,
+        max_batch: int = 256,
+        pad_id: int = 0,
+        continuous: bool = True,
     ) -> None:
         self.model = model.eval()
-        self.generator = torch.Generator().manual_seed(seed)
-        self.max_batch, self.pad_id = max_batch, pad_id
+        self.seed, self.max_batch, self.pad_id, self.continuous = seed, max_batch, pad_id, continuous
+        self.stats = BatchStats()
         self._version = 0
-        self._queue: list[tuple[list[int], SamplingParams, asyncio.Future]] = []
-        self._drainer: asyncio.Task | None = None
+        self._epoch = 0  # bumped whenever the weights may have changed
+        self._requests = 0
+        self._queue: list[Request] = []
+        self._batch = RunningBatch(self.model, pad_id, self.stats)
+        self._driver: asyncio.Task | None = None
         self._running = asyncio.Event()
         self._running.set()
         self._busy = 0
@@ -53,25 +76,39 @@ class EmbeddedEngine:
     def weight_version(self) -> int:
         return self._version
 
+    @property
+    def running(self) -> int:
+        """Requests in the running batch."""
+        return len(self._batch.rows)
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting to join the running batch."""
+        return len(self._queue)
+
+    def request_seed(self, n: int) -> int:
+        """The generator seed of request number ``n``."""
+        return (self.seed * 2**32 + n) % 2**64
+
     def pause(self) -> None:
-        """Hold new batches (the one in flight finishes) until ``resume``."""
+        """Hold between decode steps (the step in flight finishes) until ``resume``."""
         self._running.clear()
 
     def resume(self) -> None:
         self._running.set()
 
     async def wait_idle(self) -> None:
-        """Return once no batch or scoring pass is running (after ``pause()``: stays so).
+        """Return once no decode step or scoring pass is running (after ``pause()``: stays so).
 
         Idleness is checked right before returning, so a caller that does not await between
-        this and its weight copy cannot overlap a batch (even if someone resumed meanwhile).
+        this and its weight copy cannot overlap a step (even if someone resumed meanwhile).
         """
         while self._busy:
             await self._idle.wait()
 
     async def _start_work(self) -> None:
         # No await between the running check and the busy count: a pause() seen by the
-        # caller of wait_idle() can never be followed by a batch starting.
+        # caller of wait_idle() can never be followed by a step starting.
         while not self._running.is_set():
             await self._running.wait()
         self._busy += 1
@@ -108,6 +145,7 @@ class EmbeddedEngine:
     def set_version(self, version: int) -> None:
         """Stamp everything generated from now on with ``version`` (after weights were copied in)."""
         self._version = version
+        self._epoch += 1
 
     @torch.no_grad()
     def load_weights(self, named: dict[str, torch.Tensor], version: int) -> None:
@@ -115,90 +153,62 @@ class EmbeddedEngine:
         params = dict(self.model.named_parameters())
         for name, tensor in named.items():
             params[name].copy_(tensor)
-        self._version = version
+        self.set_version(version)
 
-    async def generate(self, input_ids: list[int], sampling: SamplingParams) -> TokenSpan:
-        future = asyncio.get_running_loop().create_future()
-        self._queue.append((input_ids, sampling, future))
-        if self._drainer is None or self._drainer.done():
-            self._drainer = asyncio.create_task(self._drain())
-        return await future
+    def _request(self, input_ids: list[int], sampling: SamplingParams, seed: int | None) -> Request:
+        seed = self.request_seed(self._requests) if seed is None else seed
+        self._requests += 1
+        return Request(list(input_ids), sampling, torch.Generator().manual_seed(seed))
 
-    async def _drain(self) -> None:
-        while self._queue:
+    def _admit(self, queue: list[Request], running: int) -> tuple[list[Request], list[Request]]:
+        """Split ``queue`` into the requests that join now and those that wait."""
+        room = 0 if running and not self.continuous else self.max_batch - running
+        return queue[:room], queue[room:]
+
+    async def generate(
+        self, input_ids: list[int], sampling: SamplingParams, *, seed: int | None = None
+    ) -> TokenSpan:
+        request = self._request(input_ids, sampling, seed)
+        request.future = asyncio.get_running_loop().create_future()
+        self._queue.append(request)
+        if self._driver is None or self._driver.done():
+            self._driver = asyncio.create_task(self._drive())
+        return await request.future
+
+    async def _drive(self) -> None:
+        batch = self._batch
+        while self._queue or batch.rows:
             for _ in range(4):  # let every runnable episode enqueue its request first
                 await asyncio.sleep(0)
             await self._start_work()
-            batch, self._queue = self._queue[: self.max_batch], self._queue[self.max_batch :]
-            batch = [b for b in batch if not b[2].done()]  # drop requests whose episode timed out
+            leaving = [r for r in batch.rows if r.future.done()]  # episodes that timed out
+            waiting = [r for r in self._queue if not r.future.done()]
+            joining, self._queue = self._admit(waiting, len(batch.rows) - len(leaving))
             try:
-                if not batch:
-                    continue
-                spans = await asyncio.to_thread(
-                    self.generate_batch, [b[0] for b in batch], [b[1] for b in batch]
-                )
+                done = await asyncio.to_thread(batch.step, joining, leaving, self._version, self._epoch)
             except Exception as e:
-                for _, _, fut in batch:
-                    if not fut.done():
-                        fut.set_exception(e)
+                for r in [*batch.reset(), *joining]:
+                    if not r.future.done():
+                        r.future.set_exception(e)
                 continue
             finally:
                 self._end_work()
-            for (_, _, fut), span in zip(batch, spans, strict=True):
-                if not fut.done():
-                    fut.set_result(span)
+            for r in done:
+                if not r.future.done():
+                    r.future.set_result(r.span())
 
-    @torch.no_grad()
     def generate_batch(
-        self, prompts: Sequence[list[int]], samplings: Sequence[SamplingParams]
+        self,
+        prompts: Sequence[list[int]],
+        samplings: Sequence[SamplingParams],
+        seeds: Sequence[int | None] | None = None,
     ) -> list[TokenSpan]:
-        """Generate one completion per prompt, all in one batch."""
-        device = self.model.lm_head.weight.device
-        b, p = len(prompts), max(len(x) for x in prompts)
-        max_new = [s.max_new_tokens for s in samplings]
-        total = p + max(max_new)
-        ids = torch.full((b, p), self.pad_id, dtype=torch.long, device=device)
-        valid = torch.zeros(b, total, dtype=torch.bool, device=device)
-        for i, prompt in enumerate(prompts):
-            ids[i, p - len(prompt) :] = torch.tensor(prompt, dtype=torch.long)
-            valid[i, p - len(prompt) : p] = True
-        positions = (valid[:, :p].long().cumsum(-1) - 1).clamp(min=0)
-        eye = torch.eye(p, dtype=torch.bool, device=device)
-        mask = (torch.tril(torch.ones(p, p, dtype=torch.bool, device=device)) & valid[:, None, :p]) | eye
-        cache = KVCache(self.model.config, b, total, self.model.lm_head.weight.dtype, device)
-        logits = self.model(ids, positions, mask[:, None], cache, 0)[:, -1]
-        temps = torch.tensor([s.temperature for s in samplings], device=device)[:, None]
-        top_ps = torch.tensor([s.top_p for s in samplings], device=device)[:, None]
-        stops = [set(s.stop_token_ids) for s in samplings]
-        out_ids: list[list[int]] = [[] for _ in range(b)]
-        out_lps: list[list[float]] = [[] for _ in range(b)]
-        done = [False] * b
-        pos = positions[:, -1]
-        for t in range(max(max_new)):
-            tokens, logprobs = self._sample(logits, temps, top_ps)
-            for i, (tok, lp) in enumerate(zip(tokens.tolist(), logprobs.tolist(), strict=True)):
-                if not done[i]:
-                    out_ids[i].append(tok)
-                    out_lps[i].append(lp)
-                    done[i] = tok in stops[i] or len(out_ids[i]) >= max_new[i]
-            if all(done):
-                break
-            valid[:, p + t] = True
-            pos = pos + 1
-            logits = self.model(
-                tokens[:, None], pos[:, None], valid[:, None, None, : p + t + 1], cache, p + t
-            )[:, -1]
-        return [
-            TokenSpan(token_ids=i, logprobs=lp, source=SpanSource.MODEL, weight_version=self._version)
-            for i, lp in zip(out_ids, out_lps, strict=True)
-        ]
-
-    def _sample(self, logits: torch.Tensor, temps: torch.Tensor, top_ps: torch.Tensor):
-        logp = torch.log_softmax(logits.float() / temps, dim=-1)
-        probs = logp.exp()
-        if bool((top_ps < 1).any()):
-            sorted_p, order = probs.sort(dim=-1, descending=True)
-            drop = sorted_p.cumsum(-1) - sorted_p > top_ps
-            probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
-        tokens = torch.multinomial(probs, 1, generator=self.generator).squeeze(-1)
-        return tokens, logp.gather(-1, tokens[:, None]).squeeze(-1)
+        """Generate one completion per prompt synchronously, batched as ``generate`` batches
+        requests that all arrive at once (not while the async driver is running)."""
+        seeds = seeds or [None] * len(prompts)
+        requests = [self._request(p, s, x) for p, s, x in zip(prompts, samplings, seeds, strict=True)]
+        batch, queue = RunningBatch(self.model, self.pad_id, self.stats), requests
+        while queue or batch.rows:
+            joining, queue = self._admit(queue, len(batch.rows))
+            batch.step(joining, [], self._version, self._epoch)
+        return [r.span() for r in requests]

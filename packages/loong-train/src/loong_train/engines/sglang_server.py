@@ -17,8 +17,9 @@ The subset Loong uses, with SGLang's field names and shapes (``entrypoints/http_
 - ``/pause_generation {mode}``, ``/continue_generation``, ``/get_weight_version``,
   ``/get_model_info``, ``/get_weights_by_name {name, truncate_size}``, ``/health``,
   ``/health_generate``, ``/flush_cache`` (no prefix cache here: a no-op).
-- Weight updates, each applied between batches (the engine is paused, the running batch
-  finishes, parameters are copied, the engine resumes unless a client paused it):
+- Weight updates, each applied between decode steps (the engine is paused, the step in flight
+  finishes, parameters are copied, the engine resumes unless a client paused it; running
+  requests continue under the new weights, and ``meta_info.weight_version`` names the newest):
   ``/update_weights_from_disk {model_path, weight_version}`` (Hugging Face safetensors dir);
   ``/init_weights_update_group {master_address, master_port, rank_offset, world_size, group_name,
   backend}``, ``/update_weights_from_distributed {names, dtypes, shapes, group_name,
@@ -33,8 +34,8 @@ The subset Loong uses, with SGLang's field names and shapes (``entrypoints/http_
 
 Differences from SGLang: no ``text`` input, no streaming, greedy (``temperature = 0``) and the
 sampling options other than ``max_new_tokens``, ``temperature``, ``top_p``, ``stop_token_ids`` are
-refused (400) unless left at SGLang's defaults; every pause mode holds queued requests (the running
-batch completes) rather than aborting or retracting them; ``flush_cache``/``abort_all_requests``
+refused (400) unless left at SGLang's defaults; every pause mode holds running and queued requests
+between decode steps rather than aborting or retracting them; ``flush_cache``/``abort_all_requests``
 are accepted and ignored. ``weight_version`` is a string as in SGLang; when it reads as an
 integer it also becomes the engine's version stamp.
 
@@ -194,7 +195,7 @@ class SGLangServer:
 
     # ---- weight updates ----
     async def swap(self, named: dict[str, torch.Tensor], label: str | None) -> None:
-        """Check every tensor, then copy all of them between batches and relabel the version."""
+        """Check every tensor, then copy all of them between decode steps and relabel the version."""
         params = dict(self.engine.model.named_parameters())
         if self.engine.model.config.tie_word_embeddings:
             named.pop("lm_head.weight", None)  # tied to embed_tokens, as SGLang skips it

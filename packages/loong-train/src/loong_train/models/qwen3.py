@@ -92,13 +92,51 @@ class Rotary(nn.Module):
 
 
 class KVCache:
-    """Preallocated keys/values: per layer [batch, kv_heads, max_len, head_dim]."""
+    """Preallocated keys/values: per layer [batch, kv_heads, max_len, head_dim], zero-initialised
+    (masked columns must hold finite values: a NaN would survive a zero attention weight).
+
+    Continuous batching reshapes it between decode steps: ``view`` hands the model some rows from
+    some column on (its writes land here), ``resized`` copies it into a new shape with the columns
+    shifted, ``move_rows`` fills the slots of rows that left.
+    """
 
     def __init__(self, cfg: Qwen3Config, batch: int, max_len: int, dtype: torch.dtype, device) -> None:
         shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
         self.max_len = max_len
+
+    @property
+    def batch(self) -> int:
+        return self.k[0].shape[0]
+
+    @classmethod
+    def _of(cls, k: list[torch.Tensor], v: list[torch.Tensor]) -> KVCache:
+        cache = cls.__new__(cls)
+        cache.k, cache.v, cache.max_len = k, v, k[0].shape[2]
+        return cache
+
+    def view(self, rows: slice, first_col: int) -> KVCache:
+        """Rows ``rows`` from column ``first_col`` on, sharing storage (view column 0 = ``first_col``)."""
+        return KVCache._of([t[rows, :, first_col:] for t in self.k], [t[rows, :, first_col:] for t in self.v])
+
+    def resized(self, batch: int, max_len: int, shift: int = 0) -> KVCache:
+        """A new zeroed cache [batch, ..., max_len] holding this one's rows with column ``c`` moved
+        to ``c + shift`` (columns that fall outside are dropped)."""
+        rows = min(batch, self.batch)
+        lo, hi = max(0, -shift), min(self.max_len, max_len - shift)
+
+        def copy(t: torch.Tensor) -> torch.Tensor:
+            out = t.new_zeros((batch, t.shape[1], max_len, t.shape[3]))
+            out[:rows, :, lo + shift : hi + shift] = t[:rows, :, lo:hi]
+            return out
+
+        return KVCache._of([copy(t) for t in self.k], [copy(t) for t in self.v])
+
+    def move_rows(self, src: torch.Tensor, dst: torch.Tensor, cols: slice = slice(None)) -> None:
+        """Copy columns ``cols`` of rows ``src`` into rows ``dst`` (index tensors of one length)."""
+        for t in (*self.k, *self.v):
+            t[dst, :, cols] = t[src, :, cols]
 
 
 class Attention(nn.Module):

@@ -1,0 +1,242 @@
+"""Continuous batching for the embedded engine: rows join and leave the running batch between
+decode steps (iteration-level scheduling, as Orca introduced it), against one KV cache.
+
+Cache layout (per layer ``[rows, kv_heads, width, head_dim]``): every row writes its next token at
+the same column ``end``, so one forward call decodes all rows, yet each row's math equals its own
+unpadded computation:
+
+- Row ``i``'s context fills columns ``[first[i], end)``; every other column of the row is masked
+  out. Its next token sits at position ``end - first[i]`` (the length of its context) and attends
+  to columns ``[first[i], end]``.
+- Join: the joining rows are left-padded to their longest context ``P`` and prefilled into their
+  own rows at columns ``[end - P, end)`` (the cache shifts right first when ``end < P``). A pad
+  attends only to itself (no attention row is empty, so no NaN), real tokens never see pads, and
+  position ids count real tokens only.
+- Leave: a finished (or abandoned) row's slot is filled by moving the live columns of a row from
+  the end into it, so rows ``[0, n)`` are exactly the running ones and a step costs ``n`` rows,
+  not the batch's peak.
+- Columns left of ``min(first)`` are skipped by viewing the cache from there; when ``end`` hits
+  the width, the cache is shifted left by ``min(first)`` and grown when that frees too little.
+
+Sampling: each request owns a ``torch.Generator``; a token is drawn by inverse CDF from one
+uniform ``u`` of that generator: the first token whose cumulative probability exceeds
+``u * total``. A row's tokens therefore depend only on its own logits and generator, never on
+which other rows share its steps. Its logprob is ``log_softmax(logits / T)`` of the sampled token
+(top-p zeroes the tail before the draw but does not renormalise the reported logprob).
+
+Weight versions: a step samples with the version it is given and stamps it on each token. When
+the weights changed since the previous step (a new ``epoch``), every running row is first
+re-prefilled, prompt plus tokens so far, under the new weights: a token stamped ``v`` is then
+sampled from exactly the distribution of weights ``v`` given its prefix, never from a KV cache
+written by older weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from loong_core.protocols import SamplingParams
+from loong_core.records import SpanSource, TokenSpan
+from loong_train.models.qwen3 import KVCache, Qwen3ForCausalLM
+
+__all__ = ["BatchStats", "Request", "RunningBatch"]
+
+
+@dataclass
+class BatchStats:
+    """Counters over sampling steps: ``tokens`` / ``steps`` is the mean occupancy (rows per step)."""
+
+    steps: int = 0
+    tokens: int = 0
+
+    @property
+    def mean_occupancy(self) -> float:
+        return self.tokens / self.steps if self.steps else 0.0
+
+
+@dataclass(eq=False)
+class Request:
+    """One completion in flight: its prompt, sampler and what it produced so far ([n] lists)."""
+
+    prompt: list[int]
+    sampling: SamplingParams
+    generator: torch.Generator
+    future: asyncio.Future | None = None
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+
+    @property
+    def finished(self) -> bool:
+        ids, sampling = self.token_ids, self.sampling
+        return len(ids) >= sampling.max_new_tokens or (bool(ids) and ids[-1] in sampling.stop_token_ids)
+
+    def span(self) -> TokenSpan:
+        """The completion as a model span. ``weight_version`` is the last token's version;
+        ``versions`` lists every token's version when the span crossed a weight update."""
+        mixed = len(set(self.versions)) > 1
+        return TokenSpan(
+            token_ids=self.token_ids,
+            logprobs=self.logprobs,
+            source=SpanSource.MODEL,
+            weight_version=self.versions[-1],
+            versions=list(self.versions) if mixed else [],
+        )
+
+
+class RunningBatch:
+    """The rows decoding together, their KV cache and next-token logits (not thread-safe: one
+    caller at a time)."""
+
+    def __init__(self, model: Qwen3ForCausalLM, pad_id: int, stats: BatchStats) -> None:
+        self.model, self.pad_id, self.stats = model, pad_id, stats
+        self.rows: list[Request] = []
+        self.epoch: int | None = None
+        self._release()
+
+    def _release(self) -> None:
+        self.cache: KVCache | None = None
+        self.first: list[int] = []  # [n] first context column of each row
+        self.end = 0  # the column every row writes its next token to
+        self.logits: torch.Tensor | None = None  # [n, vocab] next-token logits
+
+    def reset(self) -> list[Request]:
+        """Drop every row (after a failed step); returns them."""
+        rows, self.rows = self.rows, []
+        self._release()
+        return rows
+
+    @torch.no_grad()
+    def step(
+        self, joining: Sequence[Request], leaving: Sequence[Request], version: int, epoch: int
+    ) -> list[Request]:
+        """Drop ``leaving``, admit ``joining``, sample one token per row stamped ``version``, then
+        decode the unfinished rows. Returns the rows that finished, in row order."""
+        if leaving:
+            gone = {id(r) for r in leaving}
+            self._keep([i for i, r in enumerate(self.rows) if id(r) not in gone])
+        if epoch != self.epoch and self.rows:
+            joining = [*self.reset(), *joining]
+        self.epoch = epoch
+        if joining:
+            self._join(list(joining))
+        if not self.rows:
+            return []
+        tokens = self._sample(version)
+        done = [r for r in self.rows if r.finished]
+        order = self._keep([i for i, r in enumerate(self.rows) if not r.finished])
+        if order:
+            self._decode(tokens[order])
+        return done
+
+    @property
+    def _device(self) -> torch.device:
+        return self.model.lm_head.weight.device
+
+    def _join(self, joining: list[Request]) -> None:
+        contexts = [r.prompt + r.token_ids for r in joining]
+        k, p, n = len(joining), max(len(c) for c in contexts), len(self.rows)
+        headroom = max(r.sampling.max_new_tokens - len(r.token_ids) for r in joining)
+        self._reserve(n + k, p, headroom)
+        ids = torch.full((k, p), self.pad_id, dtype=torch.long)
+        valid = torch.zeros(k, p, dtype=torch.bool)
+        for i, context in enumerate(contexts):
+            ids[i, p - len(context) :] = torch.tensor(context, dtype=torch.long)
+            valid[i, p - len(context) :] = True
+        ids, valid = ids.to(self._device), valid.to(self._device)
+        positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
+        causal = torch.tril(torch.ones(p, p, dtype=torch.bool, device=self._device))
+        mask = (causal & valid[:, None, :]) | torch.eye(p, dtype=torch.bool, device=self._device)
+        view = self.cache.view(slice(n, n + k), self.end - p)
+        logits = self.model(ids, positions, mask[:, None], view, 0)[:, -1]
+        self.logits = logits if self.logits is None else torch.cat([self.logits, logits])
+        self.first += [self.end - len(c) for c in contexts]
+        self.rows += joining
+
+    def _decode(self, tokens: torch.Tensor) -> None:
+        n = len(self.rows)
+        self._reserve(n, 0)
+        c0 = min(self.first)
+        first = torch.tensor(self.first, device=self._device)
+        mask = torch.arange(c0, self.end + 1, device=self._device)[None, :] >= first[:, None]
+        positions = (self.end - first)[:, None]
+        view = self.cache.view(slice(0, n), c0)
+        self.logits = self.model(tokens[:, None], positions, mask[:, None, None], view, self.end - c0)[:, -1]
+        self.end += 1
+
+    def _reserve(self, rows: int, left: int, headroom: int = 1) -> None:
+        """Make room for ``rows`` rows, ``left`` columns before ``end`` and one free column at
+        ``end`` (a new cache gets ``headroom`` free columns)."""
+        if self.cache is None:
+            cfg, dtype = self.model.config, self.model.lm_head.weight.dtype
+            self.cache = KVCache(cfg, rows, left + max(headroom, 1), dtype, self._device)
+            self.end = left
+            return
+        width, batch = self.cache.max_len, self.cache.batch
+        if self.end < left:
+            shift = left - self.end
+        elif self.end >= width:
+            shift = -min(min(self.first), self.end - left)  # drop columns no row reads
+        else:
+            shift = 0
+        used = self.end + shift + 1
+        if shift == 0 and rows <= batch and used <= width:
+            return
+        if used > width or (self.end >= width and 2 * used > width):
+            width = 2 * used  # amortised: a shift that frees under half the width also grows it
+        batch = batch if rows <= batch else max(rows, 2 * batch)
+        self.cache = self.cache.resized(batch, width, shift)
+        self.end += shift
+        self.first = [f + shift for f in self.first]
+
+    def _keep(self, keep: list[int]) -> list[int]:
+        """Keep rows ``keep`` as rows ``[0, len(keep))``: each slot left by a row that goes is
+        filled by a kept row from beyond that range, so few rows move. Returns the new order
+        (old row index of each new row)."""
+        n = len(keep)
+        if n == len(self.rows):
+            return keep
+        if not n:
+            self.reset()
+            return []
+        kept = set(keep)
+        holes = [i for i in range(n) if i not in kept]
+        order = list(range(n))
+        if holes:
+            movers = [i for i in keep if i >= n]
+            for hole, mover in zip(holes, movers, strict=True):
+                order[hole] = mover
+            cols = slice(min(self.first[i] for i in movers), self.end)
+            src, dst = (torch.tensor(x, device=self._device) for x in (movers, holes))
+            self.cache.move_rows(src, dst, cols)
+        self.rows = [self.rows[i] for i in order]
+        self.first = [self.first[i] for i in order]
+        self.logits = self.logits[torch.tensor(order, device=self._device)]
+        return order
+
+    def _sample(self, version: int) -> torch.Tensor:
+        rows, device = self.rows, self._device
+        temps = torch.tensor([r.sampling.temperature for r in rows], device=device)[:, None]
+        logp = torch.log_softmax(self.logits.float() / temps, dim=-1)
+        probs = logp.exp()
+        top_ps = [r.sampling.top_p for r in rows]
+        if min(top_ps) < 1:
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            drop = sorted_p.cumsum(-1) - sorted_p > torch.tensor(top_ps, device=device)[:, None]
+            probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+        u = torch.cat([torch.rand(1, generator=r.generator) for r in rows]).to(device)
+        cdf = probs.cumsum(-1)
+        tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
+        tokens = tokens.clamp_(max=probs.shape[-1] - 1)
+        picked = logp.gather(-1, tokens[:, None]).squeeze(-1)
+        for r, token, lp in zip(rows, tokens.tolist(), picked.tolist(), strict=True):
+            r.token_ids.append(token)
+            r.logprobs.append(lp)
+            r.versions.append(version)
+        self.stats.steps += 1
+        self.stats.tokens += len(rows)
+        return tokens
