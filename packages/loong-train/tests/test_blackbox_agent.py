@@ -6,7 +6,8 @@ mode. Every episode is one row (its calls chain by token prefix) whose ids decod
 template's rendering of the conversation the agent saw, whose model spans carry exactly the
 logprobs the agent was sent and the engine's weight version, and whose logprobs equal a fresh
 full forward pass at the recipe's temperature (the agent asked for another) within 2e-6 per token.
-The rows of one episode count once in GRPO statistics; a recipe asking for the shipped agent
+A crashing program is one valid, untrainable ``failed`` row (never a silent 0). The rows of
+one episode count once in GRPO statistics; a recipe asking for the shipped agent
 without ``openai`` installed is refused with a message saying so. A short CPU training run of the
 recipe in blackbox mode writes its run directory (slow).
 """
@@ -163,6 +164,17 @@ def test_shipped_calc_agent_episodes_are_token_exact_on_the_tiny_policy(tiny_dir
         worst = max(worst, _worst_logprob_error(worker.engine.model, row))
     print(f"shipped calc agent: max |recorded - fresh forward| logprob = {worst:.2e}")
     assert worst <= 2e-6
+
+
+@pytest.mark.integration
+def test_a_crashing_agent_is_a_valid_failed_row_that_trains_nothing(tiny_dir):
+    worker = _worker(tiny_dir, [sys.executable, "-c", "import sys; sys.exit(3)"])
+    rows = _rollout(worker, [EpisodeSpec("f0", "g", calc.eval_tasks(1)[0])])
+    (row,) = rows
+    assert row.status == EpisodeStatus.FAILED and "exited with code 3" in row.info["error"]
+    row.validate()  # what the pipeline checks when a rollout arrives; it never called the model
+    assert row.oldest_version == -1 and row.num_model_tokens == 0
+    assert pack_batch(rows, grpo_advantages(rows), policy_version=7).row_lens == []
 
 
 SMALL = [
