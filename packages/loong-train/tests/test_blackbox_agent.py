@@ -6,6 +6,8 @@ mode. Every episode is one row (its calls chain by token prefix) whose ids decod
 template's rendering of the conversation the agent saw, whose model spans carry exactly the
 logprobs the agent was sent and the engine's weight version, and whose logprobs equal a fresh
 full forward pass at the recipe's temperature (the agent asked for another) within 2e-6 per token.
+On a copy of the policy that memorized two demonstrations, the shipped agent calls the tool,
+answers right, and its episode is token for token the white-box layout the policy learned.
 A crashing program is one valid, untrainable ``failed`` row (never a silent 0). The rows of
 one episode count once in GRPO statistics; a recipe asking for the shipped agent
 without ``openai`` installed is refused with a message saying so. A short CPU training run of the
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -31,8 +34,11 @@ from loong_train.algorithms import grpo_advantages, pack_batch
 from loong_train.backends.torch_backend import token_logprobs
 from loong_train.cli import main as cli
 from loong_train.config import AgentConfig, load_recipe
+from loong_train.models.qwen3 import Qwen3ForCausalLM
 from loong_train.rollout import RolloutWorker
 from loong_train.tasks import calc
+from loong_train.tokenizer import load_tokenizer
+from loong_train.warmstart import sft_loss
 
 CHAT_AGENT = [sys.executable, str(Path(__file__).parent / "agents" / "chat_agent.py")]
 SAMPLING = {"temperature": 0.7, "top_p": 1.0, "max_new_tokens": 12}
@@ -91,9 +97,10 @@ def test_calc_agent_tool_results_and_errors():
     assert run_tool("add", "{}") == "error: unknown tool 'add' (known: ['calc'])"
 
 
-def _worker(tiny_dir: Path, command: list[str]) -> RolloutWorker:
+def _worker(tiny_dir: Path, command: list[str], max_new_tokens: int = 12) -> RolloutWorker:
     agent = AgentConfig(kind="blackbox", command=command, max_concurrency=4)
-    return RolloutWorker(str(tiny_dir), seed=5, sampling=SAMPLING, limits=LIMITS, agent=agent)
+    sampling = {**SAMPLING, "max_new_tokens": max_new_tokens}
+    return RolloutWorker(str(tiny_dir), seed=5, sampling=sampling, limits=LIMITS, agent=agent)
 
 
 def _rollout(worker: RolloutWorker, specs: list[EpisodeSpec]) -> list[Trajectory]:
@@ -163,6 +170,59 @@ def test_shipped_calc_agent_episodes_are_token_exact_on_the_tiny_policy(tiny_dir
         assert _decode(tokenizer, row.spans[0].token_ids) == prompt
         worst = max(worst, _worst_logprob_error(worker.engine.model, row))
     print(f"shipped calc agent: max |recorded - fresh forward| logprob = {worst:.2e}")
+    assert worst <= 2e-6
+
+
+def _memorize(tiny_dir: Path, out: Path, tasks: list[dict], steps: int = 100) -> Path:
+    """A copy of the tiny policy trained on these tasks' demonstrations until it repeats them."""
+    shutil.copytree(tiny_dir, out)
+    tokenizer, model = load_tokenizer(out), Qwen3ForCausalLM.from_pretrained(out)
+    rows = [_demonstration(tokenizer, t) for t in tasks]
+    width = max(len(ids) for ids, _ in rows)
+    ids, mask = torch.zeros(len(rows), width, dtype=torch.long), torch.zeros(len(rows), width)
+    for k, (i, m) in enumerate(rows):
+        ids[k, : len(i)], mask[k, : len(m)] = torch.tensor(i), torch.tensor(m, dtype=torch.float32)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(steps):
+        opt.zero_grad()
+        sft_loss(model, ids, mask, 0.0).backward()
+        opt.step()
+    model.save_pretrained(out)
+    return out
+
+
+def _demonstration(tokenizer, task: dict) -> tuple[list[int], list[int]]:
+    """The white-box agent's expert episode: token ids and loss mask."""
+    ids, mask = [], []
+    for text, is_model in calc.demonstration(task):
+        piece = tokenizer.encode(text, add_special_tokens=False)
+        ids, mask = ids + piece, mask + [int(is_model)] * len(piece)
+    return ids, mask
+
+
+@pytest.mark.integration
+def test_shipped_calc_agent_on_a_policy_that_calls_the_tool(tiny_dir, tmp_path):
+    # The black-box agent's successful episode is token for token the white-box layout the
+    # policy learned from: prompt, tool call, tool response, answer (loss mask on model turns).
+    tasks = calc.eval_tasks(2)
+    worker = _worker(_memorize(tiny_dir, tmp_path / "memorized", tasks), [], max_new_tokens=64)
+    tokenizer = worker.blackbox.proxy.renderer.tokenizer
+    specs = [EpisodeSpec(f"m{i}", f"g{i % 2}", tasks[i % 2]) for i in range(4)]
+    rows = _rollout(worker, specs)
+    assert [t.sample_id for t in rows] == [s.sample_id for s in specs]
+    solved = [(s, t) for s, t in zip(specs, rows, strict=True) if t.reward == 1.0]
+    assert solved, [t.info for t in rows]
+    for spec, row in solved:
+        assert row.status == EpisodeStatus.OK and row.info["calls"] == "2"
+        assert [s.source for s in row.spans] == [
+            SpanSource.PROMPT,
+            SpanSource.MODEL,
+            SpanSource.TOOL,
+            SpanSource.MODEL,
+        ]
+        assert (row.token_ids, row.loss_mask) == _demonstration(tokenizer, spec.task)
+    worst = max(_worst_logprob_error(worker.engine.model, row) for row in rows)
+    print(f"calc agent, {len(solved)}/4 solved: max |recorded - fresh forward| logprob = {worst:.2e}")
     assert worst <= 2e-6
 
 
