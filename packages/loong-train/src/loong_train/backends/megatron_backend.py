@@ -1,0 +1,402 @@
+"""The Megatron train backend: a megatron-core GPTModel with tensor and pipeline parallelism.
+
+Same surface and semantics as :class:`~loong_train.backends.torch_backend.TorchBackend`:
+``logprobs(batch)``, ``train_step(batch)`` with :func:`loong_train.algorithms.policy_loss`
+(decoupled PPO's proximal forward and the KL reference model included), AdamW with betas
+(0.9, 0.99), linear warmup and global-norm gradient clipping, and ``named_weights()`` in Hugging
+Face naming. It is SPMD: each of the ``tp * pp`` ranks of an initialised ``torch.distributed``
+world builds one ``MegatronBackend`` and makes the same calls in the same order; results
+(logprobs, metrics, weights) are returned on every rank.
+
+Model. A Hugging Face Qwen3 config becomes a ``TransformerConfig`` + ``GPTModel`` with the
+local (torch-native) layer spec: RMSNorm, per-head RMSNorm on queries and keys, SwiGLU, rotary
+embedding (rotate-half, ``rope_theta``), no biases, tied or untied embeddings. Weights are loaded
+with :func:`~loong_train.backends.megatron_weights.hf_to_megatron` and exported by gathering the
+tensor-parallel shards, converting them with :func:`loong_transfermesh.megatron_to_hf`, and
+broadcasting each pipeline stage's tensors to the other stages.
+
+Logprobs. The last stage keeps vocabulary-parallel logits ``[rows, seq, V / tp]``, divides them
+by the sampling temperature, masks the padded vocabulary columns with -inf, and takes
+``log p(ids[j] | ids[<j]) = -vocab_parallel_cross_entropy(logits[j - 1], ids[j])``; column 0
+is 0, as in the torch backend. Rows are right-padded and attention is causal, so no padding mask.
+
+Parallelism. One micro-batch per step (the whole batch), so the loss is exactly the torch
+backend's; megatron-core's schedule (``get_forward_backward_func``) runs it, 1F1B across
+pipeline stages. With tied embeddings and PP > 1 the embedding and output-layer gradients are
+summed over the embedding group before clipping, and the q/k norm gradients over TP, as
+megatron-core's ``finalize_model_grads`` does.
+The gradient norm counts each parameter once (no TP duplicates, no shared embedding copy) and is
+summed over the model-parallel group. Data parallelism (world > tp * pp) is not supported yet.
+
+megatron-core is imported lazily in this module only; on a CPU host every call into it runs
+inside :func:`~loong_train.backends.megatron_cpu.cpu_compat` (a no-op with CUDA).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.nn.utils.rnn import pad_sequence
+
+from loong_core.records import TrainBatch
+from loong_train.algorithms import policy_loss
+from loong_train.backends.megatron_cpu import cpu_compat
+from loong_train.backends.megatron_weights import hf_to_megatron
+from loong_train.backends.torch_backend import mismatch_stats
+from loong_train.config import LossConfig
+from loong_train.models.qwen3 import Qwen3Config
+from loong_transfermesh import MegatronLayout, megatron_to_hf
+
+__all__ = ["MegatronBackend", "init_model_parallel"]
+
+
+def init_model_parallel(tp: int, pp: int, seed: int = 0) -> None:
+    """megatron-core's parallel state over the initialised world (which must be ``tp * pp``)
+    and its model-parallel RNG streams."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    world = dist.get_world_size()
+    if world != tp * pp:
+        raise ValueError(f"world size {world} != tp * pp = {tp * pp} (data parallelism is not supported yet)")
+    parallel_state.initialize_model_parallel(tp, pp, create_gloo_process_groups=False)
+    with cpu_compat():
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+
+
+def transformer_config(cfg: Qwen3Config, tp: int, pp: int):
+    """The megatron-core ``TransformerConfig`` of a Qwen3 model, fused CUDA kernels off."""
+    from megatron.core.transformer import TransformerConfig
+
+    if cfg.num_hidden_layers % pp:
+        raise ValueError(f"{cfg.num_hidden_layers} layers do not split evenly into {pp} pipeline stages")
+    return TransformerConfig(
+        num_layers=cfg.num_hidden_layers,
+        hidden_size=cfg.hidden_size,
+        ffn_hidden_size=cfg.intermediate_size,
+        num_attention_heads=cfg.num_attention_heads,
+        num_query_groups=cfg.num_key_value_heads,
+        kv_channels=cfg.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=cfg.rms_norm_eps,
+        qk_layernorm=True,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp,
+        pipeline_dtype=torch.float32,
+        params_dtype=torch.float32,
+        use_cpu_initialization=not torch.cuda.is_available(),
+        # Overwritten by the HF weights, but megatron-core marks tensor-parallel parameters
+        # (``tensor_model_parallel``, ``partition_dim``) only while initialising them.
+        perform_initialization=True,
+        masked_softmax_fusion=False,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        batch_p2p_sync=False,
+    )
+
+
+class MegatronBackend:
+    """AdamW with linear warmup, gradient clipping, one optimizer step per batch (SPMD)."""
+
+    def __init__(
+        self,
+        hf_config: Mapping,
+        hf_weights: Mapping[str, torch.Tensor],
+        *,
+        lr: float,
+        warmup_steps: int = 0,
+        weight_decay: float = 0.0,
+        grad_clip: float = 1.0,
+        loss: LossConfig | None = None,
+        temperature: float = 1.0,
+    ) -> None:
+        from megatron.core import parallel_state as ps
+
+        self.ps = ps
+        self.cfg = Qwen3Config.from_hf(dict(hf_config))
+        self.tp = ps.get_tensor_model_parallel_world_size()
+        self.pp = ps.get_pipeline_model_parallel_world_size()
+        self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.layout = MegatronLayout.from_hf_config(dict(hf_config), tp=self.tp)
+        self.padded_vocab = math.ceil(self.cfg.vocab_size / self.tp) * self.tp
+        self.layers_per_stage = self.cfg.num_hidden_layers // self.pp
+        self.first_layer = ps.get_pipeline_model_parallel_rank() * self.layers_per_stage
+        self.is_last = ps.is_pipeline_last_stage()
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device())
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
+        self.model = self._build(hf_weights)
+        self.opt = torch.optim.AdamW(
+            self.model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99)
+        )
+        self.sched = torch.optim.lr_scheduler.LambdaLR(
+            self.opt, lambda s: min(1.0, (s + 1) / max(1, warmup_steps))
+        )
+        self.grad_clip, self.temperature = grad_clip, temperature
+        self.loss_cfg = loss or LossConfig()
+        self.reference = (
+            self._build(hf_weights).eval().requires_grad_(False) if self.loss_cfg.kl_coef > 0 else None
+        )
+        self.steps = 0
+
+    @classmethod
+    def from_pretrained(cls, path: str | Path, **kwargs) -> MegatronBackend:
+        """From a Hugging Face checkpoint directory (``config.json`` + ``model.safetensors``)."""
+        import json
+
+        from safetensors.torch import load_file
+
+        path = Path(path)
+        config = json.loads((path / "config.json").read_text())
+        return cls(config, load_file(str(path / "model.safetensors")), **kwargs)
+
+    def _build(self, hf_weights: Mapping[str, torch.Tensor]):
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        c = self.cfg
+        with cpu_compat():
+            model = GPTModel(
+                config=transformer_config(c, self.tp, self.pp),
+                transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"),
+                vocab_size=self.padded_vocab,
+                max_sequence_length=c.max_position_embeddings,
+                pre_process=self.ps.is_pipeline_first_stage(),
+                post_process=self.is_last,
+                share_embeddings_and_output_weights=c.tie_word_embeddings,
+                position_embedding_type="rope",
+                rotary_base=c.rope_theta,
+            )
+        shard = hf_to_megatron(
+            hf_weights,
+            self.layout,
+            tp_rank=self.tp_rank,
+            first_layer=self.first_layer,
+            num_layers=self.layers_per_stage,
+            pre_process=model.pre_process,
+            post_process=model.post_process,
+            padded_vocab=self.padded_vocab,
+        )
+        params = dict(model.named_parameters())
+        if missing := set(params) ^ set(shard):
+            raise ValueError(f"megatron parameters and converted HF weights differ: {sorted(missing)}")
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(shard[name])
+        return model.train()
+
+    # -- forward ---------------------------------------------------------------------------
+
+    def _token_logprobs(self, logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """Vocabulary-parallel logits [rows, seq, V/tp] -> logprob of each token [rows, seq]."""
+        from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+
+        logits = logits.float() / self.temperature
+        part = logits.shape[-1]
+        real = self.cfg.vocab_size - self.tp_rank * part  # columns of this rank inside the vocabulary
+        if real < part:
+            logits = logits.masked_fill(torch.arange(part, device=logits.device) >= real, -math.inf)
+        nll = vocab_parallel_cross_entropy(logits, ids.roll(-1, dims=1))
+        return F.pad(-nll[:, :-1], (1, 0))
+
+    def _run(self, model, ids: torch.Tensor, loss_func, forward_only: bool) -> list:
+        """One micro-batch through megatron-core's schedule; ``loss_func(logits)`` runs on the
+        last stage and returns (loss, info). Returns [info] on the last stage, [] elsewhere."""
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        rows, seq = ids.shape
+        positions = torch.arange(seq, device=ids.device).expand_as(ids)
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=ids.device).triu(1)[
+            None, None
+        ]  # True = masked
+
+        def forward_step(_data, m):
+            return m(ids, positions, causal), loss_func
+
+        with cpu_compat():
+            return get_forward_backward_func()(
+                forward_step_func=forward_step,
+                data_iterator=iter([None]),
+                model=[model],
+                num_microbatches=1,
+                seq_length=seq,
+                micro_batch_size=rows,
+                forward_only=forward_only,
+            )
+
+    @torch.no_grad()
+    def _forward_logprobs(self, model, ids: torch.Tensor) -> torch.Tensor:
+        def collect(logits):
+            lp = self._token_logprobs(logits, ids)
+            return lp.new_zeros(()), {"logprobs": lp}
+
+        out = self._run(model, ids, collect, forward_only=True)
+        return self._from_last_stage(out[0]["logprobs"] if out else None)
+
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """[rows, max_len] logprobs of the batch's tokens under the current weights (column 0 is 0)."""
+        return self._forward_logprobs(self.model, _tensors(batch, self.device)["ids"])
+
+    # -- train -----------------------------------------------------------------------------
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step on ``batch``; returns loss and train-inference mismatch stats."""
+        t = _tensors(batch, self.device)
+        extra = {}
+        if self.loss_cfg.decoupled:
+            extra["proximal"] = self._forward_logprobs(self.model, t["ids"])
+        if self.reference is not None:
+            extra["reference"] = self._forward_logprobs(self.reference, t["ids"])
+
+        def loss_func(logits):
+            lp = self._token_logprobs(logits, t["ids"])
+            loss, stats = policy_loss(lp, t["behaviour"], t["adv"], t["mask"], self.loss_cfg, **extra)
+            stats |= mismatch_stats(
+                lp.detach(), t["behaviour"], t["mask"], t["versions"], batch.policy_version
+            )
+            return loss, {"loss": loss.item(), **stats}
+
+        self.opt.zero_grad(set_to_none=True)
+        out = self._run(self.model, t["ids"], loss_func, forward_only=False)
+        self._finalize_grads()
+        grad_norm = self._clip_grads()
+        lr = self.opt.param_groups[0]["lr"]
+        self.opt.step()
+        self.sched.step()
+        self.steps += 1
+        stats = self._from_last_stage(out[0] if out else None)
+        return {"loss": stats.pop("loss"), "grad_norm": grad_norm, "lr": lr, **stats}
+
+    def _finalize_grads(self) -> None:
+        """The two gradient reductions of megatron-core's ``finalize_model_grads`` that apply
+        here: the per-head q/k norm weights see only this rank's heads, so their gradients are
+        summed over TP; with tied embeddings split over stages, the embedding and output-layer
+        copies are summed over the embedding group so both take the same step."""
+        if self.tp > 1:
+            group = self.ps.get_tensor_model_parallel_group()
+            for name, p in self.model.named_parameters():
+                if p.grad is not None and ("q_layernorm" in name or "k_layernorm" in name):
+                    dist.all_reduce(p.grad, group=group)
+        if self.pp > 1 and self.cfg.tie_word_embeddings and self.ps.is_rank_in_embedding_group():
+            weight = self.model.shared_embedding_or_output_weight()
+            dist.all_reduce(weight.grad, group=self.ps.get_embedding_group())
+
+    def _clip_grads(self) -> float:
+        """torch's ``clip_grad_norm_`` over the whole model: scale by min(1, c / (norm + 1e-6))."""
+        from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
+        from megatron.core.transformer.module import param_is_not_shared
+
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        counted = [
+            p.grad for p in params if param_is_not_shared(p) and param_is_not_tensor_parallel_duplicate(p)
+        ]
+        sq = (
+            torch.stack([g.pow(2).sum() for g in counted]).sum()
+            if counted
+            else torch.zeros((), device=self.device)
+        )
+        dist.all_reduce(sq, group=self.ps.get_model_parallel_group())
+        norm = sq.sqrt()
+        scale = (self.grad_clip / (norm + 1e-6)).clamp(max=1.0)
+        for p in params:
+            p.grad.mul_(scale)
+        return float(norm)
+
+    # -- weights ---------------------------------------------------------------------------
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """The full model in Hugging Face naming, on every rank."""
+        stage = dict(megatron_to_hf(self._tp_shards(), self.layout, layer_offset=self.first_layer))
+        out: dict[str, torch.Tensor] = {}
+        group = self.ps.get_pipeline_model_parallel_group()
+        for s in range(self.pp):
+            src = dist.get_global_rank(group, s) if self.pp > 1 else dist.get_rank()
+            meta = [[(k, v.shape) for k, v in stage.items()]]
+            if self.pp > 1:
+                dist.broadcast_object_list(meta, src=src, group=group)
+            for name, shape in meta[0]:
+                tensor = (
+                    stage[name].contiguous()
+                    if name in stage and src == dist.get_rank()
+                    else torch.empty(shape, device=self.device)
+                )
+                if self.pp > 1:
+                    dist.broadcast(tensor, src=src, group=group)
+                out[name] = tensor
+        return out
+
+    def _tp_shards(self) -> list[dict[str, torch.Tensor]]:
+        """This stage's parameters as ``tp`` state dicts (replicated ones shared)."""
+        shards: list[dict[str, torch.Tensor]] = [{} for _ in range(self.tp)]
+        group = self.ps.get_tensor_model_parallel_group()
+        for name, p in self.model.named_parameters():
+            parts = [p.detach()] * self.tp
+            if getattr(p, "tensor_model_parallel", False) and self.tp > 1:
+                parts = [torch.empty_like(p) for _ in range(self.tp)]
+                dist.all_gather(parts, p.detach().contiguous(), group=group)
+            for shard, part in zip(shards, parts, strict=True):
+                shard[name] = part
+        return shards
+
+    def save(self, path: str | Path) -> None:
+        """Rank 0 writes an HF checkpoint (config.json + model.safetensors); every rank writes
+        its optimizer shard ``optimizer.tp{r}.pp{s}.pt``."""
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        weights = self.named_weights()
+        if dist.get_rank() == 0:
+            import json
+
+            path.mkdir(parents=True, exist_ok=True)
+            (path / "config.json").write_text(json.dumps(self.cfg.to_hf(), indent=2))
+            save_file(weights, str(path / "model.safetensors"))
+        dist.barrier()
+        rank = f"tp{self.tp_rank}.pp{self.ps.get_pipeline_model_parallel_rank()}"
+        torch.save(
+            {"opt": self.opt.state_dict(), "sched": self.sched.state_dict(), "steps": self.steps},
+            path / f"optimizer.{rank}.pt",
+        )
+
+    def _from_last_stage(self, value):
+        """Broadcast a tensor or picklable value held by the last pipeline stage to all stages."""
+        if self.pp == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(
+            box,
+            src=self.ps.get_pipeline_model_parallel_last_rank(),
+            group=self.ps.get_pipeline_model_parallel_group(),
+        )
+        return box[0]
+
+
+def _tensors(batch: TrainBatch, device: torch.device) -> dict[str, torch.Tensor]:
+    """The batch's per-token lists as right-padded [rows, max_len] tensors."""
+
+    def rows(values: list, fill, dtype) -> torch.Tensor:
+        bounds = itertools.pairwise(itertools.accumulate(batch.row_lens, initial=0))
+        parts = [torch.tensor(values[a:b], dtype=dtype) for a, b in bounds]
+        return pad_sequence(parts, batch_first=True, padding_value=fill).to(device)
+
+    return {
+        "ids": rows(batch.token_ids, 0, torch.long),
+        "mask": rows(batch.loss_mask, 0, torch.float32),
+        "adv": rows(batch.advantages, 0.0, torch.float32),
+        "behaviour": rows(batch.behaviour_logprobs, 0.0, torch.float32),
+        "versions": rows(batch.versions, -1, torch.long),
+    }

@@ -1,0 +1,105 @@
+"""Hugging Face Qwen3 weights -> megatron-core GPTModel shards (local layer spec).
+
+The inverse of :func:`loong_transfermesh.megatron_to_hf`: given the full Hugging Face state
+dict, build the state dict of one (tensor-parallel rank, pipeline stage) of a GPTModel built
+with ``get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")``. What it does,
+per tensor (``G`` query groups, ``P = heads / G`` query heads per group, ``d`` head dim):
+
+- ``linear_qkv.weight``: per group g the rows of its P query heads, then its key head, then its
+  value head; rank r keeps groups ``[r G / tp, (r + 1) G / tp)``.
+- ``linear_fc1.weight``: rank r's slice of gate rows, then its slice of up rows.
+- ``linear_proj`` and ``linear_fc2`` (row parallel): column slice r of ``o_proj`` / ``down_proj``.
+- Embedding and output layer (vocabulary parallel): rows padded with zeros to ``padded_vocab``
+  (a multiple of tp), then row slice r. With tied embeddings the last stage of a pipeline keeps
+  its own copy as ``output_layer.weight``; one stage holding both uses the embedding only.
+- Norms are replicated; layer ``i`` of the stage is global layer ``first_layer + i``.
+
+Written here rather than taken from mbridge/Megatron-Bridge for the reason given in
+:mod:`loong_transfermesh.layout`; a round-trip test through ``megatron_to_hf`` checks it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+
+from loong_transfermesh import MegatronLayout
+
+__all__ = ["hf_to_megatron"]
+
+_REPLICATED = {  # megatron suffix <- Hugging Face suffix
+    "input_layernorm.weight": "input_layernorm.weight",
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
+}
+_ROW_PARALLEL = {
+    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
+    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
+}
+
+
+def hf_to_megatron(
+    hf: Mapping[str, torch.Tensor],
+    layout: MegatronLayout,
+    *,
+    tp_rank: int,
+    first_layer: int,
+    num_layers: int,
+    pre_process: bool,
+    post_process: bool,
+    padded_vocab: int,
+) -> dict[str, torch.Tensor]:
+    """The state dict of tensor-parallel rank ``tp_rank`` of the pipeline stage that holds
+    global layers ``[first_layer, first_layer + num_layers)``."""
+    out: dict[str, torch.Tensor] = {}
+    vocab = _VocabSlicer(layout.tp, tp_rank, padded_vocab)
+    if pre_process:
+        out["embedding.word_embeddings.weight"] = vocab(hf["model.embed_tokens.weight"])
+    for i in range(num_layers):
+        out |= _layer(hf, layout, tp_rank, f"model.layers.{first_layer + i}.", f"decoder.layers.{i}.")
+    if post_process:
+        out["decoder.final_layernorm.weight"] = hf["model.norm.weight"]
+        if not layout.tie_word_embeddings:
+            out["output_layer.weight"] = vocab(hf["lm_head.weight"])
+        elif not pre_process:
+            out["output_layer.weight"] = vocab(hf["model.embed_tokens.weight"])
+    return {k: v.contiguous() for k, v in out.items()}
+
+
+class _VocabSlicer:
+    def __init__(self, tp: int, rank: int, padded_vocab: int) -> None:
+        self.tp, self.rank, self.padded = tp, rank, padded_vocab
+
+    def __call__(self, w: torch.Tensor) -> torch.Tensor:
+        return F.pad(w, (0, 0, 0, self.padded - w.shape[0])).chunk(self.tp)[self.rank]
+
+
+def _layer(
+    hf: Mapping[str, torch.Tensor], layout: MegatronLayout, rank: int, src: str, dst: str
+) -> dict[str, torch.Tensor]:
+    tp = layout.tp
+    out = {dst + m: hf[src + h] for m, h in _REPLICATED.items()}
+    out |= {dst + m: hf[src + h].chunk(tp, dim=1)[rank] for m, h in _ROW_PARALLEL.items()}
+    gate, up = hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]
+    out[dst + "mlp.linear_fc1.weight"] = torch.cat([gate.chunk(tp)[rank], up.chunk(tp)[rank]])
+    for kind in ("weight", "bias"):
+        if src + f"self_attn.q_proj.{kind}" in hf:
+            qkv = [hf[src + f"self_attn.{p}_proj.{kind}"] for p in "qkv"]
+            out[dst + f"self_attention.linear_qkv.{kind}"] = _fuse_qkv(*qkv, layout, rank)
+    return out
+
+
+def _fuse_qkv(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layout: MegatronLayout, rank: int
+) -> torch.Tensor:
+    """[heads*d, ...], [G*d, ...], [G*d, ...] -> rank's [G/tp * (P + 2) * d, ...]."""
+    groups, d = layout.num_query_groups, layout.head_dim
+    per_group, rest = layout.num_attention_heads // groups, q.shape[1:]
+    fused = torch.cat(
+        [q.reshape(groups, per_group * d, *rest), k.reshape(groups, d, *rest), v.reshape(groups, d, *rest)],
+        dim=1,
+    )
+    return fused.chunk(layout.tp)[rank].reshape(-1, *rest)
