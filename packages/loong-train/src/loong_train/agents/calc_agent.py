@@ -8,7 +8,10 @@ The loop is the white-box :class:`~loong_agentflow.ToolAgent`'s, written as an o
 ask the model with the ``calc`` tool offered; run every tool call it makes (an error's text is the
 tool's result) and ask again; print the content of the first reply without tool calls. At most
 ``LOONG_MAX_TURNS`` model calls (default 3). A reply cut by the token limit, a session whose token
-budget is used up, or running out of turns ends the episode with no answer (reward 0).
+budget is used up, or running out of turns ends the episode with no answer (reward 0). One
+difference from the white-box agent: a malformed ``<tool_call>`` block reaches this program as
+plain content (the proxy only returns well-formed calls), so it is taken as the answer, where the
+white-box agent shows the model the parse error and goes on.
 """
 
 from __future__ import annotations
