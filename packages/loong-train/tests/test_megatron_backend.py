@@ -142,27 +142,32 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def megatron_runs(tmp_path_factory) -> tuple[Path, dict]:
-    """Every configuration, run by two worker processes (importing megatron-core dominates)."""
-    root = tmp_path_factory.mktemp("megatron")
-    for name, (_, _, tied, _) in CONFIGS.items():
-        _model(tied).save_pretrained(root / name)
+def _launch(root: Path, names: list[str], device: str) -> dict:
+    """Run ``names`` (two-rank configurations first) in worker processes; their results."""
+    for name in names:
+        _model(CONFIGS[name][2]).save_pretrained(root / name)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    port = _free_port()
+    world, port = max(CONFIGS[n][0] * CONFIGS[n][1] for n in names), _free_port()
     procs = [
         subprocess.Popen(
-            [sys.executable, __file__, json.dumps([rank, port, str(root)])],
+            [sys.executable, __file__, json.dumps([rank, world, port, str(root), names, device])],
             env=env,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
         )
-        for rank in range(2)
+        for rank in range(world)
     ]
     logs = [p.communicate(timeout=300)[0] for p in procs]
     assert all(p.returncode == 0 for p in procs), "\n\n".join(logs)
-    return root, {name: torch.load(root / name / "result.pt") for name in CONFIGS}
+    return {name: torch.load(root / name / "result.pt", map_location="cpu") for name in names}
+
+
+@pytest.fixture(scope="module")
+def megatron_runs(tmp_path_factory) -> tuple[Path, dict]:
+    """Every configuration, run by two CPU worker processes (importing megatron-core dominates)."""
+    root = tmp_path_factory.mktemp("megatron")
+    return root, _launch(root, list(CONFIGS), "cpu")
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -173,7 +178,21 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_megatron_matches_torch_backend(name, megatron_runs):
     root, runs = megatron_runs
-    meg, model = runs[name], Qwen3ForCausalLM.from_pretrained(root / name)
+    _check(name, runs[name], root)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_megatron_on_gpu_matches_torch_backend_on_cpu(tmp_path):
+    """The same comparison with megatron-core on CUDA (NCCL, compatibility layer inactive):
+    every configuration the visible GPUs allow, against the CPU torch backend."""
+    names = [n for n, (tp, pp, *_) in CONFIGS.items() if tp * pp <= torch.cuda.device_count()]
+    for name, meg in _launch(tmp_path, names, "cuda").items():
+        _check(name, meg, tmp_path)
+
+
+def _check(name: str, meg: dict, root: Path) -> None:
+    model = Qwen3ForCausalLM.from_pretrained(root / name)
     initial = {k: v.clone() for k, v in model.hf_state_dict().items()}
     ref = _torch_reference(model, CONFIGS[name][3])
 
@@ -229,23 +248,26 @@ def _one_run(rank: int, tp: int, pp: int, loss: str, out: Path) -> None:
         torch.save(result, out / "result.pt")
 
 
-def _worker(rank: int, port: int, root: str) -> None:
-    """Both ranks run the two-rank configurations in one gloo world; then rank 0 alone, in a
-    fresh one-rank world, runs TP=1."""
+def _worker(rank: int, world: int, port: int, root: str, names: list[str], device: str) -> None:
+    """All ranks run the configurations that use the whole world; then the ranks a smaller
+    configuration needs (here rank 0 for TP=1) run it in a fresh world."""
     import torch.distributed as dist
     from megatron.core import parallel_state
 
     torch.set_num_threads(1)
-    world = 2
-    for name, (tp, pp, _, loss) in CONFIGS.items():
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+    for name in names:
+        tp, pp, _, loss = CONFIGS[name]
         if tp * pp != world:
             dist.destroy_process_group()
             if rank >= tp * pp:
                 return
             world, port = tp * pp, _free_port()
         if not dist.is_initialized():
+            backend = "nccl" if device == "cuda" else "gloo"
             dist.init_process_group(
-                "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+                backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
             )
         _one_run(rank, tp, pp, loss, Path(root) / name)
         parallel_state.destroy_model_parallel()
