@@ -1,19 +1,27 @@
-"""Embedded-engine throughput on a long-tailed workload: static versus continuous batching, with
+"""Embedded-engine throughput on long-tailed workloads: static versus continuous batching, with
 the full-occupancy ceiling, in the same run.
 
-Workload: 64 requests arriving at once (``asyncio.gather`` of ``engine.generate``), prompts of 8 to
-24 tokens, ``max_new_tokens`` drawn from a log-normal (median 16, sigma 1, clipped to [2, 256]; no
-stop tokens, so every request runs to its length), at most 16 rows per step, on the tiny recipe's
-model size (hidden 128, 4 layers) with one torch thread. Cases (``extra_info["case"]``):
+Model: the tiny recipe's size (hidden 128, 4 layers, vocab 64, random init), one torch thread.
+Lengths: ``max_new_tokens`` drawn from a log-normal (median 16, sigma 1, clipped to [2, 256]); no
+stop tokens, so every request runs to its length. Workloads (``extra_info["workload"]``):
 
-- ``static_batch``: ``continuous=False``: a batch of 16 runs until its longest row finishes before
-  the next 16 are admitted (finished rows still leave it, so this baseline is slightly faster than
-  the old engine, which kept decoding them).
+- ``queue``: 64 requests (prompts of 8 to 24 tokens) arrive at once (``asyncio.gather`` of
+  ``engine.generate``) at an engine that runs at most ``max_batch`` (8 or 16) rows per step.
+- ``agent``: 16 episodes of 3 turns each: a turn's prompt is the previous context plus the
+  completion plus 4 "tool" tokens, so requests arrive whenever an episode's previous turn ends;
+  ``max_batch`` 16 holds every episode (no queue: any gain comes from turns joining mid-batch).
+
+Cases (``extra_info["case"]``):
+
+- ``static_batch``: ``continuous=False``: requests join only an empty batch, which then runs until
+  its longest row finishes (what the engine did before continuous batching, except that finished
+  rows now leave the forward, which makes this baseline slightly faster than the old engine).
 - ``continuous``: rows join between decode steps as others finish.
-- ``full_occupancy``: the same number of tokens with every length equal to the mean, so every step
-  runs 16 rows: the ceiling for this batch size.
+- ``full_occupancy`` (``queue`` only): the same token count with every length equal to the mean,
+  so every step runs ``max_batch`` rows: the ceiling for that batch size.
 
 ``extra_info``: ``tokens_per_s`` (generated tokens over wall seconds, best round),
+``tokens_per_cpu_s`` (over the process's CPU seconds in that round: steadier on a shared host),
 ``mean_occupancy`` (rows per decode step), ``steps``, ``tokens``. Run:
 ``uv run pytest packages/loong-train/benchmarks/bench_engine.py --benchmark-enable -q -s``
 (disabled, as in the default test run, each case runs once).
@@ -32,57 +40,84 @@ from loong_core.protocols import SamplingParams
 from loong_train.engines.embedded import EmbeddedEngine
 from loong_train.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 
-REQUESTS, MAX_BATCH = 64, 16
+VOCAB = 64
 
 
 def _model() -> Qwen3ForCausalLM:
-    cfg = Qwen3Config(vocab_size=64, hidden_size=128, intermediate_size=384, num_hidden_layers=4)
+    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=384, num_hidden_layers=4)
     model = Qwen3ForCausalLM(cfg)
     model.init_weights(0)
     return model
 
 
-def _workload(uniform: bool) -> tuple[list[list[int]], list[SamplingParams]]:
+def _lengths(rng: random.Random, n: int) -> list[int]:
+    return [min(256, max(2, round(rng.lognormvariate(2.77, 1.0)))) for _ in range(n)]
+
+
+def _prompt(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(1, VOCAB) for _ in range(n)]
+
+
+async def _queue(engine: EmbeddedEngine, uniform: bool) -> None:
     rng = random.Random(0)
-    prompts = [[rng.randrange(1, 64) for _ in range(rng.randint(8, 24))] for _ in range(REQUESTS)]
-    lengths = [min(256, max(2, round(rng.lognormvariate(2.77, 1.0)))) for _ in range(REQUESTS)]
+    prompts = [_prompt(rng, rng.randint(8, 24)) for _ in range(64)]
+    lengths = _lengths(rng, 64)
     if uniform:
-        lengths = [sum(lengths) // REQUESTS] * REQUESTS
-    return prompts, [SamplingParams(max_new_tokens=n) for n in lengths]
+        lengths = [sum(lengths) // len(lengths)] * len(lengths)
+    samplings = [SamplingParams(max_new_tokens=n) for n in lengths]
+    await asyncio.gather(*(engine.generate(p, s) for p, s in zip(prompts, samplings, strict=True)))
 
 
-def _run_once(model, continuous: bool, uniform: bool) -> tuple[float, EmbeddedEngine]:
-    prompts, samplings = _workload(uniform)
-    engine = EmbeddedEngine(model, seed=0, max_batch=MAX_BATCH, continuous=continuous)
+async def _agent(engine: EmbeddedEngine, uniform: bool) -> None:
+    async def episode(i: int) -> None:
+        rng = random.Random(i)
+        context = _prompt(rng, rng.randint(8, 24))
+        for length in _lengths(rng, 3):
+            span = await engine.generate(context, SamplingParams(max_new_tokens=length))
+            context = context + span.token_ids + _prompt(rng, 4)
 
-    async def all_at_once():
-        await asyncio.gather(*(engine.generate(p, s) for p, s in zip(prompts, samplings, strict=True)))
-
-    start = time.perf_counter()
-    asyncio.run(all_at_once())
-    return time.perf_counter() - start, engine
+    await asyncio.gather(*(episode(i) for i in range(16)))
 
 
-@pytest.mark.parametrize("case", ["static_batch", "continuous", "full_occupancy"])
-def test_engine_throughput(benchmark, case: str) -> None:
+CASES = [
+    ("queue", 8, "static_batch"),
+    ("queue", 8, "continuous"),
+    ("queue", 8, "full_occupancy"),
+    ("queue", 16, "static_batch"),
+    ("queue", 16, "continuous"),
+    ("queue", 16, "full_occupancy"),
+    ("agent", 16, "static_batch"),
+    ("agent", 16, "continuous"),
+]
+
+
+@pytest.mark.parametrize(("workload", "max_batch", "case"), CASES)
+def test_engine_throughput(benchmark, workload: str, max_batch: int, case: str) -> None:
     torch.set_num_threads(1)
-    model = _model()
+    model, drive = _model(), {"queue": _queue, "agent": _agent}[workload]
     best: list = []
 
     def run():
-        seconds, engine = _run_once(model, case != "static_batch", case == "full_occupancy")
+        engine = EmbeddedEngine(model, seed=0, max_batch=max_batch, continuous=case != "static_batch")
+        start, cpu = time.perf_counter(), time.process_time()
+        asyncio.run(drive(engine, case == "full_occupancy"))
+        seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
         if not best or seconds < best[0]:
-            best[:] = [seconds, engine.stats]
+            best[:] = [seconds, cpu, engine.stats]
 
     benchmark.pedantic(run, rounds=3, iterations=1, warmup_rounds=1)
-    seconds, stats = best
+    seconds, cpu, stats = best
     benchmark.extra_info.update(
         case=case,
+        workload=workload,
+        max_batch=max_batch,
         tokens_per_s=stats.tokens / seconds,
+        tokens_per_cpu_s=stats.tokens / cpu,
         mean_occupancy=stats.mean_occupancy,
         steps=stats.steps,
         tokens=stats.tokens,
-        requests=REQUESTS,
-        max_batch=MAX_BATCH,
     )
-    print(f"\n{case}: {stats.tokens / seconds:.0f} tokens/s, occupancy {stats.mean_occupancy:.2f}")
+    print(
+        f"\n{workload} max_batch={max_batch} {case}: {stats.tokens / seconds:.0f} tokens/s "
+        f"({stats.tokens / cpu:.0f} per CPU s), occupancy {stats.mean_occupancy:.2f}, {stats.steps} steps"
+    )

@@ -9,8 +9,14 @@ math: each row's logprobs equal its own unpadded computation). Each sampled toke
 Randomness: request number ``n`` (counted from 0 in arrival order) samples from its own
 ``torch.Generator`` seeded ``request_seed(n)`` unless ``generate(..., seed=s)`` names one, so a
 request's tokens do not depend on what else runs beside it: the same seed gives the same tokens
-alone, in a batch, or joining mid-way. Arrival order is deterministic because the engine yields
-to the event loop after each step, before admitting, so every runnable episode enqueues first.
+alone, in a batch, or joining mid-way (logprobs agree to float32 rounding: matmul kernels round a
+row differently for different row counts).
+
+Scheduling: decode steps run in a worker thread, which hands back to the event loop as soon as a
+row finishes, a queued request could join, ``pause()`` was called or a caller gave up on a
+request; the loop then yields a few ticks before admitting, so every episode whose request just
+finished enqueues its next one first (request numbers, hence seeds, follow a deterministic order
+when episodes react within those ticks).
 
 Prefill-only scoring (``score``) runs one full forward and returns ``log_softmax(logits)`` of each
 prompt token given its prefix (temperature 1), the way a teacher or SGLang's
@@ -185,7 +191,7 @@ class EmbeddedEngine:
             waiting = [r for r in self._queue if not r.future.done()]
             joining, self._queue = self._admit(waiting, len(batch.rows) - len(leaving))
             try:
-                done = await asyncio.to_thread(batch.step, joining, leaving, self._version, self._epoch)
+                done = await asyncio.to_thread(self._steps, joining, leaving, self._version, self._epoch)
             except Exception as e:
                 for r in [*batch.reset(), *joining]:
                     if not r.future.done():
@@ -196,6 +202,26 @@ class EmbeddedEngine:
             for r in done:
                 if not r.future.done():
                     r.future.set_result(r.span())
+
+    def _steps(
+        self, joining: list[Request], leaving: list[Request], version: int, epoch: int
+    ) -> list[Request]:
+        """Decode steps, in a worker thread, until a row finishes or the event loop has work for
+        the batch: a request that could join, a pause, an abandoned row. (Reading those flags from
+        this thread is safe: a stale read only delays the return by one step.)"""
+        batch = self._batch
+        done = batch.step(joining, leaving, version, epoch)
+        while not done and batch.rows and not self._loop_has_work():
+            done = batch.step([], [], version, epoch)
+        return done
+
+    def _loop_has_work(self) -> bool:
+        running = len(self._batch.rows)
+        return (
+            not self._running.is_set()
+            or bool(self._queue and self._admit(self._queue, running)[0])
+            or any(r.future.done() for r in self._batch.rows)
+        )
 
     def generate_batch(
         self,
