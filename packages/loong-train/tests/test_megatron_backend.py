@@ -222,6 +222,53 @@ def _check(name: str, meg: dict, root: Path) -> None:
     assert (meg["after"] - meg["before"]).abs().max() > 1e-3  # the step moved the model
 
 
+# -- the trainer's ``train.backend = "megatron"`` ------------------------------------------------
+
+
+def test_recipe_selects_the_megatron_backend_and_explains_a_missing_install(monkeypatch):
+    from loong_core.config import ConfigError
+    from loong_train import config
+    from loong_train.config import load_recipe
+
+    train = load_recipe("tiny-calc-agent", ["train.backend=megatron", "train.tp=2", "train.pp=2"]).train
+    assert (train.backend, train.tp, train.pp) == ("megatron", 2, 2)
+    with pytest.raises(ConfigError, match="need backend = 'megatron'"):
+        load_recipe("tiny-calc-agent", ["train.tp=2"])
+    monkeypatch.setattr(config, "_have_megatron_core", lambda: False)
+    with pytest.raises(ConfigError, match=r"loong-train\[megatron\]"):
+        load_recipe("tiny-calc-agent", ["train.backend=megatron"])
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_trainer_worker_drives_a_two_rank_megatron_backend(tmp_path):
+    """TrainerWorker with ``train.backend = "megatron"``, tp = 2: the calling process is rank 0
+    and one spawned follower mirrors it; logprobs, the step's loss and the published weights
+    match the torch backend (the CPU comparison above, through the trainer)."""
+    from loong_train.config import load_recipe
+    from loong_train.trainer import TrainerWorker
+    from loong_transfermesh import TransportConfig
+
+    model = _model(tied=False)
+    model.save_pretrained(tmp_path)
+    sets = ["train.backend=megatron", "train.tp=2", "train.warmup_steps=0", f"train.lr={LR}"]
+    recipe = load_recipe("tiny-calc-agent", [*sets, "rollout.temperature=0.9"])
+    trainer = TrainerWorker(str(tmp_path), recipe, TransportConfig(name="megatron-trainer-test"))
+    try:
+        batch = _batch()
+        lp = torch.tensor(trainer.logprobs(batch))
+        metrics = trainer.train_step(batch)
+        weights = _cloned(trainer.backend.named_weights())
+    finally:
+        trainer.close()
+    torch_backend = TorchBackend(model, lr=LR, loss=recipe.loss, temperature=0.9)
+    ref_lp = torch_backend.logprobs(batch)
+    ref_lp = torch.cat([ref_lp[i, :n] for i, n in enumerate(batch.row_lens)])
+    assert _rel(lp, ref_lp) <= 1e-5
+    assert metrics["loss"] == pytest.approx(torch_backend.train_step(batch)["loss"], rel=1e-5)
+    assert max(float((weights[k] - v).abs().max()) for k, v in model.hf_state_dict().items()) <= 0.1 * LR
+
+
 def _cloned(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in weights.items()}  # named_weights() may alias the parameters
 

@@ -6,6 +6,7 @@ name; any other TOML path works too. ``--set key=value`` overrides a dotted key.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from importlib import resources
 from pathlib import Path
@@ -96,6 +97,10 @@ class RolloutConfig(_Section):
 
 
 class TrainConfig(_Section):
+    """``backend``: ``"torch"`` (one process, CPU or one GPU) or ``"megatron"`` (megatron-core
+    with ``tp``-way tensor and ``pp``-way pipeline parallelism over ``tp * pp`` processes; needs
+    the ``loong-train[megatron]`` extra)."""
+
     steps: int = 100
     batch_groups: int = 16
     max_staleness: int = 1
@@ -103,9 +108,26 @@ class TrainConfig(_Section):
     warmup_steps: int = 10
     weight_decay: float = 0.0
     grad_clip: float = 1.0
+    backend: Literal["torch", "megatron"] = "torch"
+    tp: int = 1
+    pp: int = 1
 
     def __post_init__(self) -> None:
-        _at_least(self, steps=1, batch_groups=1, max_staleness=0, warmup_steps=0)
+        _at_least(self, steps=1, batch_groups=1, max_staleness=0, warmup_steps=0, tp=1, pp=1)
+        if self.backend == "torch" and self.tp * self.pp > 1:
+            raise ValueError(f"tp = {self.tp} and pp = {self.pp} need backend = 'megatron'")
+        if self.backend == "megatron" and not _have_megatron_core():
+            raise ValueError(
+                "backend = 'megatron' needs megatron-core, which is not installed "
+                "(install the extra: pip install 'loong-train[megatron]')"
+            )
+
+
+def _have_megatron_core() -> bool:
+    try:
+        return importlib.util.find_spec("megatron.core") is not None
+    except ModuleNotFoundError:  # no ``megatron`` package at all
+        return False
 
 
 AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]

@@ -24,15 +24,20 @@ class TrainerWorker:
         torch.set_num_threads(recipe.threads)
         torch.manual_seed(recipe.seed)
         t = recipe.train
-        self.backend = TorchBackend(
-            Qwen3ForCausalLM.from_pretrained(model_path),
-            lr=t.lr,
-            warmup_steps=t.warmup_steps,
-            weight_decay=t.weight_decay,
-            grad_clip=t.grad_clip,
-            loss=recipe.loss,
-            temperature=recipe.rollout.temperature,
-        )
+        options = {
+            "lr": t.lr,
+            "warmup_steps": t.warmup_steps,
+            "weight_decay": t.weight_decay,
+            "grad_clip": t.grad_clip,
+            "loss": recipe.loss,
+            "temperature": recipe.rollout.temperature,
+        }
+        if t.backend == "megatron":  # megatron-core is imported only here
+            from loong_train.backends.megatron_driver import MegatronDriver
+
+            self.backend = MegatronDriver(model_path, tp=t.tp, pp=t.pp, threads=recipe.threads, **options)
+        else:
+            self.backend = TorchBackend(Qwen3ForCausalLM.from_pretrained(model_path), **options)
         self.sender = open_sender(transport)
         self.version = 0
         self.distiller = Distiller(recipe.opd, model_path) if recipe.opd.enabled else None
@@ -69,5 +74,6 @@ class TrainerWorker:
 
     def close(self) -> None:
         self.sender.close()
+        getattr(self.backend, "close", lambda: None)()  # the Megatron driver stops its ranks
         if self.distiller is not None:
             self.distiller.close()
