@@ -47,11 +47,11 @@ from torch.nn.utils.rnn import pad_sequence
 from loong_core.records import TrainBatch
 from loong_train.algorithms import policy_loss
 from loong_train.backends.megatron_cpu import cpu_compat
-from loong_train.backends.megatron_weights import hf_to_megatron
+from loong_train.backends.megatron_weights import gather_hf_weights, hf_to_megatron
 from loong_train.backends.torch_backend import mismatch_stats
 from loong_train.config import LossConfig
 from loong_train.models.qwen3 import Qwen3Config
-from loong_transfermesh import MegatronLayout, megatron_to_hf
+from loong_transfermesh import MegatronLayout
 
 __all__ = ["MegatronBackend", "init_model_parallel"]
 
@@ -320,37 +320,13 @@ class MegatronBackend:
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         """The full model in Hugging Face naming, on every rank."""
-        stage = dict(megatron_to_hf(self._tp_shards(), self.layout, layer_offset=self.first_layer))
-        out: dict[str, torch.Tensor] = {}
-        group = self.ps.get_pipeline_model_parallel_group()
-        for s in range(self.pp):
-            src = dist.get_global_rank(group, s) if self.pp > 1 else dist.get_rank()
-            meta = [[(k, v.shape) for k, v in stage.items()]]
-            if self.pp > 1:
-                dist.broadcast_object_list(meta, src=src, group=group)
-            for name, shape in meta[0]:
-                tensor = (
-                    stage[name].contiguous()
-                    if name in stage and src == dist.get_rank()
-                    else torch.empty(shape, device=self.device)
-                )
-                if self.pp > 1:
-                    dist.broadcast(tensor, src=src, group=group)
-                out[name] = tensor
-        return out
-
-    def _tp_shards(self) -> list[dict[str, torch.Tensor]]:
-        """This stage's parameters as ``tp`` state dicts (replicated ones shared)."""
-        shards: list[dict[str, torch.Tensor]] = [{} for _ in range(self.tp)]
-        group = self.ps.get_tensor_model_parallel_group()
-        for name, p in self.model.named_parameters():
-            parts = [p.detach()] * self.tp
-            if getattr(p, "tensor_model_parallel", False) and self.tp > 1:
-                parts = [torch.empty_like(p) for _ in range(self.tp)]
-                dist.all_gather(parts, p.detach().contiguous(), group=group)
-            for shard, part in zip(shards, parts, strict=True):
-                shard[name] = part
-        return shards
+        return gather_hf_weights(
+            self.model.named_parameters(),
+            self.layout,
+            first_layer=self.first_layer,
+            tp_group=self.ps.get_tensor_model_parallel_group(),
+            pp_group=self.ps.get_pipeline_model_parallel_group(),
+        )
 
     def save(self, path: str | Path) -> None:
         """Rank 0 writes an HF checkpoint (config.json + model.safetensors); every rank writes

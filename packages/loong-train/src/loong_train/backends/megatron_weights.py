@@ -1,6 +1,10 @@
-"""Hugging Face Qwen3 weights -> megatron-core GPTModel shards (local layer spec).
+"""Hugging Face Qwen3 weights <-> megatron-core GPTModel shards (local layer spec).
 
-The inverse of :func:`loong_transfermesh.megatron_to_hf`: given the full Hugging Face state
+:func:`gather_hf_weights` exports: it all-gathers each tensor-parallel parameter over the TP
+group, converts the stage with :func:`loong_transfermesh.megatron_to_hf`, and broadcasts every
+stage's tensors over the pipeline group, so each rank ends with the whole model.
+
+:func:`hf_to_megatron` is the inverse of ``megatron_to_hf``: given the full Hugging Face state
 dict, build the state dict of one (tensor-parallel rank, pipeline stage) of a GPTModel built
 with ``get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")``. What it does,
 per tensor (``G`` query groups, ``P = heads / G`` query heads per group, ``d`` head dim):
@@ -20,14 +24,15 @@ Written here rather than taken from mbridge/Megatron-Bridge for the reason given
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
-from loong_transfermesh import MegatronLayout
+from loong_transfermesh import MegatronLayout, megatron_to_hf
 
-__all__ = ["hf_to_megatron"]
+__all__ = ["gather_hf_weights", "hf_to_megatron"]
 
 _REPLICATED = {  # megatron suffix <- Hugging Face suffix
     "input_layernorm.weight": "input_layernorm.weight",
@@ -103,3 +108,40 @@ def _fuse_qkv(
         dim=1,
     )
     return fused.chunk(layout.tp)[rank].reshape(-1, *rest)
+
+
+def gather_hf_weights(
+    named_params: Iterable[tuple[str, torch.Tensor]],
+    layout: MegatronLayout,
+    *,
+    first_layer: int,
+    tp_group: dist.ProcessGroup,
+    pp_group: dist.ProcessGroup,
+) -> dict[str, torch.Tensor]:
+    """The whole model in HF naming from this rank's parameters (a collective over the model-
+    parallel ranks). Replicated tensors may alias the parameters, as the torch backend's do."""
+    shards: list[dict[str, torch.Tensor]] = [{} for _ in range(layout.tp)]
+    for name, p in named_params:
+        parts = [p.detach()] * layout.tp
+        if getattr(p, "tensor_model_parallel", False) and layout.tp > 1:
+            parts = [torch.empty_like(p) for _ in range(layout.tp)]
+            dist.all_gather(parts, p.detach().contiguous(), group=tp_group)
+        for shard, part in zip(shards, parts, strict=True):
+            shard[name] = part
+    stage = dict(megatron_to_hf(shards, layout, layer_offset=first_layer))
+    return stage if pp_group.size() == 1 else _from_every_stage(stage, pp_group)
+
+
+def _from_every_stage(stage: dict[str, torch.Tensor], group: dist.ProcessGroup) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    device = next(iter(stage.values())).device
+    for s in range(group.size()):
+        src = dist.get_global_rank(group, s)
+        meta = [[(k, v.shape, v.dtype) for k, v in stage.items()]]
+        dist.broadcast_object_list(meta, src=src, group=group)
+        for name, shape, dtype in meta[0]:
+            mine = src == dist.get_rank()
+            tensor = stage[name].contiguous() if mine else torch.empty(shape, dtype=dtype, device=device)
+            dist.broadcast(tensor, src=src, group=group)
+            out[name] = tensor
+    return out
