@@ -39,6 +39,7 @@ log = logging.getLogger("loong.controller")
 
 def run(recipe: Recipe, out: Path, cache: Path) -> Path:
     """Train ``recipe``; writes the run directory ``out`` and returns it."""
+    out, cache = out.absolute(), cache.absolute()  # Ray actors may run in another working directory
     model_path = str(prepare_model(recipe, cache))
     recipe = prepare_teachers(recipe, cache, Path(model_path))  # OPD recipes: build their teachers
     run_dir = RunDir(out, recipe)
