@@ -11,6 +11,7 @@ import random
 import torch
 
 from loong_core.protocols import SamplingParams
+from loong_train.engines.batching import BatchStats, Request, RunningBatch
 from loong_train.engines.embedded import EmbeddedEngine
 from loong_train.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 
@@ -103,6 +104,28 @@ def test_static_and_continuous_batching_give_the_same_completions_in_fewer_steps
     assert static_stats.tokens == cont_stats.tokens
     assert cont_stats.steps < static_stats.steps
     assert cont_stats.mean_occupancy > static_stats.mean_occupancy
+
+
+def test_a_long_stream_of_requests_keeps_the_cache_narrow():
+    model = _model(2)
+    rng = random.Random(4)
+    prompts = [[rng.randrange(1, 40) for _ in range(rng.randint(1, 14))] for _ in range(60)]
+    samplings = [SamplingParams(max_new_tokens=rng.randint(1, 8)) for _ in prompts]
+    requests = [
+        Request(p, s, torch.Generator().manual_seed(i))
+        for i, (p, s) in enumerate(zip(prompts, samplings, strict=True))
+    ]
+    batch, queue, widths = RunningBatch(model, 0, BatchStats()), list(requests), []
+    while queue or batch.rows:
+        room = 3 - len(batch.rows)
+        batch.step(queue[:room], [], 0, 0)
+        queue = queue[room:]
+        widths.append(batch.cache.max_len if batch.cache else 0)
+    # A row's context spans at most 14 + 8 columns and the cache grows only to twice the columns in
+    # use (plus the next one): it is shifted left as rows leave, not grown forever.
+    assert len(widths) > 60 and max(widths) <= 2 * (14 + 8 + 1)
+    for i, r in enumerate(requests):
+        _assert_same(r.span(), _alone(model, prompts[i], samplings[i], i))
 
 
 def test_pause_holds_between_steps_and_resume_continues_under_the_new_version():
