@@ -23,6 +23,6 @@ def missing_openai() -> str | None:
         return None
     return (
         "agent.kind = 'blackbox' runs the shipped calc agent, an openai-SDK program, but the 'openai' "
-        f"package is not installed for {sys.executable}: install it (uv pip install openai) "
+        f"package is not installed for {sys.executable}: install it (pip install 'loong-train[blackbox]') "
         "or set agent.command to your own agent program"
     )
