@@ -3,16 +3,17 @@
 Unit: the HF -> megatron shard conversion round-trips through ``megatron_to_hf`` (TP 1/2,
 pipeline stages, tied and untied embeddings, a vocabulary that needs padding).
 
-Integration: TP=1, TP=2 (untied embeddings, padded vocabulary) and PP=2 (tied embeddings split
-over stages; decoupled PPO with TIS and a KL reference) load a random-init tiny Qwen3 and must
-match the torch backend in fp32, each within a relative difference of 1e-5: token logprobs, the
-loss, gradient norm and (clipped) gradients of one optimizer step, the logprobs and loss after
-it; the exported HF weights equal the checkpoint exactly, and the updated weights agree to a
-tenth of the learning rate (see the test for why not tighter). Two worker processes (gloo, one
-torch thread each; this file is the worker script) run all three, importing megatron-core once.
+Integration: TP=1 (one micro-batch), TP=2 (untied embeddings, padded vocabulary, 2 micro-batches),
+PP=2 (tied embeddings split over stages; decoupled PPO with TIS and a KL reference; 3
+micro-batches through 1F1B) and DP=2 load a random-init tiny Qwen3 and must match the torch
+backend in fp32, each within a relative difference of 1e-5: token logprobs, the loss, gradient
+norm and (clipped) gradients of one optimizer step, the logprobs and loss after it; the exported
+HF weights equal the checkpoint exactly, and the updated weights agree to a tenth of the
+learning rate (see the test for why not tighter). Two worker processes (gloo, one torch thread
+each; this file is the worker script) run them all, importing megatron-core once.
 
-Measured (CPU fp32): logprobs 1.2e-7 (TP=1, PP=2) / 2.6e-7 (TP=2); loss 0 / 4.5e-7; gradients
-<= 2.3e-6; logprobs and loss after the step <= 1.8e-6 and 2.8e-6; max |w - w_torch| after it <= 4.9e-5 (lr 2e-3).
+Measured (CPU fp32): logprobs <= 2.6e-7; loss <= 7.7e-7; gradients <= 2.3e-6; logprobs and loss
+after the step <= 1.9e-6 and 4.5e-6; max |w - w_torch| after it <= 5.2e-5 (lr 2e-3).
 """
 
 from __future__ import annotations
@@ -113,11 +114,17 @@ def test_hf_to_megatron_round_trips_through_megatron_to_hf(tp, pp, tied):
 
 # -- integration: megatron processes vs the torch backend ------------------------------------
 
-CONFIGS = {  # name: (tp, pp, tied embeddings, loss); the two-rank ones first (see _worker)
-    "tp2": (2, 1, False, "default"),
-    "pp2": (1, 2, True, "decoupled+kl"),
-    "tp1": (1, 1, True, "default"),
+CONFIGS = {  # name: (tp, pp, dp, tied embeddings, loss, micro-batch rows); two-rank ones first
+    "tp2": (2, 1, 1, False, "default", 2),  # 3 rows -> 2 micro-batches, the second padded
+    "pp2": (1, 2, 1, True, "decoupled+kl", 1),  # 3 micro-batches through the 1F1B schedule
+    "dp2": (1, 1, 2, False, "default", 1),  # rows 0-1 on rank 0, row 2 and a pad row on rank 1
+    "tp1": (1, 1, 1, True, "default", 0),  # the whole batch as one micro-batch
 }
+
+
+def _world(name: str) -> int:
+    tp, pp, dp, *_ = CONFIGS[name]
+    return tp * pp * dp
 
 
 def _torch_reference(model: Qwen3ForCausalLM, loss: str) -> dict:
@@ -145,9 +152,9 @@ def _free_port() -> int:
 def _launch(root: Path, names: list[str], device: str) -> dict:
     """Run ``names`` (two-rank configurations first) in worker processes; their results."""
     for name in names:
-        _model(CONFIGS[name][2]).save_pretrained(root / name)
+        _model(CONFIGS[name][3]).save_pretrained(root / name)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    world, port = max(CONFIGS[n][0] * CONFIGS[n][1] for n in names), _free_port()
+    world, port = max(_world(n) for n in names), _free_port()
     procs = [
         subprocess.Popen(
             [sys.executable, __file__, json.dumps([rank, world, port, str(root), names, device])],
@@ -186,7 +193,7 @@ def test_megatron_matches_torch_backend(name, megatron_runs):
 def test_megatron_on_gpu_matches_torch_backend_on_cpu(tmp_path):
     """The same comparison with megatron-core on CUDA (NCCL, compatibility layer inactive):
     every configuration the visible GPUs allow, against the CPU torch backend."""
-    names = [n for n, (tp, pp, *_) in CONFIGS.items() if tp * pp <= torch.cuda.device_count()]
+    names = [n for n in CONFIGS if _world(n) <= torch.cuda.device_count()]
     for name, meg in _launch(tmp_path, names, "cuda").items():
         _check(name, meg, tmp_path)
 
@@ -194,7 +201,7 @@ def test_megatron_on_gpu_matches_torch_backend_on_cpu(tmp_path):
 def _check(name: str, meg: dict, root: Path) -> None:
     model = Qwen3ForCausalLM.from_pretrained(root / name)
     initial = {k: v.clone() for k, v in model.hf_state_dict().items()}
-    ref = _torch_reference(model, CONFIGS[name][3])
+    ref = _torch_reference(model, CONFIGS[name][4])
 
     assert meg["initial"].keys() == initial.keys()
     assert all(torch.equal(meg["initial"][k], v) for k, v in initial.items())  # export is exact
@@ -273,11 +280,13 @@ def _cloned(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in weights.items()}  # named_weights() may alias the parameters
 
 
-def _one_run(rank: int, tp: int, pp: int, loss: str, out: Path) -> None:
+def _one_run(rank: int, tp: int, pp: int, loss: str, rows: int, out: Path) -> None:
     from loong_train.backends.megatron_backend import MegatronBackend, init_model_parallel
 
     init_model_parallel(tp, pp, seed=0)
-    backend = MegatronBackend.from_pretrained(out, lr=LR, loss=LossConfig(**LOSSES[loss]), temperature=0.9)
+    backend = MegatronBackend.from_pretrained(
+        out, lr=LR, loss=LossConfig(**LOSSES[loss]), temperature=0.9, micro_batch_rows=rows
+    )
     batch = _batch()
     result = {"initial": _cloned(backend.named_weights()), "before": backend.logprobs(batch)}
     result["metrics"] = backend.train_step(batch)
@@ -305,18 +314,18 @@ def _worker(rank: int, world: int, port: int, root: str, names: list[str], devic
     if device == "cuda":
         torch.cuda.set_device(rank)
     for name in names:
-        tp, pp, _, loss = CONFIGS[name]
-        if tp * pp != world:
+        tp, pp, _, _, loss, rows = CONFIGS[name]
+        if _world(name) != world:
             dist.destroy_process_group()
-            if rank >= tp * pp:
+            if rank >= _world(name):
                 return
-            world, port = tp * pp, _free_port()
+            world, port = _world(name), _free_port()
         if not dist.is_initialized():
             backend = "nccl" if device == "cuda" else "gloo"
             dist.init_process_group(
                 backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
             )
-        _one_run(rank, tp, pp, loss, Path(root) / name)
+        _one_run(rank, tp, pp, loss, rows, Path(root) / name)
         parallel_state.destroy_model_parallel()
     dist.destroy_process_group()
 

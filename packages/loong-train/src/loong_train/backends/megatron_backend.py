@@ -20,13 +20,19 @@ by the sampling temperature, masks the padded vocabulary columns with -inf, and 
 ``log p(ids[j] | ids[<j]) = -vocab_parallel_cross_entropy(logits[j - 1], ids[j])``; column 0
 is 0, as in the torch backend. Rows are right-padded and attention is causal, so no padding mask.
 
-Parallelism. One micro-batch per step (the whole batch), so the loss is exactly the torch
-backend's; megatron-core's schedule (``get_forward_backward_func``) runs it, 1F1B across
-pipeline stages. With tied embeddings and PP > 1 the embedding and output-layer gradients are
-summed over the embedding group before clipping, and the q/k norm gradients over TP, as
-megatron-core's ``finalize_model_grads`` does.
-The gradient norm counts each parameter once (no TP duplicates, no shared embedding copy) and is
-summed over the model-parallel group. Data parallelism (world > tp * pp) is not supported yet.
+Parallelism. megatron-core's schedule (``get_forward_backward_func``) runs the step, 1F1B
+across pipeline stages. By default the whole batch is one micro-batch and the loss is computed
+and differentiated on the last stage. With ``micro_batch_rows = m`` the rows are split into
+micro-batches of m (the last padded with empty rows) and the whole-batch loss is linearised: a
+no-grad forward gives the logprobs l and g = dL/dl, and micro-batch k back-propagates g_k . l_k,
+so the gradient is exactly the whole batch's for every loss option. With tied embeddings and
+PP > 1 the embedding and output-layer gradients are summed over the embedding group before
+clipping, and the q/k norm gradients over TP, as megatron-core's ``finalize_model_grads`` does.
+Data parallelism (world = dp * tp * pp): each data-parallel rank takes an equal share of the
+micro-batches, the logprobs of the no-grad forward are all-gathered so every rank computes the
+whole-batch L and g, and the gradients are summed over the data-parallel group. The gradient
+norm counts each parameter once (no TP duplicates, no shared embedding copy) and is summed over
+the model-parallel group.
 
 megatron-core is imported lazily in this module only; on a CPU host every call into it runs
 inside :func:`~loong_train.backends.megatron_cpu.cpu_compat` (a no-op with CUDA).
@@ -34,6 +40,7 @@ inside :func:`~loong_train.backends.megatron_cpu.cpu_compat` (a no-op with CUDA)
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from collections.abc import Mapping
@@ -57,13 +64,13 @@ __all__ = ["MegatronBackend", "init_model_parallel"]
 
 
 def init_model_parallel(tp: int, pp: int, seed: int = 0) -> None:
-    """megatron-core's parallel state over the initialised world (which must be ``tp * pp``)
-    and its model-parallel RNG streams."""
+    """megatron-core's parallel state over the initialised world (``world / (tp * pp)``-way data
+    parallel) and its model-parallel RNG streams."""
     from megatron.core import parallel_state, tensor_parallel
 
     world = dist.get_world_size()
-    if world != tp * pp:
-        raise ValueError(f"world size {world} != tp * pp = {tp * pp} (data parallelism is not supported yet)")
+    if world % (tp * pp):
+        raise ValueError(f"world size {world} is not a multiple of tp * pp = {tp * pp}")
     parallel_state.initialize_model_parallel(tp, pp, create_gloo_process_groups=False)
     with cpu_compat():
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
@@ -121,6 +128,7 @@ class MegatronBackend:
         grad_clip: float = 1.0,
         loss: LossConfig | None = None,
         temperature: float = 1.0,
+        micro_batch_rows: int = 0,
     ) -> None:
         from megatron.core import parallel_state as ps
 
@@ -129,6 +137,7 @@ class MegatronBackend:
         self.tp = ps.get_tensor_model_parallel_world_size()
         self.pp = ps.get_pipeline_model_parallel_world_size()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
+        self.dp, self.dp_rank = ps.get_data_parallel_world_size(), ps.get_data_parallel_rank()
         self.layout = MegatronLayout.from_hf_config(dict(hf_config), tp=self.tp)
         self.padded_vocab = math.ceil(self.cfg.vocab_size / self.tp) * self.tp
         self.layers_per_stage = self.cfg.num_hidden_layers // self.pp
@@ -147,6 +156,7 @@ class MegatronBackend:
             self.opt, lambda s: min(1.0, (s + 1) / max(1, warmup_steps))
         )
         self.grad_clip, self.temperature = grad_clip, temperature
+        self.micro_batch_rows = micro_batch_rows  # 0: the whole batch is one micro-batch
         self.loss_cfg = loss or LossConfig()
         self.reference = (
             self._build(hf_weights).eval().requires_grad_(False) if self.loss_cfg.kl_coef > 0 else None
@@ -213,39 +223,57 @@ class MegatronBackend:
         nll = vocab_parallel_cross_entropy(logits, ids.roll(-1, dims=1))
         return F.pad(-nll[:, :-1], (1, 0))
 
-    def _run(self, model, ids: torch.Tensor, loss_func, forward_only: bool) -> list:
-        """One micro-batch through megatron-core's schedule; ``loss_func(logits)`` runs on the
-        last stage and returns (loss, info). Returns [info] on the last stage, [] elsewhere."""
+    def _run(self, model, chunks: list[torch.Tensor], loss_func, forward_only: bool) -> list:
+        """Micro-batches ``chunks`` (equal shapes) through megatron-core's schedule;
+        ``loss_func(k, logits)`` runs on the last stage for micro-batch k and returns
+        (loss, info). Returns the infos in order on the last stage, [] elsewhere."""
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        rows, seq = ids.shape
-        positions = torch.arange(seq, device=ids.device).expand_as(ids)
-        causal = torch.ones(seq, seq, dtype=torch.bool, device=ids.device).triu(1)[
+        rows, seq = chunks[0].shape
+        positions = torch.arange(seq, device=self.device).expand(rows, seq)
+        causal = torch.ones(seq, seq, dtype=torch.bool, device=self.device).triu(1)[
             None, None
         ]  # True = masked
 
-        def forward_step(_data, m):
-            return m(ids, positions, causal), loss_func
+        def forward_step(data, m):
+            k, ids = next(data)
+            return m(ids, positions, causal), functools.partial(loss_func, k)
 
         with cpu_compat():
             return get_forward_backward_func()(
                 forward_step_func=forward_step,
-                data_iterator=iter([None]),
+                data_iterator=iter(enumerate(chunks)),
                 model=[model],
-                num_microbatches=1,
+                num_microbatches=len(chunks),
                 seq_length=seq,
                 micro_batch_size=rows,
                 forward_only=forward_only,
             )
 
+    def _split(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Rows -> this data-parallel rank's micro-batches: the rows are padded with empty rows so
+        that every rank gets the same number of ``micro_batch_rows``-row micro-batches."""
+        rows = x.shape[0]
+        size = self.micro_batch_rows or math.ceil(rows / self.dp)
+        per_rank = math.ceil(rows / (self.dp * size)) * size
+        x = F.pad(x, (0, 0, 0, per_rank * self.dp - rows))
+        return list(x[self.dp_rank * per_rank : (self.dp_rank + 1) * per_rank].split(size))
+
     @torch.no_grad()
     def _forward_logprobs(self, model, ids: torch.Tensor) -> torch.Tensor:
-        def collect(logits):
-            lp = self._token_logprobs(logits, ids)
+        chunks = self._split(ids)
+
+        def collect(k, logits):
+            lp = self._token_logprobs(logits, chunks[k])
             return lp.new_zeros(()), {"logprobs": lp}
 
-        out = self._run(model, ids, collect, forward_only=True)
-        return self._from_last_stage(out[0]["logprobs"] if out else None)
+        out = self._run(model, chunks, collect, forward_only=True)
+        lp = self._from_last_stage(torch.cat([o["logprobs"] for o in out]) if out else None)
+        if self.dp > 1:
+            parts = [torch.empty_like(lp) for _ in range(self.dp)]
+            dist.all_gather(parts, lp, group=self.ps.get_data_parallel_group())
+            lp = torch.cat(parts)
+        return lp[: ids.shape[0]]
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """[rows, max_len] logprobs of the batch's tokens under the current weights (column 0 is 0)."""
@@ -257,35 +285,71 @@ class MegatronBackend:
         """One optimizer step on ``batch``; returns loss and train-inference mismatch stats."""
         t = _tensors(batch, self.device)
         extra = {}
-        if self.loss_cfg.decoupled:
+        whole = self.dp == 1 and len(self._split(t["ids"])) == 1
+        if self.loss_cfg.decoupled or not whole:
             extra["proximal"] = self._forward_logprobs(self.model, t["ids"])
         if self.reference is not None:
             extra["reference"] = self._forward_logprobs(self.reference, t["ids"])
-
-        def loss_func(logits):
-            lp = self._token_logprobs(logits, t["ids"])
-            loss, stats = policy_loss(lp, t["behaviour"], t["adv"], t["mask"], self.loss_cfg, **extra)
-            stats |= mismatch_stats(
-                lp.detach(), t["behaviour"], t["mask"], t["versions"], batch.policy_version
-            )
-            return loss, {"loss": loss.item(), **stats}
-
         self.opt.zero_grad(set_to_none=True)
-        out = self._run(self.model, t["ids"], loss_func, forward_only=False)
+        if whole:
+            out = self._backward_whole(t, extra, batch.policy_version)
+        else:
+            out = self._backward_linearised(t, extra, batch.policy_version)
         self._finalize_grads()
         grad_norm = self._clip_grads()
         lr = self.opt.param_groups[0]["lr"]
         self.opt.step()
         self.sched.step()
         self.steps += 1
-        stats = self._from_last_stage(out[0] if out else None)
+        stats = self._from_last_stage(out)
         return {"loss": stats.pop("loss"), "grad_norm": grad_norm, "lr": lr, **stats}
 
+    def _backward_whole(self, t: dict, extra: dict, version: int) -> dict | None:
+        """The batch as one micro-batch: the loss is computed and differentiated on the last stage."""
+
+        def loss_func(_k, logits):
+            lp = self._token_logprobs(logits, t["ids"])
+            return self._loss(lp, t, extra, version)
+
+        out = self._run(self.model, [t["ids"]], loss_func, forward_only=False)
+        return out[0] if out else None
+
+    def _backward_linearised(self, t: dict, extra: dict, version: int) -> dict:
+        """Several micro-batches, the gradient still exactly that of the whole-batch loss L.
+
+        L depends on the weights only through the logprobs l, so dL/dtheta = sum_k g_k . dl_k/dtheta
+        with g = dL/dl at the current l (the no-grad forward in ``extra["proximal"]``). Micro-batch
+        k back-propagates the surrogate (g_k . l_k) * K, K of them (the schedule divides by K).
+        This holds for every aggregation, clip, mask and KL option of the loss unchanged."""
+        lp = extra["proximal"].clone().requires_grad_()
+        if not self.loss_cfg.decoupled:
+            extra = {k: v for k, v in extra.items() if k != "proximal"}
+        loss, info = self._loss(lp, t, extra, version)
+        loss.backward()
+        grads = self._split(lp.grad)
+
+        def loss_func(k, logits):
+            surrogate = (self._token_logprobs(logits, ids[k]) * grads[k]).sum() * len(grads)
+            return surrogate, {}
+
+        ids = self._split(t["ids"])
+        self._run(self.model, ids, loss_func, forward_only=False)
+        return info
+
+    def _loss(self, lp: torch.Tensor, t: dict, extra: dict, version: int) -> tuple[torch.Tensor, dict]:
+        loss, stats = policy_loss(lp, t["behaviour"], t["adv"], t["mask"], self.loss_cfg, **extra)
+        stats |= mismatch_stats(lp.detach(), t["behaviour"], t["mask"], t["versions"], version)
+        return loss, {"loss": loss.item(), **stats}
+
     def _finalize_grads(self) -> None:
-        """The two gradient reductions of megatron-core's ``finalize_model_grads`` that apply
-        here: the per-head q/k norm weights see only this rank's heads, so their gradients are
-        summed over TP; with tied embeddings split over stages, the embedding and output-layer
-        copies are summed over the embedding group so both take the same step."""
+        """The gradient reductions of megatron-core's ``finalize_model_grads`` that apply here:
+        a sum over data-parallel replicas; over TP for the per-head q/k norm weights, which see
+        only this rank's heads; and, with tied embeddings split over stages, over the embedding
+        group, so the embedding and output-layer copies take the same step."""
+        if self.dp > 1:
+            group = self.ps.get_data_parallel_group()
+            for p in self.model.parameters():
+                dist.all_reduce(p.grad, group=group)
         if self.tp > 1:
             group = self.ps.get_tensor_model_parallel_group()
             for name, p in self.model.named_parameters():
