@@ -98,8 +98,9 @@ class RolloutConfig(_Section):
 
 class TrainConfig(_Section):
     """``backend``: ``"torch"`` (one process, CPU or one GPU) or ``"megatron"`` (megatron-core
-    with ``tp``-way tensor and ``pp``-way pipeline parallelism over ``tp * pp`` processes; needs
-    the ``loong-train[megatron]`` extra)."""
+    with ``tp``-way tensor, ``pp``-way pipeline and ``dp``-way data parallelism over
+    ``tp * pp * dp`` processes, batches split into micro-batches of ``micro_batch_rows`` rows,
+    0 = one micro-batch per data-parallel rank; needs the ``loong-train[megatron]`` extra)."""
 
     steps: int = 100
     batch_groups: int = 16
@@ -111,11 +112,23 @@ class TrainConfig(_Section):
     backend: Literal["torch", "megatron"] = "torch"
     tp: int = 1
     pp: int = 1
+    dp: int = 1
+    micro_batch_rows: int = 0
 
     def __post_init__(self) -> None:
-        _at_least(self, steps=1, batch_groups=1, max_staleness=0, warmup_steps=0, tp=1, pp=1)
-        if self.backend == "torch" and self.tp * self.pp > 1:
-            raise ValueError(f"tp = {self.tp} and pp = {self.pp} need backend = 'megatron'")
+        _at_least(
+            self,
+            steps=1,
+            batch_groups=1,
+            max_staleness=0,
+            warmup_steps=0,
+            tp=1,
+            pp=1,
+            dp=1,
+            micro_batch_rows=0,
+        )
+        if self.backend == "torch" and (self.tp * self.pp * self.dp > 1 or self.micro_batch_rows):
+            raise ValueError("tp, pp, dp and micro_batch_rows need backend = 'megatron'")
         if self.backend == "megatron" and not _have_megatron_core():
             raise ValueError(
                 "backend = 'megatron' needs megatron-core, which is not installed "

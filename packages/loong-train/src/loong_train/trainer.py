@@ -35,7 +35,15 @@ class TrainerWorker:
         if t.backend == "megatron":  # megatron-core is imported only here
             from loong_train.backends.megatron_driver import MegatronDriver
 
-            self.backend = MegatronDriver(model_path, tp=t.tp, pp=t.pp, threads=recipe.threads, **options)
+            self.backend = MegatronDriver(
+                model_path,
+                tp=t.tp,
+                pp=t.pp,
+                dp=t.dp,
+                threads=recipe.threads,
+                micro_batch_rows=t.micro_batch_rows,
+                **options,
+            )
         else:
             self.backend = TorchBackend(Qwen3ForCausalLM.from_pretrained(model_path), **options)
         self.sender = open_sender(transport)

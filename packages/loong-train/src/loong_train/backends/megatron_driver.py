@@ -1,4 +1,4 @@
-"""Drive a ``tp * pp``-rank Megatron backend from one process, as the trainer wants it.
+"""Drive a ``tp * pp * dp``-rank Megatron backend from one process, as the trainer wants it.
 
 :class:`~loong_train.backends.megatron_backend.MegatronBackend` is SPMD: every rank makes the
 same calls. :class:`MegatronDriver` makes the calling process rank 0 and spawns ranks
@@ -30,12 +30,19 @@ __all__ = ["MegatronDriver"]
 
 
 class MegatronDriver:
-    """Rank 0 of a ``tp * pp`` Megatron world; ``backend_kwargs`` go to MegatronBackend."""
+    """Rank 0 of a ``tp * pp * dp`` Megatron world; ``backend_kwargs`` go to MegatronBackend."""
 
     def __init__(
-        self, model_path: str | Path, *, tp: int = 1, pp: int = 1, threads: int = 1, **backend_kwargs
+        self,
+        model_path: str | Path,
+        *,
+        tp: int = 1,
+        pp: int = 1,
+        dp: int = 1,
+        threads: int = 1,
+        **backend_kwargs,
     ) -> None:
-        world, port = tp * pp, _free_port()
+        world, port = tp * pp * dp, _free_port()
         ctx = torch.multiprocessing.get_context("spawn")
         args = (world, port, str(model_path), tp, pp, threads, backend_kwargs)
         self._followers = [ctx.Process(target=_follow, args=(r, *args), daemon=True) for r in range(1, world)]
