@@ -156,7 +156,7 @@ class MegatronBackend:
             self.opt, lambda s: min(1.0, (s + 1) / max(1, warmup_steps))
         )
         self.grad_clip, self.temperature = grad_clip, temperature
-        self.micro_batch_rows = micro_batch_rows  # 0: the whole batch is one micro-batch
+        self.micro_batch_rows = micro_batch_rows  # 0: one micro-batch per data-parallel rank
         self.loss_cfg = loss or LossConfig()
         self.reference = (
             self._build(hf_weights).eval().requires_grad_(False) if self.loss_cfg.kl_coef > 0 else None
@@ -231,13 +231,11 @@ class MegatronBackend:
 
         rows, seq = chunks[0].shape
         positions = torch.arange(seq, device=self.device).expand(rows, seq)
-        causal = torch.ones(seq, seq, dtype=torch.bool, device=self.device).triu(1)[
-            None, None
-        ]  # True = masked
+        masked = torch.ones(seq, seq, dtype=torch.bool, device=self.device).triu(1)[None, None]
 
         def forward_step(data, m):
             k, ids = next(data)
-            return m(ids, positions, causal), functools.partial(loss_func, k)
+            return m(ids, positions, masked), functools.partial(loss_func, k)
 
         with cpu_compat():
             return get_forward_backward_func()(
@@ -393,8 +391,8 @@ class MegatronBackend:
         )
 
     def save(self, path: str | Path) -> None:
-        """Rank 0 writes an HF checkpoint (config.json + model.safetensors); every rank writes
-        its optimizer shard ``optimizer.tp{r}.pp{s}.pt``."""
+        """Rank 0 writes an HF checkpoint (config.json + model.safetensors); the ranks of the
+        first data-parallel replica write their optimizer shards ``optimizer.tp{r}.pp{s}.pt``."""
         from safetensors.torch import save_file
 
         path = Path(path)
@@ -406,11 +404,12 @@ class MegatronBackend:
             (path / "config.json").write_text(json.dumps(self.cfg.to_hf(), indent=2))
             save_file(weights, str(path / "model.safetensors"))
         dist.barrier()
-        rank = f"tp{self.tp_rank}.pp{self.ps.get_pipeline_model_parallel_rank()}"
-        torch.save(
-            {"opt": self.opt.state_dict(), "sched": self.sched.state_dict(), "steps": self.steps},
-            path / f"optimizer.{rank}.pt",
-        )
+        if self.dp_rank == 0:  # the replicas hold the same state
+            rank = f"tp{self.tp_rank}.pp{self.ps.get_pipeline_model_parallel_rank()}"
+            torch.save(
+                {"opt": self.opt.state_dict(), "sched": self.sched.state_dict(), "steps": self.steps},
+                path / f"optimizer.{rank}.pt",
+            )
 
     def _from_last_stage(self, value):
         """Broadcast a tensor or picklable value held by the last pipeline stage to all stages."""
