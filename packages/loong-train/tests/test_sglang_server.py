@@ -236,6 +236,8 @@ def test_weight_updates_from_disk_and_tensor(model_dir, tmp_path):
         ("/generate", {"input_ids": [1, 2], "sampling_params": {"bogus": 1}}, "sampling_params.bogus"),
         ("/generate", {"input_ids": [1, 2], "return_logprob": "yes"}, "return_logprob"),
         ("/generate", {"input_ids": [1, 2], "logprob_start_len": 9}, "logprob_start_len"),
+        ("/generate", {"input_ids": [1, 2], "top_logprobs_num": -1}, "top_logprobs_num"),
+        ("/generate", {"input_ids": [1, 2], "top_logprobs_num": "4"}, "top_logprobs_num"),
         ("/generate", {"text": "hi"}, "text"),
         ("/pause_generation", {"mode": "later"}, "mode"),
         (

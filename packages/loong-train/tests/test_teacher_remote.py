@@ -168,7 +168,6 @@ def test_bad_request_is_an_error_naming_the_server(model_dir):
             teacher.score([([1, 2, CFG.vocab_size + 5], [1, 2])])
 
 
-@pytest.mark.xfail(reason="the embedded SGLang server does not serve top_logprobs_num yet", strict=False)
 def test_remote_topk_equals_forward_pass(model_dir):
     samples = _samples(3)
     with _serve(build_app(_engine(model_dir))) as url:

@@ -133,6 +133,27 @@ class EmbeddedEngine:
         finally:
             self._end_work()
 
+    async def score_top(
+        self, input_ids: list[int], k: int
+    ) -> tuple[list[float], list[list[tuple[float, int]]], int]:
+        """Like ``score``, plus the ``k`` most likely tokens ``(logprob, id)`` at each of those
+        positions, most likely first."""
+        await self._start_work()
+        try:
+            picked, top = await asyncio.to_thread(self._score_top, input_ids, k)
+            return picked, top, self._version
+        finally:
+            self._end_work()
+
+    @torch.no_grad()
+    def _score_top(self, input_ids: list[int], k: int) -> tuple[list[float], list[list[tuple[float, int]]]]:
+        ids = torch.tensor([input_ids], dtype=torch.long, device=self.model.lm_head.weight.device)
+        logp = torch.log_softmax(self.model(ids).float(), dim=-1)[0, :-1]
+        picked = logp.gather(-1, ids[0, 1:, None]).squeeze(-1).tolist()
+        values, indices = logp.topk(min(k, logp.shape[-1]), dim=-1)
+        top = [list(zip(v, i, strict=True)) for v, i in zip(values.tolist(), indices.tolist(), strict=True)]
+        return picked, top
+
     @torch.no_grad()
     def score_batch(self, prompts: Sequence[list[int]]) -> list[list[float]]:
         """Log-probabilities of every prompt token after the first, one full forward for all.

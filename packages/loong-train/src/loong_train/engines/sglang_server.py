@@ -4,7 +4,8 @@ The subset Loong uses, with SGLang's field names and shapes (``entrypoints/http_
 ``managers/io_struct.py`` in sgl-project/sglang); requests carry token ids, responses carry
 ``output_ids`` and ``meta_info`` as SGLang does when started with ``--skip-tokenizer-init``:
 
-- ``POST /generate {input_ids, sampling_params, return_logprob, logprob_start_len, rid}``:
+- ``POST /generate {input_ids, sampling_params, return_logprob, logprob_start_len,
+  top_logprobs_num, rid}``:
   ``input_ids`` is one prompt or a batch (list of prompts). ``meta_info``: ``id``,
   ``finish_reason`` (``{"type": "length", "length": n}`` or ``{"type": "stop", "matched": id}``),
   ``prompt_tokens``, ``completion_tokens``, ``cached_tokens``, ``weight_version``,
@@ -12,6 +13,8 @@ The subset Loong uses, with SGLang's field names and shapes (``entrypoints/http_
   ``input_token_logprobs`` as ``[logprob, token_id, None]`` triples. Input entries cover
   ``input_ids[start:]`` (``start = logprob_start_len``, ``-1`` means the last prompt token);
   entry 0 is always ``None`` and entry ``i`` is ``log p(x[start+i] | x[:start+i])`` at T = 1.
+  With ``top_logprobs_num = k`` too, ``input_top_logprobs`` holds, per input entry (``None``
+  first), the ``k`` most likely ``[logprob, token_id, None]`` at that position, most likely first.
   ``max_new_tokens = 0`` is prefill only (how teachers score). Output logprobs are
   ``log_softmax(logits / T)`` of the sampled tokens; a matched stop token is in ``output_ids``.
 - ``/pause_generation {mode}``, ``/continue_generation``, ``/get_weight_version``,
@@ -116,6 +119,9 @@ class SGLangServer:
         rid = field(body, "rid", str, uuid.uuid4().hex) if not batch else uuid.uuid4().hex
         logprob = field(body, "return_logprob", bool, False)
         start = field(body, "logprob_start_len", int, -1)
+        top_k = field(body, "top_logprobs_num", int, 0)
+        if top_k < 0:
+            raise BadRequest("top_logprobs_num", "must be >= 0")
         jobs = []
         for i, (prompt, sp) in enumerate(zip(prompts, raws, strict=True)):
             suffix = f"[{i}]" if batch else ""
@@ -126,17 +132,24 @@ class SGLangServer:
             first = len(prompt) - 1 if start == -1 else start
             if not 0 <= first < len(prompt):
                 raise BadRequest("logprob_start_len", f"must be -1 or in [0, {len(prompt)})")
-            jobs.append((prompt, sampling, max_new, logprob, first, f"{rid}{suffix}"))
+            jobs.append((prompt, sampling, max_new, logprob, first, f"{rid}{suffix}", top_k))
         results = await asyncio.gather(*(self._one(*job) for job in jobs))
         return JSONResponse(results if batch else results[0])
 
-    async def _one(self, prompt, sampling: SamplingParams, max_new: int, logprob: bool, start: int, rid):
+    async def _one(
+        self, prompt, sampling: SamplingParams, max_new: int, logprob: bool, start: int, rid, top_k: int
+    ):
         t0 = time.perf_counter()
         meta: dict[str, Any] = {"id": rid}
         version = self.engine.weight_version
         if logprob:
             scores: list[float] = []
-            if start < len(prompt) - 1:
+            if start < len(prompt) - 1 and top_k:
+                scores, top, version = await self.engine.score_top(prompt, top_k)
+                meta["input_top_logprobs"] = [None] + [
+                    [[lp, t, None] for lp, t in top[j - 1]] for j in range(start + 1, len(prompt))
+                ]
+            elif start < len(prompt) - 1:
                 scores, version = await self.engine.score(prompt)
             meta["input_token_logprobs"] = [[None, prompt[start], None]] + [
                 [scores[j - 1], prompt[j], None] for j in range(start + 1, len(prompt))
