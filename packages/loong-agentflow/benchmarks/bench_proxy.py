@@ -2,7 +2,7 @@
 
 The proxy runs in this process (as in a rollout worker); the agents run in a load-generator
 subprocess (``proxy_loadgen.py``: one keep-alive connection per session, chained multi-turn chat
-calls). Per session count (1, 64, 256) two scenarios run in the same pass:
+calls). Per session count (1, 64, 256, 2048) two scenarios run in the same pass:
 
 - ``back_to_back``: every session calls again as soon as it has its answer: the proxy is
   saturated, so latency = service time x queue length; reported as ``p50/p99_overhead_ms``.
@@ -38,7 +38,7 @@ from loong_core.records import EpisodeStatus, SpanSource, TokenSpan
 
 LOADGEN = Path(__file__).parent / "proxy_loadgen.py"
 THINK_S = 0.2
-CALLS = {1: (300, 10), 64: (12, 5), 256: (5, 3)}  # sessions: (back-to-back calls, paced calls) per session
+CALLS = {1: (300, 10), 64: (12, 5), 256: (5, 3), 2048: (2, 2)}  # sessions: (back-to-back, paced) calls each
 _SPLIT = re.compile(r"(<\|im_start\|>|<\|im_end\|>)")
 _SPECIAL = {"<|im_start|>": 0, "<|im_end|>": 1}
 
@@ -155,7 +155,7 @@ async def _scenario(sessions: int) -> dict:
     }
 
 
-@pytest.mark.parametrize("sessions", [1, 64, 256])
+@pytest.mark.parametrize("sessions", [1, 64, 256, 2048])
 def test_proxy_overhead(benchmark, sessions):
     result: dict = {}
 
