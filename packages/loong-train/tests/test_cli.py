@@ -69,3 +69,38 @@ def test_address_flag_sets_the_ray_address(monkeypatch):
     )
     assert main(["run", "tiny-calc-agent", "--address", "10.0.0.5:6379", "--set", "train.steps=1"]) == 0
     assert seen["r"].ray_address == "10.0.0.5:6379" and seen["r"].train.steps == 1
+
+
+def test_sigterm_runs_the_clean_up(tmp_path):
+    """A run stopped by SIGTERM still leaves through its finally blocks (where the controller shuts
+    Ray down and unlinks TransferMesh's shared memory): checked on a real process."""
+    import signal
+    import subprocess
+    import sys
+    import textwrap
+
+    marker = tmp_path / "cleaned"
+    child = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            textwrap.dedent(
+                f"""
+                import sys, time
+                from loong_train.cli import exit_on_sigterm
+                exit_on_sigterm()
+                try:
+                    print("ready", flush=True)
+                    time.sleep(60)
+                finally:
+                    open({str(marker)!r}, "w").write("yes")
+                """
+            ),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert child.stdout.readline().strip() == "ready"
+    child.send_signal(signal.SIGTERM)
+    assert child.wait(timeout=30) == 143
+    assert marker.read_text() == "yes"

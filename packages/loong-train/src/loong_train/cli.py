@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import signal
 import sys
 from pathlib import Path
 
@@ -48,6 +49,16 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def exit_on_sigterm() -> None:
+    """Turn SIGTERM (``kill``, a scheduler's timeout) into ``SystemExit(143)``, so the run's clean-up
+    still happens: Ray actors are shut down and TransferMesh's shared memory is unlinked."""
+
+    def handler(signum: int, frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve-sglang"]:
@@ -78,6 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from loong_train.controller import run
 
+    exit_on_sigterm()
     out = run(recipe, args.out or Path("runs") / recipe.name, args.cache)
     print(f"run directory: {out}")
     return 0
