@@ -1,1 +1,1 @@
-"""Train backends: ``torch`` (CPU / one GPU)."""
+"""Train backends: ``torch`` (CPU or one GPU) and ``megatron`` (megatron-core, TP/PP/DP; extra ``[megatron]``)."""
