@@ -18,14 +18,21 @@ Lifecycle::
 
 from __future__ import annotations
 
-import datetime
 from collections.abc import Mapping
 
 import msgspec
 import torch
 
 from loong_core.records import WeightManifest
-from loong_transfermesh.manifest import bucket_starts, build_manifest, check_against, pack_tensor
+from loong_transfermesh.manifest import (
+    bucket_starts,
+    build_manifest,
+    check_against,
+    install,
+    pack_tensor,
+    rendezvous_store,
+    tensor_views,
+)
 
 __all__ = ["CudaIpcReceiver", "CudaIpcSender"]
 
@@ -35,20 +42,6 @@ class _Shared(msgspec.Struct, frozen=True):
 
     manifest: WeightManifest
     handle: list  # torch.UntypedStorage._share_cuda_() fields: ints, bytes and a bool
-
-
-def _store(address: str, world: int, is_master: bool, timeout_s: float):
-    from torch.distributed import TCPStore
-
-    host, _, port = address.rpartition(":")
-    return TCPStore(
-        host,
-        int(port),
-        world,
-        is_master,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-    )
 
 
 class CudaIpcSender:
@@ -61,7 +54,7 @@ class CudaIpcSender:
         timeout_s: float = 300.0,
     ) -> None:
         self.device, self.bucket_bytes = torch.device("cuda", device), bucket_bytes
-        self._store = _store(address, receivers + 1, True, timeout_s)
+        self._store = rendezvous_store(address, receivers + 1, True, timeout_s)
         self._buffers: dict[int, torch.Tensor] = {}
 
     @torch.no_grad()
@@ -89,7 +82,7 @@ class CudaIpcSender:
 class CudaIpcReceiver:
     def __init__(self, address: str, mode: str = "copy", timeout_s: float = 300.0) -> None:
         self.mode, self.version = mode, -1
-        self._store = _store(address, 1, False, timeout_s)
+        self._store = rendezvous_store(address, 1, False, timeout_s)
         self._opened: dict[bytes, torch.Tensor] = {}  # buffer handle -> flat view of it
 
     @torch.no_grad()
@@ -97,15 +90,7 @@ class CudaIpcReceiver:
         version = int(self._store.get("loong-tm/latest")) if version is None else version
         shared = msgspec.msgpack.decode(self._store.get(f"loong-tm/ipc/{version}"), type=_Shared)
         check_against(shared.manifest, targets)
-        flat = self._open(shared.handle)
-        starts = bucket_starts(shared.manifest)
-        for e in shared.manifest.tensors:
-            begin = starts[e.bucket] + e.offset
-            view = flat[begin : begin + e.nbytes].view(targets[e.name].dtype).view(e.shape)
-            if self.mode == "copy":
-                targets[e.name].copy_(view)
-            else:
-                targets[e.name].data = view
+        install(targets, tensor_views(self._open(shared.handle), shared.manifest), self.mode)
         self.version = version
         return version
 

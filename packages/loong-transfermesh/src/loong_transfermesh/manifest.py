@@ -26,8 +26,11 @@ __all__ = [
     "build_manifest",
     "check_against",
     "dtype_name",
+    "install",
     "pack_tensor",
+    "rendezvous_store",
     "sum64",
+    "tensor_views",
     "torch_dtype",
 ]
 
@@ -117,3 +120,34 @@ def pack_tensor(flat: torch.Tensor, begin: int, nbytes: int, tensor: torch.Tenso
         if checksum:
             total += sum64(flat[begin + lo : begin + (hi if hi < nbytes else extent)])
     return total % (1 << 64)
+
+
+def tensor_views(flat: torch.Tensor, manifest: WeightManifest, base: int = 0) -> dict[str, torch.Tensor]:
+    """Each tensor of ``manifest`` as a view of the packed bytes ``flat`` (buckets from ``base``)."""
+    starts = bucket_starts(manifest)
+    out = {}
+    for e in manifest.tensors:
+        begin = base + starts[e.bucket] + e.offset
+        out[e.name] = flat[begin : begin + e.nbytes].view(torch_dtype(e.dtype)).view(e.shape)
+    return out
+
+
+def install(targets: Mapping[str, torch.Tensor], views: Mapping[str, torch.Tensor], mode: str) -> None:
+    """Expose a verified update: ``copy`` it into the targets, or (``zero_copy``) make the targets
+    views of it by swapping their ``.data``."""
+    for name, view in views.items():
+        if mode == "copy":
+            targets[name].copy_(view)
+        else:
+            targets[name].data = view
+
+
+def rendezvous_store(address: str, world: int, is_master: bool, timeout_s: float):
+    """A ``torch.distributed.TCPStore`` at ``host:port`` (the GPU transports' side channel)."""
+    import datetime
+
+    from torch.distributed import TCPStore
+
+    host, _, port = address.rpartition(":")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    return TCPStore(host, int(port), world, is_master, timeout=timeout, wait_for_workers=False)

@@ -21,30 +21,23 @@ Lifecycle::
 
 from __future__ import annotations
 
-import datetime
 import json
 from collections.abc import Mapping
 
 import torch
 
 from loong_core.records import WeightManifest, decode, encode
-from loong_transfermesh.manifest import bucket_starts, build_manifest, check_against, pack_tensor
+from loong_transfermesh.manifest import (
+    bucket_starts,
+    build_manifest,
+    check_against,
+    install,
+    pack_tensor,
+    rendezvous_store,
+    tensor_views,
+)
 
 __all__ = ["NcclReceiver", "NcclSender"]
-
-
-def _store(address: str, world: int, is_master: bool, timeout_s: float):
-    from torch.distributed import TCPStore
-
-    host, _, port = address.rpartition(":")
-    return TCPStore(
-        host,
-        int(port),
-        world,
-        is_master,
-        timeout=datetime.timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-    )
 
 
 def _communicator(store, world: int, rank: int, device: torch.device):
@@ -76,7 +69,7 @@ class NcclSender:
     ) -> None:
         self.device = torch.device("cuda", device)
         self.bucket_bytes = bucket_bytes
-        self._store = _store(address, receivers + 1, True, timeout_s)
+        self._store = rendezvous_store(address, receivers + 1, True, timeout_s)
         self._comm = _communicator(self._store, receivers + 1, 0, self.device)
         self._staging = [torch.empty(0, dtype=torch.uint8, device=self.device)] * 2
         self._copy = torch.cuda.Stream(self.device)
@@ -127,7 +120,7 @@ class NcclReceiver:
         timeout_s: float = 300.0,
     ) -> None:
         self.device, self.mode, self.version = torch.device("cuda", device), mode, -1
-        self._store = _store(address, receivers + 1, False, timeout_s)
+        self._store = rendezvous_store(address, receivers + 1, False, timeout_s)
         self._comm = _communicator(self._store, receivers + 1, rank, self.device)
         self._staging = [torch.empty(0, dtype=torch.uint8, device=self.device)] * (
             2 if mode == "zero_copy" else 1
@@ -152,13 +145,7 @@ class NcclReceiver:
         for start, size in zip(starts, manifest.bucket_sizes, strict=True):
             _broadcast(self._comm, staging[start : start + size], self._stream)
         self._stream.synchronize()
-        for e in manifest.tensors:
-            begin = starts[e.bucket] + e.offset
-            view = staging[begin : begin + e.nbytes].view(targets[e.name].dtype).view(e.shape)
-            if self.mode == "copy":
-                targets[e.name].copy_(view)
-            else:
-                targets[e.name].data = view
+        install(targets, tensor_views(staging, manifest), self.mode)
         self._turn = (self._turn + 1) % len(self._staging)
         self.version = version
         return version

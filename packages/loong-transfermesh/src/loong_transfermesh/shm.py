@@ -58,9 +58,10 @@ from loong_transfermesh.manifest import (
     bucket_starts,
     build_manifest,
     check_against,
+    install,
     pack_tensor,
     sum64,
-    torch_dtype,
+    tensor_views,
 )
 
 __all__ = ["ShmReceiver", "ShmSender", "remove_slots"]
@@ -226,14 +227,10 @@ class ShmReceiver:
             if verify and sum64(slot.flat[data + start : data + start + size]) != expected:
                 names = [e.name for e in manifest.tensors if e.bucket == b]
                 raise ManifestMismatch(f"bucket {b} checksum mismatch (tensors {', '.join(names[:4])})")
-        views = _views(slot.flat, data, starts, manifest)
+        views = tensor_views(slot.flat, manifest, data)
         if int(head[_VERSION_F]) != version:
             raise TransferFailed(f"slot of version {version} was reused while reading it")
-        for name, view in views.items():
-            if self.mode == "copy":
-                targets[name].copy_(view)
-            else:
-                targets[name].data = view
+        install(targets, views, self.mode)
         self.version = version
         return version
 
@@ -245,7 +242,7 @@ class ShmReceiver:
             raise TransferFailed(f"version {version} is not in its slot (found {int(head[_VERSION_F])})")
         nbytes = int(head[_MANIFEST_F])
         manifest = decode(slot.flat[_HEADER : _HEADER + nbytes].numpy().tobytes(), WeightManifest)
-        return _views(slot.flat, slot.data, bucket_starts(manifest), manifest)
+        return tensor_views(slot.flat, manifest, slot.data)
 
     def _newest(self) -> int:
         found = []
@@ -280,16 +277,6 @@ class ShmReceiver:
 
     def close(self) -> None:
         self._slots.clear()
-
-
-def _views(
-    flat: torch.Tensor, data: int, starts: list[int], manifest: WeightManifest
-) -> dict[str, torch.Tensor]:
-    out = {}
-    for e in manifest.tensors:
-        begin = data + starts[e.bucket] + e.offset
-        out[e.name] = flat[begin : begin + e.nbytes].view(torch_dtype(e.dtype)).view(e.shape)
-    return out
 
 
 def _wait(ready, head: torch.Tensor, version: int, deadline: float, what: str) -> None:

@@ -43,8 +43,10 @@ from loong_transfermesh.manifest import (
     bucket_starts,
     build_manifest,
     check_against,
+    install,
     pack_tensor,
     sum64,
+    tensor_views,
 )
 
 __all__ = ["TcpReceiver", "TcpSender"]
@@ -258,14 +260,7 @@ class TcpReceiver:
             self._receive(sock, manifest, checked)  # keep the stream in step
             raise
         flat = self._receive(sock, manifest, checked)
-        starts = bucket_starts(manifest)
-        for e in manifest.tensors:
-            begin = starts[e.bucket] + e.offset
-            view = flat[begin : begin + e.nbytes].view(targets[e.name].dtype).view(e.shape)
-            if self.mode == "copy":
-                targets[e.name].copy_(view)
-            else:
-                targets[e.name].data = view
+        install(targets, tensor_views(flat, manifest), self.mode)
         self._turn = (self._turn + 1) % len(self._staging)
         self.version = manifest.version
         return self.version
