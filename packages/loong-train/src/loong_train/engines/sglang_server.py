@@ -404,19 +404,29 @@ def serve(
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``loong-train serve-sglang MODEL_DIR [--host] [--port] [--api-key] [--seed]``."""
+    """``loong-train serve-sglang MODEL_DIR [--host] [--port] [--api-key] [--seed]``.
+
+    ``--model-path MODEL_DIR`` works too (SGLang's spelling), so a supervisor launches this server
+    and ``python -m sglang.launch_server`` with the same standard flags."""
     parser = argparse.ArgumentParser(prog="loong-train serve-sglang", description=__doc__.splitlines()[0])
-    parser.add_argument("model_dir", type=Path, help="Hugging Face directory (config.json + *.safetensors)")
+    parser.add_argument(
+        "model_dir", type=Path, nargs="?", help="Hugging Face directory (config.json + *.safetensors)"
+    )
+    parser.add_argument("--model-path", type=Path, help="the same, as SGLang's launcher spells it")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=30000)
     parser.add_argument("--api-key", default=None, help="require Authorization: Bearer <key>")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
     args = parser.parse_args(argv)
+    if (args.model_dir is None) == (args.model_path is None):
+        parser.error("give the model directory once: MODEL_DIR or --model-path MODEL_DIR")
+    args.model_dir = args.model_dir or args.model_path
     from loong_train.models.qwen3 import Qwen3ForCausalLM
 
     torch.set_num_threads(args.threads)
     engine = EmbeddedEngine(Qwen3ForCausalLM.from_pretrained(args.model_dir), seed=args.seed)
+    print(f"serve-sglang: {args.model_dir} on http://{args.host}:{args.port}", flush=True)
     serve(engine, args.host, args.port, args.api_key, str(args.model_dir))
     return 0
 
