@@ -17,6 +17,7 @@ import msgspec
 from loong_core.config import ConfigError, load_config
 from loong_teacher import LocalTeacherConfig, TeacherManagerConfig
 from loong_train.agents import missing_openai
+from loong_train.engines.sglang_rollout import SGLangRolloutConfig
 from loong_train.tasks import TASKS
 from loong_transfermesh import TransportConfig
 
@@ -77,7 +78,11 @@ class WarmstartConfig(_Section):
 
 
 class RolloutConfig(_Section):
+    """``engine``: ``"embedded"`` (torch, in the worker) or ``"sglang"`` (a supervised server per
+    worker, configured by the ``[sglang]`` table: :mod:`loong_train.engines.sglang_rollout`)."""
+
     workers: int = 1
+    engine: Literal["embedded", "sglang"] = "embedded"
     group_size: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
@@ -100,7 +105,9 @@ class TrainConfig(_Section):
     """``backend``: ``"torch"`` (one process, CPU or one GPU) or ``"megatron"`` (megatron-core
     with ``tp``-way tensor, ``pp``-way pipeline and ``dp``-way data parallelism over
     ``tp * pp * dp`` processes, batches split into micro-batches of ``micro_batch_rows`` rows,
-    0 = one micro-batch per data-parallel rank; needs the ``loong-train[megatron]`` extra)."""
+    0 = one micro-batch per data-parallel rank; needs the ``loong-train[megatron]`` extra).
+    ``gpus``: GPUs Ray reserves for the trainer actor (0: CPU; Megatron on GPU: ``tp * pp * dp``,
+    its ranks use the reserved GPUs in order; a fraction shares one GPU with a rollout worker)."""
 
     steps: int = 100
     batch_groups: int = 16
@@ -114,6 +121,7 @@ class TrainConfig(_Section):
     pp: int = 1
     dp: int = 1
     micro_batch_rows: int = 0
+    gpus: float = 0.0
 
     def __post_init__(self) -> None:
         _at_least(
@@ -129,6 +137,10 @@ class TrainConfig(_Section):
         )
         if self.backend == "torch" and (self.tp * self.pp * self.dp > 1 or self.micro_batch_rows):
             raise ValueError("tp, pp, dp and micro_batch_rows need backend = 'megatron'")
+        if self.backend == "torch" and self.gpus:
+            raise ValueError("gpus needs backend = 'megatron' (the torch backend trains on CPU)")
+        if self.gpus < 0 or (self.gpus > 1 and self.gpus % 1):
+            raise ValueError(f"gpus must be a fraction of one GPU or a whole number, got {self.gpus}")
         if self.backend == "megatron" and not _have_megatron_core():
             raise ValueError(
                 "backend = 'megatron' needs megatron-core, which is not installed "
@@ -311,6 +323,7 @@ class Recipe(_Section):
     eval: EvalConfig = EvalConfig()
     opd: OPDConfig = OPDConfig()
     agent: AgentConfig = AgentConfig()
+    sglang: SGLangRolloutConfig = SGLangRolloutConfig()
     transport: TransportConfig = TransportConfig()
     ray_address: str = ""
 

@@ -45,7 +45,7 @@ def run(recipe: Recipe, out: Path, cache: Path) -> Path:
     run_dir = RunDir(out, recipe)
     started_ray = not ray.is_initialized()
     transport = msgspec.structs.replace(recipe.transport, name=run_dir.name)
-    pipe = _start(recipe, model_path, transport)
+    pipe = _start(recipe, model_path, transport, run_dir.path / "logs")
     try:
         run_dir.begin(pipe)
         bar = tqdm(total=recipe.train.steps, desc=recipe.name, unit="step")
@@ -74,7 +74,7 @@ def run(recipe: Recipe, out: Path, cache: Path) -> Path:
     return run_dir.path
 
 
-def _start(recipe: Recipe, model_path: str, transport: TransportConfig) -> Pipeline:
+def _start(recipe: Recipe, model_path: str, transport: TransportConfig, log_dir: Path) -> Pipeline:
     if not ray.is_initialized():
         ray.init(
             address=recipe.ray_address or None,
@@ -90,8 +90,10 @@ def _start(recipe: Recipe, model_path: str, transport: TransportConfig) -> Pipel
         "max_model_tokens": r.max_model_tokens,
         "timeout_s": r.episode_timeout_s,
     }
+    sglang = recipe.sglang if r.engine == "sglang" else None  # each worker runs a server, on its GPUs
+    gpus = sglang.gpus if sglang else 0
     workers = [
-        ray.remote(num_cpus=1)(RolloutWorker).remote(
+        ray.remote(num_cpus=1, num_gpus=gpus)(RolloutWorker).remote(
             model_path,
             seed=recipe.seed * 1000 + i,
             sampling=sampling,
@@ -100,10 +102,13 @@ def _start(recipe: Recipe, model_path: str, transport: TransportConfig) -> Pipel
             threads=recipe.threads,
             worker_id=i,
             agent=recipe.agent,
+            sglang=sglang,
+            log_dir=str(log_dir),
         )
         for i in range(r.workers)
     ]
-    trainer = ray.remote(num_cpus=1)(TrainerWorker).remote(model_path, recipe, transport)
+    trainer_actor = ray.remote(num_cpus=1, num_gpus=recipe.train.gpus)(TrainerWorker)
+    trainer = trainer_actor.remote(model_path, recipe, transport)
     held_out = tasks.eval_tasks(recipe.task, recipe.eval.num_tasks)
     source = GroupSource(
         tasks.train_tasks(recipe.task, recipe.seed + 2, held_out), r.group_size

@@ -29,6 +29,7 @@ from loong_core.records import SpanSource, TokenSpan, Trajectory, WeightManifest
 from loong_train.agents import calc_agent_argv, missing_openai
 from loong_train.config import AgentConfig
 from loong_train.engines.embedded import EmbeddedEngine
+from loong_train.engines.sglang_rollout import SGLangRollout, SGLangRolloutConfig
 from loong_train.models.qwen3 import Qwen3ForCausalLM
 from loong_train.tasks import calc
 from loong_train.tokenizer import load_tokenizer
@@ -119,13 +120,19 @@ class RolloutWorker:
         threads: int = 1,
         worker_id: int = 0,
         agent: AgentConfig | None = None,
+        sglang: SGLangRolloutConfig | None = None,
+        log_dir: str = "",
     ) -> None:
         torch.set_num_threads(threads)
         self.worker_id, self._model_path = worker_id, model_path
         tokenizer = load_tokenizer(model_path)
         self.codec = HFCodec(tokenizer)
-        self.engine = EmbeddedEngine(
-            Qwen3ForCausalLM.from_pretrained(model_path), seed=seed, pad_id=tokenizer.pad_token_id
+        self.engine = (  # with ``sglang``: a supervised server of its own, logging into ``log_dir``
+            SGLangRollout(model_path, sglang, worker_id=worker_id, log_dir=log_dir, seed=seed)
+            if sglang is not None
+            else EmbeddedEngine(
+                Qwen3ForCausalLM.from_pretrained(model_path), seed=seed, pad_id=tokenizer.pad_token_id
+            )
         )
         end = tokenizer.convert_tokens_to_ids("<|im_end|>")
         self.sampling = SamplingParams(**sampling, stop_token_ids=[end])
@@ -174,9 +181,12 @@ class RolloutWorker:
         }
 
     def close(self) -> None:
-        """Stop the black-box proxy (a Ray actor's process just ends; in process, call this)."""
+        """Stop the black-box proxy and the SGLang server (a Ray actor's process just ends, and its
+        server with it; in process, call this)."""
         if self.blackbox is not None:
             self.blackbox.close()
+        if isinstance(self.engine, SGLangRollout):
+            self.engine.close()
 
     def model_path(self) -> str:
         return self._model_path

@@ -1,0 +1,137 @@
+"""``[rollout] engine = "sglang"``: a RolloutWorker (in process) runs white-box episodes against its
+own supervised server (launcher ``loong``: ``loong-train serve-sglang`` on CPU), receives weights
+through TransferMesh and pushes them into the server over a gloo group, and pushes them again
+after the server was killed and relaunched.
+
+References: the torch trainer's recomputed logprobs for the server's tokens (an independent
+forward pass, the first-step check of ``test_first_step.py``), and the trainer's own weights for
+what the server holds (``/get_weights_by_name``).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import time
+
+import httpx
+import pytest
+import torch
+
+from loong_train.algorithms import grpo_advantages, pack_batch
+from loong_train.engines.sglang_rollout import SGLangRolloutConfig
+from loong_train.pipeline import GroupSource
+from loong_train.rollout import RolloutWorker
+from loong_train.tasks import calc
+from loong_train.trainer import TrainerWorker
+from loong_transfermesh import TransportConfig
+
+PROBE = "model.layers.0.mlp.up_proj.weight"
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _served(url: str, name: str) -> torch.Tensor:
+    body = {"name": name, "truncate_size": 10**9}
+    return torch.tensor(httpx.post(f"{url}/get_weights_by_name", json=body).json())
+
+
+def _version(url: str) -> str:
+    return httpx.get(f"{url}/get_weight_version").json()["weight_version"]
+
+
+def _rollout(worker: RolloutWorker, seed: int, groups: int = 1):
+    source = GroupSource(calc.train_tasks(seed, []), group_size=4)
+    specs = [s for _ in range(groups) for s in source.specs(source.next_group())]
+    return worker.rollout(specs)["trajectories"]
+
+
+@pytest.mark.integration
+def test_worker_generates_takes_weights_and_survives_a_server_restart(tiny_dir, recipe, tmp_path):
+    transport = TransportConfig(name=f"sglang-rollout-{os.getpid()}")
+    config = SGLangRolloutConfig(launcher="loong", port_base=_port(), health_interval_s=0.3)
+    worker = RolloutWorker(
+        str(tiny_dir),
+        seed=0,
+        sampling={"temperature": 1.0, "max_new_tokens": 24},
+        limits={"max_turns": 2, "max_model_tokens": 40},
+        transport=transport,
+        sglang=config,
+        log_dir=str(tmp_path / "logs"),
+    )
+    trainer = TrainerWorker(str(tiny_dir), recipe, transport)
+    url, supervisor = worker.engine.supervisor.url, worker.engine.supervisor
+    try:
+        trajs = _rollout(worker, seed=0, groups=2)
+        assert {t.oldest_version for t in trajs} == {0}
+        batch = pack_batch(trajs, grpo_advantages(trajs), policy_version=0)
+        recomputed = trainer.logprobs(batch)
+        gaps = [
+            abs(a - b)
+            for a, b, m in zip(recomputed, batch.behaviour_logprobs, batch.loss_mask, strict=True)
+            if m
+        ]
+        assert len(gaps) > 50 and max(gaps) <= 1e-5
+
+        _, manifest = trainer.publish(trainer.train_step(batch))
+        worker.apply_weights(manifest)
+        sent = trainer.backend.named_weights()
+        assert _version(url) == "1" and worker.weight_version() == 1
+        assert torch.equal(_served(url, PROBE), sent[PROBE])
+        assert {t.oldest_version for t in _rollout(worker, seed=1)} == {1}
+
+        os.kill(supervisor.pid, signal.SIGKILL)  # the relaunched server loads the checkpoint ...
+        deadline = time.monotonic() + 20
+        while not (supervisor.restarts and _healthy_at_version(url, "1")):
+            assert time.monotonic() < deadline, "no relaunch at version 1 within 20 s"
+            time.sleep(0.1)
+        assert torch.equal(_served(url, PROBE), sent[PROBE])  # ... and gets version 1 pushed again
+        assert {t.oldest_version for t in _rollout(worker, seed=2)} == {1}
+    finally:
+        trainer.close()
+        worker.close()
+    assert supervisor.pid is None
+    log = (tmp_path / "logs" / "sglang-0.log").read_text()
+    assert log.count("serve-sglang:") == 2 and "exited with code -9" in log
+
+
+def _healthy_at_version(url: str, version: str) -> bool:
+    try:
+        return _version(url) == version
+    except httpx.HTTPError:
+        return False
+
+
+@pytest.mark.parametrize(
+    ("table", "problem"),
+    [
+        ({"launcher": "sglang"}, "needs a GPU per tensor-parallel rank"),
+        ({"launcher": "sglang", "gpus": 1, "tp_size": 2}, "needs a GPU per tensor-parallel rank"),
+        ({"gpus": 1.5}, "fraction of one GPU or a whole number"),
+        ({"tp_size": 2}, "need launcher = 'sglang'"),
+        ({"host": "0.0.0.0"}, "set api_key"),
+    ],
+)
+def test_sglang_table_errors_name_the_problem(table, problem):
+    with pytest.raises(ValueError, match=problem):
+        SGLangRolloutConfig(**table)
+
+
+def test_sglang_launcher_flags():
+    config = SGLangRolloutConfig(
+        launcher="sglang", python="/opt/sglang/bin/python", gpus=2, tp_size=2, mem_fraction_static=0.7,
+        port_base=31000, args=["--context-length", "4096"],
+    )  # fmt: skip
+    server = config.server("/ckpt/Qwen3-8B", worker_id=3, log_dir="/runs/x/logs", seed=7)
+    assert server.argv() == [
+        "/opt/sglang/bin/python", "-m", "sglang.launch_server",
+        "--model-path", "/ckpt/Qwen3-8B", "--host", "127.0.0.1", "--port", "31003",
+        "--tp-size", "2", "--random-seed", "7", "--skip-tokenizer-init",
+        "--mem-fraction-static", "0.7", "--context-length", "4096",
+    ]  # fmt: skip
+    assert server.log_path == "/runs/x/logs/sglang-3.log"
