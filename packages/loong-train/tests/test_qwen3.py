@@ -49,6 +49,23 @@ def test_save_and_load_round_trip(tmp_path):
         assert torch.equal(a, b), name
 
 
+def test_loads_a_checkpoint_sharded_by_transformers(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    config = Qwen3Config(vocab_size=50, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+                         num_attention_heads=2, num_key_value_heads=1, head_dim=16, tie_word_embeddings=False)  # fmt: skip
+    model = Qwen3ForCausalLM(config)
+    model.init_weights(seed=2)
+    model.save_pretrained(tmp_path / "one")
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path / "one")
+    hf.save_pretrained(tmp_path / "sharded", max_shard_size="20KB")  # the hub's layout for big models
+    assert len(list((tmp_path / "sharded").glob("model-*.safetensors"))) > 1
+    assert (tmp_path / "sharded" / "model.safetensors.index.json").exists()
+    loaded = Qwen3ForCausalLM.from_pretrained(tmp_path / "sharded")
+    for (name, a), (_, b) in zip(model.state_dict().items(), loaded.state_dict().items(), strict=True):
+        assert torch.equal(a, b), name
+
+
 def test_rejects_non_qwen3_config(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     with pytest.raises(ValueError, match="expected a Qwen3 config"):

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from loong_train.algorithms import grpo_advantages, pack_batch
+from loong_train.config import load_recipe, recipe_names
 from loong_train.engines.sglang_rollout import SGLangRolloutConfig
 from loong_train.pipeline import GroupSource
 from loong_train.rollout import RolloutWorker
@@ -135,3 +136,26 @@ def test_sglang_launcher_flags():
         "--mem-fraction-static", "0.7", "--context-length", "4096",
     ]  # fmt: skip
     assert server.log_path == "/runs/x/logs/sglang-3.log"
+
+
+GPU_TOTALS = {  # GPUs each shipped GPU recipe asks Ray for, as docs/gpu.md states them
+    "qwen3-0.6b-calc-colocated": 1,
+    "qwen3-0.6b-calc-sglang": 2,
+    "qwen3-1.7b-calc-sglang": 4,
+    "qwen3-8b-calc-sglang": 8,
+}
+
+
+def test_every_shipped_recipe_loads_and_gpu_recipes_reserve_what_docs_say():
+    for name in recipe_names():
+        recipe = load_recipe(name)
+        t, s = recipe.train, recipe.sglang
+        if name.startswith("tiny-"):  # the CPU recipes stay on the embedded engine and CPU
+            assert recipe.rollout.engine == "embedded" and t.gpus == 0 and t.backend == "torch"
+            continue
+        assert recipe.rollout.engine == "sglang" and s.launcher == "sglang" and t.backend == "megatron"
+        total = t.gpus + recipe.rollout.workers * s.gpus
+        assert total == GPU_TOTALS[name], name
+        assert t.gpus == t.tp * t.pp * t.dp or (t.gpus < 1 and t.tp * t.pp * t.dp == 1), name
+        assert s.gpus >= s.tp_size or (s.gpus < 1 and s.tp_size == 1), name
+    assert set(GPU_TOTALS) < set(recipe_names())

@@ -346,15 +346,15 @@ def recipe_names() -> list[str]:
 
 
 def load_recipe(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
-    """Load a shipped recipe by name, or a TOML file by path."""
+    """Load a shipped recipe by name (names may hold dots: ``qwen3-0.6b-...``), or a TOML file by path."""
     path = Path(name_or_path)
-    if not path.suffix:
-        if name_or_path not in recipe_names():
-            raise ConfigError(
-                f"unknown recipe {name_or_path!r} (shipped recipes: {', '.join(recipe_names())}; "
-                "or give a path to a .toml file)"
-            )
+    if name_or_path in recipe_names():
         path = Path(str(resources.files("loong_train.recipes") / f"{name_or_path}.toml"))
+    elif path.suffix != ".toml" and not path.exists():
+        raise ConfigError(
+            f"unknown recipe {name_or_path!r} (shipped recipes: {', '.join(recipe_names())}; "
+            "or give a path to a .toml file)"
+        )
     elif not path.exists():
         raise ConfigError(f"recipe file {path} does not exist")
     return load_config(path, Recipe, overrides)

@@ -165,14 +165,14 @@ class MegatronBackend:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, **kwargs) -> MegatronBackend:
-        """From a Hugging Face checkpoint directory (``config.json`` + ``model.safetensors``)."""
+        """From a Hugging Face checkpoint directory (``config.json`` + ``model.safetensors`` or shards)."""
         import json
 
-        from safetensors.torch import load_file
+        from loong_train.models.qwen3 import load_hf_weights
 
         path = Path(path)
         config = json.loads((path / "config.json").read_text())
-        return cls(config, load_file(str(path / "model.safetensors")), **kwargs)
+        return cls(config, load_hf_weights(path), **kwargs)
 
     def _build(self, hf_weights: Mapping[str, torch.Tensor]):
         from megatron.core.models.gpt import GPTModel

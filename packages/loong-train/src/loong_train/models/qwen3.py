@@ -3,7 +3,8 @@
 The same module serves the trainer (full-sequence forward) and the embedded engine
 (prefill + decode against a preallocated KV cache), so rollout and training logprobs come
 from one implementation. Parameter names equal ``transformers``' ``Qwen3ForCausalLM``, so a
-checkpoint directory (``config.json`` + ``model.safetensors``) loads in either; a test checks
+checkpoint directory (``config.json`` + ``model.safetensors``, or shards listed in
+``model.safetensors.index.json`` as the hub ships larger models) loads in either; a test checks
 logits against ``transformers`` as an independent reference.
 
 Architecture (Qwen3): pre-norm decoder; RMSNorm; grouped-query attention with per-head RMSNorm
@@ -21,7 +22,22 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["KVCache", "Qwen3Config", "Qwen3ForCausalLM"]
+__all__ = ["KVCache", "Qwen3Config", "Qwen3ForCausalLM", "load_hf_weights"]
+
+
+def load_hf_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face checkpoint directory: ``model.safetensors``, or the shards
+    that ``model.safetensors.index.json`` lists (Qwen3-1.7B and larger ship sharded)."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if not index.exists():
+        return load_file(str(path / "model.safetensors"))
+    weights: dict[str, torch.Tensor] = {}
+    for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
+        weights.update(load_file(str(path / shard)))
+    return weights
 
 
 @dataclass
@@ -268,12 +284,10 @@ class Qwen3ForCausalLM(nn.Module):
 
     @classmethod
     def from_pretrained(cls, path: str | Path) -> Qwen3ForCausalLM:
-        from safetensors.torch import load_file
-
         path = Path(path)
         cfg = Qwen3Config.from_hf(json.loads((path / "config.json").read_text()))
         model = cls(cfg)
-        missing, unexpected = model.load_state_dict(load_file(str(path / "model.safetensors")), strict=False)
+        missing, unexpected = model.load_state_dict(load_hf_weights(path), strict=False)
         missing = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
         if missing or unexpected:
             raise ValueError(
