@@ -1,0 +1,137 @@
+"""Real SGLang on a GPU, driven the way ``[rollout] engine = "sglang"`` drives it.
+
+The supervisor launches ``python -m sglang.launch_server`` on a tiny random Qwen3 checkpoint;
+``loong_agentflow.SGLangEngine`` generates with logprobs and pauses/continues;
+``loong_transfermesh.SGLangWeightPusher`` pushes new weights over a gloo group (the rollout
+worker's default) and reads the version back; ``stop()`` leaves no process. Reference: the same
+weights in Loong's torch model (float64 log-softmax); SGLang serves in bfloat16, so the logprob
+gap is bounded loosely.
+
+Skips without CUDA, or without an interpreter that has SGLang: ``SGLANG_PYTHON`` (SGLang's own
+environment, as docs/gpu.md recommends), else this one if it imports ``sglang``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import socket
+import sys
+import time
+
+import pytest
+import torch
+
+from loong_agentflow.sglang_client import SGLangClientConfig, SGLangEngine
+from loong_core.protocols import SamplingParams
+from loong_train.engines.sglang_supervisor import SGLangServerConfig, SGLangSupervisor, sglang_launch_command
+from loong_train.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from loong_transfermesh import SGLangPusherConfig, SGLangWeightPusher
+
+
+def _sglang_python() -> str | None:
+    if python := os.environ.get("SGLANG_PYTHON"):
+        return python
+    return sys.executable if importlib.util.find_spec("sglang") is not None else None
+
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.integration,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(_sglang_python() is None, reason="no SGLang: set SGLANG_PYTHON to its interpreter"),
+]
+
+CFG = Qwen3Config(
+    vocab_size=256,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=64,  # a head size every SGLang attention kernel supports
+)
+PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
+ARGS = [
+    "--skip-tokenizer-init",
+    "--dtype",
+    "bfloat16",
+    "--mem-fraction-static",
+    "0.2",
+    "--disable-cuda-graph",
+]
+
+
+def _model(seed: int) -> Qwen3ForCausalLM:
+    model = Qwen3ForCausalLM(CFG)
+    model.init_weights(seed, std=0.3)
+    return model.eval()
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _gap(model: Qwen3ForCausalLM, ids: list[int], logprobs: list[float]) -> float:
+    """Largest |server logprob - float64 reference| over the completion (temperature 1)."""
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT + ids])).double()[0, :-1]
+    ref = torch.log_softmax(logits, -1).gather(-1, torch.tensor(PROMPT + ids)[1:, None]).squeeze(-1)
+    return float((ref[len(PROMPT) - 1 :] - torch.tensor(logprobs, dtype=torch.float64)).abs().max())
+
+
+def test_real_sglang_generates_pauses_and_takes_pushed_weights(tmp_path):
+    first, second = _model(0), _model(1)
+    first.save_pretrained(tmp_path / "model")
+    log = tmp_path / "sglang.log"
+    config = SGLangServerConfig(
+        model_path=str(tmp_path / "model"), command=sglang_launch_command(_sglang_python()),
+        port=_port(), args=ARGS, log_path=str(log), startup_timeout_s=300, health_interval_s=2.0,
+    )  # fmt: skip
+    sup = SGLangSupervisor(config)
+    sup.start()
+    pusher = SGLangWeightPusher(SGLangPusherConfig(urls=[sup.url], master_port=_port(), timeout_s=120))
+    try:
+
+        async def generate():
+            client = SGLangEngine(SGLangClientConfig(url=sup.url))
+            try:
+                client.pause()
+                held = asyncio.create_task(client.generate(PROMPT, SamplingParams(max_new_tokens=8)))
+                await asyncio.sleep(1.0)
+                was_held = not held.done()
+                client.resume()
+                return was_held, await held
+            finally:
+                await client.aclose()
+
+        held, span = asyncio.run(generate())
+        assert held and len(span.token_ids) == 8 and span.weight_version == 0
+        assert _gap(first, span.token_ids, span.logprobs) < 0.1
+
+        pusher.connect()
+        pusher.push(dict(second.named_parameters()), version=1)  # reads "1" back
+        _, after = asyncio.run(generate())
+        assert after.weight_version == 1
+        assert _gap(second, after.token_ids, after.logprobs) < 0.1
+        assert _gap(first, after.token_ids, after.logprobs) > _gap(second, after.token_ids, after.logprobs)
+    finally:
+        pusher.shutdown()
+        pid = sup.pid
+        sup.stop()
+    assert pid is not None and sup.pid is None
+    deadline = time.monotonic() + 10  # exited children may stay zombies until init reaps them
+    while _group_exists(pid):
+        assert time.monotonic() < deadline, "SGLang processes outlived stop()"
+        time.sleep(0.1)
+
+
+def _group_exists(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+    except ProcessLookupError:
+        return False
+    return True
