@@ -1,1 +1,3 @@
-"""Rollout engines: ``embedded`` (in-process torch)."""
+"""Rollout engines: ``embedded`` (in-process torch, also served over SGLang's HTTP API by
+``sglang_server``) and ``sglang`` (a supervised SGLang server per worker: ``sglang_supervisor``,
+``sglang_rollout``)."""
