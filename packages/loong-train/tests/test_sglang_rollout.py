@@ -22,6 +22,7 @@ import torch
 from loong_train.algorithms import grpo_advantages, pack_batch
 from loong_train.config import load_recipe, recipe_names
 from loong_train.engines.sglang_rollout import SGLangRolloutConfig
+from loong_train.engines.sglang_supervisor import SGLangServerError
 from loong_train.pipeline import GroupSource
 from loong_train.rollout import RolloutWorker
 from loong_train.tasks import calc
@@ -99,6 +100,30 @@ def test_worker_generates_takes_weights_and_survives_a_server_restart(tiny_dir, 
     assert supervisor.pid is None
     log = (tmp_path / "logs" / "sglang-0.log").read_text()
     assert log.count("serve-sglang:") == 2 and "exited with code -9" in log
+
+
+@pytest.mark.integration
+def test_a_server_the_supervisor_gave_up_on_fails_the_rollout_call(tiny_dir, tmp_path):
+    config = SGLangRolloutConfig(port_base=_port(), health_interval_s=0.2, max_restarts=0)
+    worker = RolloutWorker(
+        str(tiny_dir),
+        seed=0,
+        sampling={"temperature": 1.0, "max_new_tokens": 8},
+        limits={"max_turns": 1, "max_model_tokens": 8},
+        sglang=config,
+        log_dir=str(tmp_path),
+    )
+    supervisor = worker.engine.supervisor
+    try:
+        os.kill(supervisor.pid, signal.SIGKILL)
+        deadline = time.monotonic() + 10
+        while supervisor.error is None:
+            assert time.monotonic() < deadline, "the supervisor did not give up within 10 s"
+            time.sleep(0.05)
+        with pytest.raises(SGLangServerError, match=r"sglang-0\.log"):
+            _rollout(worker, seed=0)
+    finally:
+        worker.close()
 
 
 def _healthy_at_version(url: str, version: str) -> bool:

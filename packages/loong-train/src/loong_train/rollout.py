@@ -156,6 +156,8 @@ class RolloutWorker:
             out = asyncio.run(
                 run_episodes(self.agent, specs, self.engine, self.codec, self.sampling, self.limits)
             )
+        if isinstance(self.engine, SGLangRollout):
+            self.engine.supervisor.check()  # a server given up on fails the call, not just its episodes
         end = time.time()
         return {
             "trajectories": out,

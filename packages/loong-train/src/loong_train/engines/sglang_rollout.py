@@ -39,6 +39,7 @@ import threading
 from pathlib import Path
 from typing import Literal
 
+import httpx
 import msgspec
 
 from loong_agentflow.sglang_client import SGLangClientConfig, SGLangEngine
@@ -231,7 +232,8 @@ class SGLangRollout:
     def _drop_pusher(self) -> None:
         if self._pusher is None:
             return
-        with contextlib.suppress(SGLangUpdateError):  # a relaunched server has no group to destroy
+        # a relaunched server has no group to destroy; a dead one does not answer
+        with contextlib.suppress(SGLangUpdateError, httpx.HTTPError):
             self._pusher.close()
         self._pusher.shutdown()
         self._pusher = None
