@@ -78,11 +78,14 @@ class WarmstartConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    """``engine``: ``"embedded"`` (torch, in the worker) or ``"sglang"`` (a supervised server per
+    """``max_restarts``: how often Ray restarts a rollout worker whose process died (its lost
+    groups are issued again, see :mod:`loong_train.pipeline`); 0 = a dead worker ends the run.
+    ``engine``: ``"embedded"`` (torch, in the worker) or ``"sglang"`` (a supervised server per
     worker, configured by the ``[sglang]`` table: :mod:`loong_train.engines.sglang_rollout`)."""
 
     workers: int = 1
     engine: Literal["embedded", "sglang"] = "embedded"
+    max_restarts: int = 3
     group_size: int = 8
     temperature: float = 1.0
     top_p: float = 1.0
@@ -93,6 +96,7 @@ class RolloutConfig(_Section):
 
     def __post_init__(self) -> None:
         _at_least(self, workers=1, group_size=2, max_new_tokens=1, max_turns=1, max_model_tokens=1)
+        _at_least(self, max_restarts=0)
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if self.top_p != 1.0:

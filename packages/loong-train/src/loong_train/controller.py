@@ -93,7 +93,7 @@ def _start(recipe: Recipe, model_path: str, transport: TransportConfig, log_dir:
     sglang = recipe.sglang if r.engine == "sglang" else None  # each worker runs a server, on its GPUs
     gpus = sglang.gpus if sglang else 0
     workers = [
-        ray.remote(num_cpus=1, num_gpus=gpus)(RolloutWorker).remote(
+        ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=r.max_restarts)(RolloutWorker).remote(
             model_path,
             seed=recipe.seed * 1000 + i,
             sampling=sampling,
@@ -114,4 +114,4 @@ def _start(recipe: Recipe, model_path: str, transport: TransportConfig, log_dir:
         tasks.train_tasks(recipe.task, recipe.seed + 2, held_out), r.group_size
     )  # warm start used seed + 1
     window = StalenessWindow(recipe.train.max_staleness, recipe.train.batch_groups)
-    return Pipeline(recipe, workers, trainer, window, source)
+    return Pipeline(recipe, workers, trainer, window, source, model_path)

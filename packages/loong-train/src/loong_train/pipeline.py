@@ -1,10 +1,24 @@
 """The mechanics under the driver: data, in-flight Ray calls, weight sync and telemetry.
 
 Kept apart from ``controller.py`` so the driver reads as the loop of DESIGN.md section 5.
+
+Faults. Rollout workers are Ray actors with ``max_restarts``. A call of a worker whose process
+died raises ``RayActorError`` (``ActorDiedError``, or ``ActorUnavailableError`` while Ray
+restarts it). For a rollout call the pipeline aborts the call's groups in the window, so they
+wait in ``window.reissue`` and ``admit`` issues them again: same group ids, same prompts
+(``GroupSource.issued`` keeps them until trained). A failed weight apply
+is dropped. Either way the worker is marked down and probed (``pid()``, retried by Ray until
+the actor is back); nothing else is queued on it meanwhile (weight updates skip it, evaluations
+go to a live worker). The restarted worker took the newest weights in its constructor (see
+``RolloutWorker``); when the probe answers, the newest update is queued on it too (skipped if
+it has it), so it serves at ``queued_version`` like the others. A probe that finds a new pid
+counts a restart (``restarts``); one that finds the actor dead for good (``ActorDiedError``:
+its restarts are spent) ends the run.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -18,6 +32,8 @@ from loong_train.algorithms import grpo_advantages, pack_batch
 from loong_train.config import Recipe
 
 __all__ = ["GroupSource", "Pipeline"]
+
+log = logging.getLogger("loong.pipeline")
 
 
 class GroupSource:
@@ -61,11 +77,30 @@ class Pipeline:
     trainer: Any
     window: StalenessWindow
     source: GroupSource
+    model_path: str = ""
     queued_version: int = 0
     rollouts: dict[Any, tuple[int, list[str]]] = field(default_factory=dict)
     train_ref: Any = None
-    applies: dict[int, list[Any]] = field(default_factory=dict)
+    applies: dict[int, dict[int, Any]] = field(default_factory=dict)  # version -> worker -> apply
+    latest: WeightManifest | None = None
     finished: dict[str, list[Trajectory]] = field(default_factory=dict)
+    pids: list[int] = field(default_factory=list)  # each worker's process, as last seen
+    probes: dict[Any, int] = field(default_factory=dict)  # pid() call -> worker, while it is down
+    restarts: int = 0
+    reissued: int = 0  # groups whose generation was lost and issued again
+
+    def __post_init__(self) -> None:
+        if not self.pids:
+            self.pids = ray.get([w.pid.remote() for w in self.workers])
+
+    @property
+    def down(self) -> set[int]:
+        """Workers whose process died, until a probe finds them back."""
+        return set(self.probes.values())
+
+    def live_worker(self) -> Any:
+        """A worker to queue side work (evaluations) on: the first one not down."""
+        return self.workers[min(set(range(len(self.workers))) - self.down, default=0)]
 
     @property
     def groups_needed(self) -> int:
@@ -77,9 +112,10 @@ class Pipeline:
     def admit(self) -> None:
         """Keep every worker's queue two calls deep (one running, one waiting), round-robin."""
         per_call = -(-self.recipe.train.batch_groups // len(self.workers))
+        down = self.down
         for depth in (1, 2):
             for w, worker in enumerate(self.workers):
-                if sum(1 for ww, _ in self.rollouts.values() if ww == w) >= depth:
+                if w in down or sum(1 for ww, _ in self.rollouts.values() if ww == w) >= depth:
                     continue
                 groups = []
                 while (
@@ -97,8 +133,9 @@ class Pipeline:
                 self.rollouts[worker.rollout.remote(specs)] = (w, groups)
 
     def wait(self) -> list[tuple[str, Any]]:
-        """Block until some rollout or the train step finishes; returns (kind, result) events."""
-        refs = list(self.rollouts) + ([self.train_ref] if self.train_ref is not None else [])
+        """Block until some rollout or the train step finishes; returns (kind, result) events.
+        Lost rollouts and worker probes are handled here and return no event."""
+        refs = [*self.rollouts, *self.probes] + ([self.train_ref] if self.train_ref is not None else [])
         if not refs:
             raise RuntimeError(
                 f"pipeline stalled: nothing in flight and nothing admissible ({self.window.stats})"
@@ -109,9 +146,17 @@ class Pipeline:
             if ref is self.train_ref:
                 self.train_ref = None
                 events.append(("train", ray.get(ref)))
+            elif ref in self.probes:
+                self._probed(ref)
             else:
-                _, groups = self.rollouts.pop(ref)
-                events.append(("rollout", (groups, ray.get(ref))))
+                w, groups = self.rollouts.pop(ref)
+                try:
+                    result = ray.get(ref)
+                except ray.exceptions.RayActorError as e:
+                    self._lost(w, groups, e)
+                    continue
+                self._seen(w, result["pid"])
+                events.append(("rollout", (groups, result)))
         return events
 
     def on_rollout(self, groups: list[str], result: dict[str, Any]) -> None:
@@ -122,8 +167,52 @@ class Pipeline:
             by_group[t.group_id].append(t)
         for group_id, trajs in by_group.items():
             versions = [t.oldest_version for t in trajs if t.oldest_version >= 0]
-            self.window.finish(group_id, min(versions) if versions else self.window.version)
+            oldest = min(versions) if versions else self.window.version
+            if oldest < self.window.in_flight[group_id]:  # a restarted worker not yet caught up
+                self._lost(result["worker"], [group_id], f"ran at version {oldest}, admitted later")
+                continue
+            self.window.finish(group_id, oldest)
             self.finished[group_id] = trajs
+
+    def _lost(self, w: int, groups: list[str], why: object) -> None:
+        """A rollout call's generations are lost: its groups wait in ``window.reissue``."""
+        for group_id in groups:
+            self.window.abort(group_id)
+        self.reissued += len(groups)
+        reason = why if isinstance(why, str) else f"{type(why).__name__}: its process died"
+        log.warning("rollout worker %d lost groups %s (%s); re-issuing them", w, ", ".join(groups), reason)
+        if isinstance(why, ray.exceptions.RayActorError):
+            self._down(w)
+
+    def _down(self, w: int) -> None:
+        """Queue nothing on worker ``w`` until a ``pid()`` probe answers (Ray retries the probe
+        while the actor restarts)."""
+        if w not in self.down:
+            self.probes[self.workers[w].pid.options(max_task_retries=-1).remote()] = w
+
+    def _probed(self, ref: Any) -> None:
+        w = self.probes.pop(ref)
+        try:
+            pid = ray.get(ref)
+        except ray.exceptions.ActorUnavailableError:  # still restarting
+            self._down(w)
+            return
+        except ray.exceptions.ActorDiedError as e:
+            raise RuntimeError(
+                f"rollout worker {w} died and Ray will not restart it again "
+                f"(rollout.max_restarts = {self.recipe.rollout.max_restarts})"
+            ) from e
+        self._seen(w, pid)
+        if self.latest is not None:  # updates queued while it was down were skipped
+            ref = self.workers[w].apply_weights.remote(self.latest)
+            self.applies.setdefault(self.latest.version, {})[w] = ref
+
+    def _seen(self, w: int, pid: int) -> None:
+        """Worker ``w`` answered from process ``pid``: a new pid is a restart."""
+        if pid != self.pids[w]:
+            self.restarts += 1
+            log.warning("rollout worker %d restarted (pid %d -> %d)", w, self.pids[w], pid)
+            self.pids[w] = pid
 
     def start_train_step(self) -> list[Trajectory] | None:
         """Take a batch from the window and start the train step on it (non-blocking).
@@ -138,29 +227,49 @@ class Pipeline:
         if (groups := self.window.take_batch()) is None:
             return None
         lag = 0 if self.recipe.transport.mode == "zero_copy" else 1
-        slot_users = self.applies.get(self.window.version - lag, [])
+        slot_users = list(self.applies.get(self.window.version - lag, {}).values())
         trajs = [t for g in groups for t in self.finished.pop(g)]
         self.source.release(groups)
         adv = grpo_advantages(trajs, self.recipe.loss.scale_adv_by_std)
         batch = pack_batch(trajs, adv, self.window.version)
-        self.train_ref = self.trainer.publish.remote(self.trainer.train_step.remote(batch), *slot_users)
+        self.train_ref = self.trainer.publish.remote(self.trainer.train_step.remote(batch), slot_users)
         return trajs
 
     def sync_weights(self, manifest: WeightManifest) -> None:
-        """Queue the update on every worker; calls queued after it run on the new version."""
-        self.applies[manifest.version] = [w.apply_weights.remote(manifest) for w in self.workers]
-        self.queued_version = manifest.version
+        """Queue the update on every live worker; calls queued after it run on the new version."""
+        down = self.down
+        self.applies[manifest.version] = {
+            w: worker.apply_weights.remote(manifest) for w, worker in enumerate(self.workers) if w not in down
+        }
+        self.queued_version, self.latest = manifest.version, manifest
 
     def applied(self) -> list[dict[str, float]]:
-        """Results of weight applies that finished since the last call (one per worker and version)."""
+        """Results of weight applies that finished since the last call (one per live worker and
+        version); a worker whose apply died is probed."""
         done = []
-        for version, refs in list(self.applies.items()):
-            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0)
+        for version, by_worker in list(self.applies.items()):
+            refs = list(by_worker.values())
+            ready, _ = ray.wait(refs, num_returns=len(refs), timeout=0) if refs else ([], [])
             if len(ready) == len(refs):
-                done += ray.get(refs)
+                for w, ref in by_worker.items():
+                    try:
+                        done.append(ray.get(ref))
+                    except ray.exceptions.RayActorError:
+                        self._down(w)
+                    else:
+                        self._seen(w, done[-1]["pid"])
                 del self.applies[version]
         return done
 
     def drain(self) -> None:
-        ray.get(list(self.rollouts) + [r for refs in self.applies.values() for r in refs])
-        self.rollouts.clear()
+        """Wait for every call still in flight (the run is over: lost ones are not re-issued)."""
+        while refs := [
+            *self.rollouts,
+            *self.probes,
+            *(r for by in self.applies.values() for r in by.values()),
+        ]:
+            ray.wait(refs, num_returns=len(refs))
+            self.rollouts.clear()
+            for ref in list(self.probes):
+                self._probed(ref)  # a restarted worker gets the newest update: waited next round
+            self.applied()

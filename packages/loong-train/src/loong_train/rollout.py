@@ -8,6 +8,7 @@ chosen by the recipe's ``[agent] kind``; either way ``rollout`` returns trajecto
 from __future__ import annotations
 
 import asyncio
+import os
 import time
 from typing import Any
 
@@ -33,7 +34,7 @@ from loong_train.engines.sglang_rollout import SGLangRollout, SGLangRolloutConfi
 from loong_train.models.qwen3 import Qwen3ForCausalLM
 from loong_train.tasks import calc
 from loong_train.tokenizer import load_tokenizer
-from loong_transfermesh import TransportConfig, open_receiver
+from loong_transfermesh import ShmReceiver, TransferFailed, TransportConfig, open_receiver
 
 __all__ = ["BlackBoxHost", "HFCodec", "RolloutWorker"]
 
@@ -107,7 +108,14 @@ class BlackBoxHost:
 
 class RolloutWorker:
     """Runs tool-agent episodes (white-box, or black-box through a :class:`BlackBoxHost`) on an
-    embedded engine; receives weights by manifest."""
+    embedded engine; receives weights by manifest.
+
+    Restarts: the controller creates workers as Ray actors with ``max_restarts``; when a worker's
+    process dies, Ray runs this constructor again, which reloads ``model_path`` and then catches
+    up to the newest weights the trainer published (:meth:`_catch_up`). Weight updates never move
+    a worker backwards (an update older than what it holds is skipped), so every call queued
+    after an update runs at that version or a newer one.
+    """
 
     def __init__(
         self,
@@ -145,6 +153,27 @@ class RolloutWorker:
             else None
         )
         self.receiver = open_receiver(transport or TransportConfig())
+        self._catch_up(transport or TransportConfig())
+
+    def _catch_up(self, transport: TransportConfig) -> None:
+        """Take the newest version in the trainer's shm slots, if any is newer than ours (a fresh
+        run has none). It is copied, never viewed, even with ``zero_copy`` receivers: the
+        controller does not know about this read, so the slot may be reused after it. A slot
+        reused while reading raises TransferFailed; the next attempt takes the newer version."""
+        if transport.type != "shm":
+            return
+        receiver = ShmReceiver(transport.name, "copy", transport.timeout_s)
+        params = dict(self.engine.model.named_parameters())
+        for attempt in range(5):
+            if receiver.newest() <= self.engine.weight_version:
+                break
+            try:
+                self.engine.set_version(receiver.apply(params))
+                break
+            except TransferFailed:
+                if attempt == 4:
+                    raise
+        receiver.close()
 
     def rollout(self, specs: list[EpisodeSpec]) -> dict[str, Any]:
         """Run episodes; returns their trajectories (black-box: every row of each episode) and the
@@ -165,14 +194,18 @@ class RolloutWorker:
             "end": end,
             "version": self.engine.weight_version,
             "worker": self.worker_id,
+            "pid": os.getpid(),
         }
 
     def apply_weights(self, manifest: WeightManifest) -> dict[str, float]:
         """Receive an update through TransferMesh. Ray runs an actor's calls one
-        at a time, so the update lands between rollout calls: no generation sees mixed weights."""
+        at a time, so the update lands between rollout calls: no generation sees mixed weights.
+        A worker that already holds this version or a newer one (a restarted worker that caught
+        up) skips it."""
         start = time.time()
-        self.receiver.apply(dict(self.engine.model.named_parameters()), version=manifest.version)
-        self.engine.set_version(manifest.version)
+        if manifest.version > self.engine.weight_version:
+            self.receiver.apply(dict(self.engine.model.named_parameters()), version=manifest.version)
+            self.engine.set_version(manifest.version)
         end = time.time()
         return {
             "apply_s": end - start,
@@ -180,6 +213,7 @@ class RolloutWorker:
             "end": end,
             "version": manifest.version,
             "worker": self.worker_id,
+            "pid": os.getpid(),
         }
 
     def close(self) -> None:
@@ -192,6 +226,10 @@ class RolloutWorker:
 
     def model_path(self) -> str:
         return self._model_path
+
+    def pid(self) -> int:
+        """The worker's process id (a restarted worker has a new one)."""
+        return os.getpid()
 
     def weight_version(self) -> int:
         return self.engine.weight_version

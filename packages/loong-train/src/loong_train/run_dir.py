@@ -1,9 +1,13 @@
 """The run directory (DESIGN.md section 6) and the per-step measurements that fill it.
 
 ``runs/<name>/``: ``config.toml`` (resolved recipe), ``metrics.jsonl`` (one object per train
-step), ``trace.json`` (Perfetto: rollout, eval, train and sync spans per actor), ``plots/*.png``,
+step), ``ledger.jsonl`` (per train step: its groups and sample ids, so anyone can check that no
+sample was lost or trained twice), ``trace.json`` (Perfetto: rollout, eval, train and sync spans per actor), ``plots/*.png``,
 ``checkpoints/final`` (Hugging Face format), ``summary.json``. Task sets with domains add
 held-out success per domain (``eval_reward/<domain>``, ``plots/eval_by_domain.png``).
+
+An evaluation whose worker died is recorded as missing (logged, ``lost_evals`` in the summary),
+not re-run: a later run would evaluate other weights than the version it names.
 
 Busy fractions are cumulative: busy seconds of the trainer (or the mean rollout worker) over
 the wall time since the run started, so they read as the run's utilization so far.
@@ -12,6 +16,7 @@ the wall time since the run started, so they read as the run's utilization so fa
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import time
@@ -32,6 +37,8 @@ from loong_train.pipeline import Pipeline
 from loong_train.plots import plot_domains, plot_run
 
 __all__ = ["RunDir"]
+
+log = logging.getLogger("loong.run_dir")
 
 
 _TRAIN_KEYS = (
@@ -66,19 +73,23 @@ class RunDir:
         (path / "checkpoints").mkdir(exist_ok=True)
         (path / "config.toml").write_text(dump_toml(recipe))
         self.name = f"{recipe.name}-{os.getpid()}-{int(time.time())}"
-        (path / "metrics.jsonl").unlink(missing_ok=True)  # a new run starts a new log
+        for name in ("metrics.jsonl", "ledger.jsonl"):
+            (path / name).unlink(missing_ok=True)  # a new run starts new logs
         self.metrics = MetricsWriter(path / "metrics.jsonl")
+        self.ledger = MetricsWriter(path / "ledger.jsonl")
         self.trace = TraceWriter(path / "trace.json")
         self.held_out = tasks.eval_tasks(recipe.task, recipe.eval.num_tasks)
         self.evals: dict[int, Any] = {}
         self.eval_results: dict[int, float] = {}
         self.eval_by_domain: dict[int, dict[str, float]] = {}  # tasks tagged with a domain only
+        self.lost_evals: set[int] = set()  # their worker died
         self.reported_evals: set[int] = set()
         self.start = self.last_step_end = time.time()
         self.rollout_busy = self.trainer_busy = 0.0
         self.trained_samples = 0
         self.apply_s = 0.0
         self.batch: dict[str, Any] = {}
+        self.batch_ids: dict[str, list[str]] = {}
         self.last: dict[str, Any] = {}
 
     def begin(self, pipe: Pipeline) -> None:
@@ -87,12 +98,12 @@ class RunDir:
         self.evaluate(pipe, version=0)
 
     def evaluate(self, pipe: Pipeline, version: int) -> None:
-        """Queue a held-out evaluation on worker 0 behind the weight update to ``version``."""
+        """Queue a held-out evaluation on a live worker behind the weight update to ``version``."""
         specs = [
             EpisodeSpec(f"eval-v{version}-{i}", f"eval-v{version}-{i}", t, dict(t.get("tags", {})))
             for i, t in enumerate(self.held_out)
         ]
-        self.evals[version] = pipe.workers[0].rollout.remote(specs)
+        self.evals[version] = pipe.live_worker().rollout.remote(specs)
 
     def on_rollout(self, result: dict[str, Any]) -> None:
         self.rollout_busy += result["end"] - result["start"]
@@ -121,6 +132,10 @@ class RunDir:
             "truncated": statuses[EpisodeStatus.TRUNCATED],
             "response_tokens_mean": sum(t.num_model_tokens for t in ok) / max(1, len(ok)),
         }
+        self.batch_ids = {
+            "groups": list(dict.fromkeys(t.group_id for t in trajs)),
+            "sample_ids": [t.sample_id for t in trajs],
+        }
 
     def on_train_step(self, pipe: Pipeline, m: dict[str, Any]) -> None:
         version = pipe.window.version
@@ -144,14 +159,15 @@ class RunDir:
             "apply_s": self.apply_s,
             "weight_sync_s": m["push_s"] + self.apply_s,
             "elapsed_s": now - self.start,
+            "worker_restarts": pipe.restarts,
+            "reissued_groups": pipe.reissued,
         }
         self.last_step_end = now
         if version % self.recipe.eval.every == 0 or version == self.recipe.train.steps:
             self.evaluate(pipe, version)
-        if version == self.recipe.train.steps:
-            ray.get(list(self.evals.values()))
-        self._collect_evals(wait=False)
+        self._collect_evals(wait=version == self.recipe.train.steps)
         line |= self._unreported_eval()
+        self.ledger.write({"step": version, **self.batch_ids})
         self.metrics.write(line)
         self.last = line
 
@@ -180,12 +196,17 @@ class RunDir:
             )
 
     def _collect_evals(self, wait: bool) -> None:
-        pending = [v for v in self.evals if v not in self.eval_results]
+        pending = [v for v in self.evals if v not in self.eval_results and v not in self.lost_evals]
         refs = [self.evals[v] for v in pending]
         ready = set(ray.wait(refs, num_returns=len(refs), timeout=None if wait else 0)[0]) if refs else set()
         for v in pending:
             if self.evals[v] in ready:
-                result = ray.get(self.evals[v])
+                try:
+                    result = ray.get(self.evals[v])
+                except ray.exceptions.RayActorError as e:
+                    self.lost_evals.add(v)
+                    log.warning("evaluation of version %d lost: its worker died (%s)", v, type(e).__name__)
+                    continue
                 trajs = result["trajectories"]
                 self.eval_results[v] = sum(t.reward for t in trajs) / len(trajs)
                 self.eval_by_domain[v] = _by_domain(trajs)
@@ -226,15 +247,19 @@ class RunDir:
         ray.get(pipe.trainer.save.remote(str(final)))
         ray.get(pipe.trainer.close.remote())
         for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(Path(ray.get(pipe.workers[0].model_path.remote())) / name, final / name)
+            shutil.copy(Path(pipe.model_path) / name, final / name)
         evals = dict(sorted(self.eval_results.items()))
         summary = {
             "eval_reward_by_version": evals,
-            "first_eval": evals[min(evals)],
-            "final_eval": evals[max(evals)],
+            "first_eval": evals[min(evals)] if evals else None,
+            "final_eval": evals[max(evals)] if evals else None,
             "steps": pipe.window.version,
             "wall_s": time.time() - self.start,
+            "worker_restarts": pipe.restarts,
+            "reissued_groups": pipe.reissued,
         }
+        if self.lost_evals:
+            summary["lost_evals"] = sorted(self.lost_evals)
         if any(self.eval_by_domain.values()):
             summary |= self._domain_summary()
         (self.path / "summary.json").write_text(json.dumps(summary, indent=2))
@@ -266,6 +291,7 @@ class RunDir:
     def close(self) -> None:
         """Flush the metrics and trace files (idempotent; also runs when a run fails)."""
         self.metrics.close()
+        self.ledger.close()
         self.trace.save()
 
 

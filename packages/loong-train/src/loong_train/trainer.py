@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
+import ray
 import torch
 
 from loong_core.records import TrainBatch, WeightManifest
@@ -62,10 +64,14 @@ class TrainerWorker:
         return {**metrics, **opd, "train_start": start, "train_end": time.time()}
 
     def publish(
-        self, metrics: dict[str, float], *slot_free: object
+        self, metrics: dict[str, float], slot_free: Sequence[ray.ObjectRef] = ()
     ) -> tuple[dict[str, float], WeightManifest]:
         """Push the weights as version + 1. ``slot_free`` are the engines' applies of the version
-        that used the same shm slot; Ray resolves them before this call runs."""
+        that used the same shm slot (refs inside a list, so Ray does not resolve them as
+        arguments); the push waits until each finished or failed: a worker that died while
+        applying reads no slot any more (restarted, it catches up by itself)."""
+        if slot_free:
+            ray.wait(list(slot_free), num_returns=len(slot_free))
         start = time.time()
         self.version += 1
         manifest = self.sender.push(self.backend.named_weights(), self.version)

@@ -244,14 +244,19 @@ class ShmReceiver:
         manifest = decode(slot.flat[_HEADER : _HEADER + nbytes].numpy().tobytes(), WeightManifest)
         return tensor_views(slot.flat, manifest, slot.data)
 
-    def _newest(self) -> int:
-        found = []
+    def newest(self) -> int:
+        """The newest version in the slots (its buckets may still be arriving), -1 when none is:
+        nothing pushed yet under this name, or only a push in its first moments."""
+        found = [-1]
         for index in (0, 1):
             try:
                 found.append(int(self._open(index).header[_VERSION_F]))
             except TransferFailed:
                 continue
-        newest = max(found, default=-1)
+        return max(found)
+
+    def _newest(self) -> int:
+        newest = self.newest()
         if newest <= self.version:
             raise TransferFailed(f"no version newer than {self.version} in shared memory '{self.name}'")
         return newest
