@@ -192,17 +192,26 @@ def test_a_live_server_failing_health_checks_is_restarted(tmp_path):
         model_path="/models/none", command=[sys.executable, "-c", HEALTH_SERVER], port=_port(),
         log_path=str(log), env={"UNHEALTHY_FLAG": str(flag)}, health_failures=3, **FAST,
     )  # fmt: skip
-    restarted = []
-    sup = SGLangSupervisor(config, on_restart=lambda: restarted.append(time.monotonic()))
+    hook_calls = []
+
+    def on_restart():  # fails the first time: the supervisor must relaunch once more
+        hook_calls.append(time.monotonic())
+        if len(hook_calls) == 1:
+            raise RuntimeError("could not push the weights")
+
+    sup = SGLangSupervisor(config, on_restart=on_restart)
     sup.start()
     try:
         pid = sup.pid
         flag.touch()
         failing_since = time.monotonic()
-        _wait(lambda: restarted, 10, "a restart after failed health checks")
+        _wait(lambda: len(hook_calls) == 2, 10, "a restart after failed health checks, then another")
         # three failed polls, 0.2 s apart, came first
-        assert restarted[0] - failing_since >= 0.4 and sup.pid != pid and sup.healthy()
-        assert "/health failed 3 times in a row" in log.read_text()
+        assert hook_calls[0] - failing_since >= 0.4 and sup.pid != pid and sup.healthy()
+        assert sup.restarts == 2
+        text = log.read_text()
+        assert "/health failed 3 times in a row" in text
+        assert "on_restart hook failed after the relaunch: RuntimeError('could not push the weights')" in text
     finally:
         sup.stop()
     assert not _group_alive(pid)

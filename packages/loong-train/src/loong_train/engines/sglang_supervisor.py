@@ -231,7 +231,7 @@ class SGLangSupervisor:
             with self._lock:
                 self._kill()
             self.error = SGLangServerError(
-                f"SGLang server {self.url} ({' '.join(self._redacted(c.argv()[:4]))} ...) failed "
+                f"SGLang server {self.url} (model {c.model_path}, launcher {c.command[0]}) failed "
                 f"{len(self._recent) + 1} times within {c.restart_window_s:.0f} s (max_restarts = "
                 f"{c.max_restarts}); giving up. Log: {c.log_path or '(not kept)'}; last lines:\n"
                 f"{self.log_tail()}"
@@ -295,24 +295,30 @@ class SGLangSupervisor:
         self._watch()
 
     def _watch(self) -> None:
-        failures = 0
+        """Poll; relaunch on a dead process or ``health_failures`` failed checks in a row. A
+        failing ``on_restart`` hook counts as a failed launch too (the server may hold stale state)."""
+        failures, problem = 0, None
         while not self._stopping.wait(self.config.health_interval_s):
-            alive = self._proc is not None and self._proc.poll() is None
-            failures = failures + 1 if alive and not self.healthy() else 0
-            if alive and failures < self.config.health_failures:
-                continue
-            self._note(
-                f"server process exited with code {self._proc.returncode}"
-                if not alive and self._proc is not None
-                else f"/health failed {failures} times in a row"
-            )
-            failures = 0
+            if problem is None:
+                alive = self._proc is not None and self._proc.poll() is None
+                failures = failures + 1 if alive and not self.healthy() else 0
+                if alive and failures < self.config.health_failures:
+                    continue
+                problem = (
+                    f"/health failed {failures} times in a row"
+                    if alive
+                    else f"server process exited with code {self._proc.returncode if self._proc else None}"
+                )
+            self._note(problem)
+            failures, problem = 0, None
             try:
                 self._launch_until_healthy(first=False)
+                if self.on_restart is not None and not self._stopping.is_set():
+                    self.on_restart()
             except SGLangServerError:
                 return
-            if self.on_restart is not None and not self._stopping.is_set():
-                self.on_restart()
+            except Exception as e:
+                problem = f"on_restart hook failed after the relaunch: {e!r}"
 
     def _kill(self) -> None:
         """SIGTERM the process group, SIGKILL it after the grace period; reap the process."""
