@@ -65,8 +65,11 @@ def _template_messages(messages: list[dict]) -> list[dict]:
     return out
 
 
-@pytest.mark.parametrize("stream", [False, True])
-def test_openai_sdk_agent_multi_turn_tools_is_token_exact(stream, tmp_path):
+FORKED = ("openai",)  # AgentProgram.preload: episodes forked from a warm process (loong_agentflow.forkserver)
+
+
+@pytest.mark.parametrize(("stream", "preload"), [(False, ()), (True, ()), (False, FORKED), (True, FORKED)])
+def test_openai_sdk_agent_multi_turn_tools_is_token_exact(stream, preload, tmp_path):
     policy = ScriptedBigramPolicy(SCRIPT)
     engine = BigramEngine(policy, seed=1, bump_every=1)  # a weight update after every call
     transcript = tmp_path / "transcript.json"
@@ -76,10 +79,13 @@ def test_openai_sdk_agent_multi_turn_tools_is_token_exact(stream, tmp_path):
         async with ProxyServer(engine, ChatMLRenderer(CODEC)) as proxy:
             runner = BlackBoxRunner(
                 proxy,
-                AgentProgram(AGENT, timeout_s=60),
+                AgentProgram(AGENT, timeout_s=60, preload=preload),
                 reward_fn=lambda task, out: float(out == f"The answer is {task['answer']}."),
             )
-            return await runner.run(EpisodeSpec("ep0", "g0", task, tags={"domain": "math"}))
+            try:
+                return await runner.run(EpisodeSpec("ep0", "g0", task, tags={"domain": "math"}))
+            finally:
+                await runner.close()
 
     (row,) = asyncio.run(main())
     assert row.status is EpisodeStatus.OK and row.reward == 1.0, row.info
@@ -106,7 +112,8 @@ def test_openai_sdk_agent_multi_turn_tools_is_token_exact(stream, tmp_path):
     assert sum(row.loss_mask) == sum(len(s.token_ids) for s in model_spans)
 
 
-def test_failing_agents_are_marked_and_do_not_disturb_healthy_ones(tmp_path):
+@pytest.mark.parametrize("preload", [(), FORKED])
+def test_failing_agents_are_marked_and_do_not_disturb_healthy_ones(preload, tmp_path):
     engine = BigramEngine(ScriptedBigramPolicy(["ok"]))
     pidfile = tmp_path / "hang.pid"
 
@@ -119,8 +126,10 @@ def test_failing_agents_are_marked_and_do_not_disturb_healthy_ones(tmp_path):
 
     async def main():
         async with ProxyServer(engine, ChatMLRenderer(CODEC)) as proxy:
-            runner = BlackBoxRunner(proxy, AgentProgram(AGENT, timeout_s=10), reward_fn=lambda task, out: 1.0)
+            program = AgentProgram(AGENT, timeout_s=5 if preload else 10, preload=preload)
+            runner = BlackBoxRunner(proxy, program, reward_fn=lambda task, out: 1.0)
             episodes = await runner.run_many(specs)
+            await runner.close()
             assert proxy.sessions == {}
             return episodes
 
@@ -152,3 +161,22 @@ def test_missing_reward_fails_the_episode(tmp_path):
 
     (row,) = asyncio.run(main())
     assert row.status is EpisodeStatus.FAILED and row.info["error"].startswith("no reward")
+
+
+def test_a_program_that_cannot_start_fails_its_episode_only(tmp_path):
+    engine = BigramEngine(ScriptedBigramPolicy(["ok"]))
+    task = {"messages": MESSAGES, "stream": False, "transcript": str(tmp_path / "t.json")}
+    missing = str(tmp_path / "no-such-agent")
+
+    async def main():
+        async with ProxyServer(engine, ChatMLRenderer(CODEC)) as proxy:
+            runner = BlackBoxRunner(proxy, AgentProgram([missing], timeout_s=30), reward_fn=lambda t, o: 1.0)
+            broken = await runner.run(EpisodeSpec("e0", "g", task))
+            healthy = await BlackBoxRunner(proxy, AgentProgram(AGENT), reward_fn=lambda t, o: 1.0).run(
+                EpisodeSpec("e1", "g", task)
+            )
+            return broken, healthy
+
+    (broken,), (healthy,) = asyncio.run(main())
+    assert broken.status is EpisodeStatus.FAILED and missing in broken.info["error"]
+    assert healthy.status is EpisodeStatus.OK

@@ -37,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from loong_agentflow.agent import EpisodeSpec
+from loong_agentflow.forkserver import ForkedProcess, ForkServer
 from loong_agentflow.proxy import ProxyServer
 from loong_agentflow.proxy_session import ProxySession
 from loong_core.records import EpisodeStatus, Trajectory
@@ -48,12 +49,19 @@ _MAX_ENV_TASK = 64 << 10
 
 @dataclass(frozen=True)
 class AgentProgram:
-    """The command that runs one episode, its extra environment, working directory and wall-time limit."""
+    """The command that runs one episode, its extra environment, working directory and wall-time limit.
+
+    ``preload``: modules a Python program imports (e.g. ``("openai",)``). When set, episodes are
+    forked from a warm process that imported them once (:class:`~loong_agentflow.forkserver.ForkServer`)
+    instead of starting a new interpreter each; ``argv`` must then be ``[python, "-m", MODULE, ...]``
+    or ``[python, SCRIPT, ...]``. The contract for the program is unchanged.
+    """
 
     argv: Sequence[str]
     env: Mapping[str, str] = field(default_factory=dict)
     cwd: str | None = None
     timeout_s: float = 120.0
+    preload: Sequence[str] = ()
 
 
 @dataclass
@@ -77,6 +85,12 @@ class BlackBoxRunner:
     ) -> None:
         self.proxy, self.program, self.reward_fn = proxy, program, reward_fn
         self._slots = asyncio.Semaphore(max_concurrency)
+        self._forks = ForkServer(program.argv[0], program.preload) if program.preload else None
+
+    async def close(self) -> None:
+        """Stop the fork server, if the program has one (it also ends with the runner's process)."""
+        if self._forks is not None:
+            await self._forks.close()
 
     async def run_many(self, specs: Sequence[EpisodeSpec]) -> list[list[Trajectory]]:
         """All episodes concurrently; one list of rows per spec, in ``specs`` order."""
@@ -108,15 +122,10 @@ class BlackBoxRunner:
     async def _execute(self, session: ProxySession, spec: EpisodeSpec) -> _Exit:
         task = json.dumps(spec.task)
         start = time.monotonic()
-        proc = await asyncio.create_subprocess_exec(
-            *self.program.argv,
-            stdin=asyncio.subprocess.PIPE,
-            stdout=asyncio.subprocess.PIPE,
-            stderr=asyncio.subprocess.PIPE,
-            env=self._env(session, spec, task),
-            cwd=self.program.cwd,
-            start_new_session=True,
-        )
+        try:
+            proc = await self._launch(self._env(session, spec, task))
+        except (OSError, RuntimeError) as e:  # no such program, a dead fork server: this episode fails
+            return _Exit(None, "", f"could not start {list(self.program.argv)!r}: {e}", False, 0.0)
         try:
             out, err = await asyncio.wait_for(proc.communicate(task.encode()), self.program.timeout_s)
             timed_out = False
@@ -128,6 +137,21 @@ class BlackBoxRunner:
                 await proc.wait()
         text = out.decode(errors="replace")
         return _Exit(proc.returncode, text, err.decode(errors="replace"), timed_out, time.monotonic() - start)
+
+    async def _launch(self, env: dict[str, str]) -> asyncio.subprocess.Process | ForkedProcess:
+        """The episode's process, in a session of its own: forked when the program preloads."""
+        p = self.program
+        if self._forks is not None:
+            return await self._forks.spawn(p.argv, env, p.cwd)
+        return await asyncio.create_subprocess_exec(
+            *p.argv,
+            stdin=asyncio.subprocess.PIPE,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=env,
+            cwd=p.cwd,
+            start_new_session=True,
+        )
 
     def _trajectories(self, session: ProxySession, spec: EpisodeSpec, done: _Exit) -> list[Trajectory]:
         info = {"wall_s": f"{done.wall_s:.3f}", "returncode": str(done.returncode)}
@@ -141,6 +165,8 @@ class BlackBoxRunner:
     ) -> tuple[EpisodeStatus, float, str]:
         if done.timed_out:
             return EpisodeStatus.TIMEOUT, 0.0, f"agent ran past {self.program.timeout_s}s and was killed"
+        if done.returncode is None:
+            return EpisodeStatus.FAILED, 0.0, done.stderr
         if done.returncode != 0:
             return (
                 EpisodeStatus.FAILED,

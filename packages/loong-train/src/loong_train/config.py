@@ -111,7 +111,10 @@ class TrainConfig(_Section):
     ``tp * pp * dp`` processes, batches split into micro-batches of ``micro_batch_rows`` rows,
     0 = one micro-batch per data-parallel rank; needs the ``loong-train[megatron]`` extra).
     ``gpus``: GPUs Ray reserves for the trainer actor (0: CPU; Megatron on GPU: ``tp * pp * dp``,
-    its ranks use the reserved GPUs in order; a fraction shares one GPU with a rollout worker)."""
+    its ranks use the reserved GPUs in order; a fraction shares one GPU with a rollout worker).
+    ``checkpoint_every``: write a resumable checkpoint every that many steps (0: only after the
+    last step); the newest ``keep_checkpoints`` are kept (:mod:`loong_train.checkpoint`; torch
+    backend only for now)."""
 
     steps: int = 100
     batch_groups: int = 16
@@ -126,8 +129,13 @@ class TrainConfig(_Section):
     dp: int = 1
     micro_batch_rows: int = 0
     gpus: float = 0.0
+    checkpoint_every: int = 0
+    keep_checkpoints: int = 2
 
     def __post_init__(self) -> None:
+        _at_least(self, checkpoint_every=0, keep_checkpoints=1)
+        if self.backend == "megatron" and self.checkpoint_every:
+            raise ValueError("checkpoint_every needs backend = 'torch' (Megatron writes only checkpoints/final)")
         _at_least(
             self,
             steps=1,
@@ -241,11 +249,17 @@ class AgentConfig(_Section):
       :mod:`loong_agentflow.blackbox`; ``LOONG_MAX_TURNS`` holds ``rollout.max_turns``), at most
       ``max_concurrency`` at a time per worker. An empty ``command`` is the shipped calc agent
       (:mod:`loong_train.agents.calc_agent`), an ``openai``-SDK program run by this interpreter.
+    - ``preload``: modules a Python ``command`` imports; episodes are then forked from a warm
+      process that imported them once (:mod:`loong_agentflow.forkserver`), instead of paying an
+      interpreter start and the imports (about a second for ``openai``) per episode. Unset: the
+      shipped agent preloads ``openai``, another ``command`` runs as plain subprocesses; ``[]``
+      turns forking off.
     """
 
     kind: Literal["whitebox", "blackbox"] = "whitebox"
     command: list[str] = []
     max_concurrency: int = 16
+    preload: list[str] | None = None
 
     def __post_init__(self) -> None:
         _at_least(self, max_concurrency=1)

@@ -27,7 +27,7 @@ from loong_agentflow import (
 )
 from loong_core.protocols import SamplingParams
 from loong_core.records import SpanSource, TokenSpan, Trajectory, WeightManifest
-from loong_train.agents import calc_agent_argv, missing_openai
+from loong_train.agents import CALC_AGENT_PRELOAD, calc_agent_argv, missing_openai
 from loong_train.config import AgentConfig
 from loong_train.engines.embedded import EmbeddedEngine
 from loong_train.engines.sglang_rollout import SGLangRollout, SGLangRolloutConfig
@@ -86,10 +86,12 @@ class BlackBoxHost:
         self.proxy = ProxyServer(engine, HFChatRenderer(tokenizer), config)
         self.loop = asyncio.new_event_loop()
         self.loop.run_until_complete(self.proxy.start())
+        preload = agent.preload if agent.preload is not None else [] if agent.command else CALC_AGENT_PRELOAD
         program = AgentProgram(
             agent.command or calc_agent_argv(),
             env={"LOONG_MAX_TURNS": str(limits.max_turns)},
             timeout_s=limits.timeout_s,
+            preload=preload,
         )
         self.runner = BlackBoxRunner(self.proxy, program, calc.reward, agent.max_concurrency)
 
@@ -102,6 +104,7 @@ class BlackBoxHost:
         return rows
 
     def close(self) -> None:
+        self.loop.run_until_complete(self.runner.close())
         self.loop.run_until_complete(self.proxy.stop())
         self.loop.close()
 

@@ -9,7 +9,10 @@ from __future__ import annotations
 import importlib.util
 import sys
 
-__all__ = ["calc_agent_argv", "missing_openai"]
+__all__ = ["CALC_AGENT_PRELOAD", "calc_agent_argv", "missing_openai"]
+
+CALC_AGENT_PRELOAD = ["openai", "loong_train.tasks.calc"]
+"""What the calc agent imports: its episodes fork from a process that imported these once."""
 
 
 def calc_agent_argv() -> list[str]:
