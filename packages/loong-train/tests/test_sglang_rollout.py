@@ -184,3 +184,22 @@ def test_every_shipped_recipe_loads_and_gpu_recipes_reserve_what_docs_say():
         assert t.gpus == t.tp * t.pp * t.dp or (t.gpus < 1 and t.tp * t.pp * t.dp == 1), name
         assert s.gpus >= s.tp_size or (s.gpus < 1 and s.tp_size == 1), name
     assert set(GPU_TOTALS) < set(recipe_names())
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_a_ray_run_with_an_sglang_engine_trains_and_logs_the_server(tiny_dir, tmp_path):
+    """The whole controller with ``rollout.engine = "sglang"``: Ray actors, one supervised server."""
+    from loong_core.telemetry import read_metrics
+    from loong_train.controller import run
+
+    sets = [f"model.path={tiny_dir}", "rollout.engine=sglang",
+            f"sglang.port_base={_port()}", "train.steps=3", "train.batch_groups=2",
+            "rollout.group_size=4", "rollout.max_new_tokens=16", "rollout.max_model_tokens=32",
+            "eval.every=100", "eval.num_tasks=4"]  # fmt: skip
+    out = run(load_recipe("tiny-calc-agent", sets), tmp_path / "run", tmp_path / "cache")
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["policy_version"] for r in rows] == [1, 2, 3]
+    assert rows[0]["mismatch_kl"] < 1e-9  # the servers generated with the trainer's initial weights
+    log = (out / "logs" / "sglang-0.log").read_text()
+    assert log.count("=== loong: launch") == 1 and "serve-sglang:" in log
