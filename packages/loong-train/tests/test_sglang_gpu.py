@@ -90,6 +90,7 @@ def test_real_sglang_generates_pauses_and_takes_pushed_weights(tmp_path):
     config = SGLangServerConfig(
         model_path=str(tmp_path / "model"), command=sglang_launch_command(_sglang_python()),
         port=_port(), args=ARGS, log_path=str(log), startup_timeout_s=300, health_interval_s=2.0,
+        env={"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false"},  # as SGLangRollout launches it
     )  # fmt: skip
     sup = SGLangSupervisor(config)
     sup.start()
@@ -114,6 +115,7 @@ def test_real_sglang_generates_pauses_and_takes_pushed_weights(tmp_path):
 
         pusher.connect()
         pusher.push(dict(second.named_parameters()), version=1)  # reads "1" back
+        assert pusher.cache_flushed == [True]  # idle server: /flush_cache succeeded
         _, after = asyncio.run(generate())
         assert after.weight_version == 1
         assert _gap(second, after.token_ids, after.logprobs) < 0.1

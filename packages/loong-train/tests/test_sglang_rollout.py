@@ -161,6 +161,8 @@ def test_sglang_launcher_flags():
         "--mem-fraction-static", "0.7", "--context-length", "4096",
     ]  # fmt: skip
     assert server.log_path == "/runs/x/logs/sglang-3.log"
+    # /health must not generate: a paused server (weight update) would fail its health checks
+    assert server.env == {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false"}
 
 
 GPU_TOTALS = {  # GPUs each shipped GPU recipe asks Ray for, as docs/gpu.md states them

@@ -220,6 +220,44 @@ def test_weight_updates_from_disk_and_tensor(model_dir, tmp_path):
         pusher.shutdown()
 
 
+def test_flush_cache_is_refused_while_an_in_place_pause_holds_running_requests(model_dir):
+    """SGLang flushes only when idle and asserts (its scheduler dies) when a weight update with
+    ``flush_cache`` true cannot flush; the server answers those cases 400 instead."""
+    name = "model.layers.0.mlp.up_proj.weight"
+    with _serve(EmbeddedEngine(Qwen3ForCausalLM.from_pretrained(model_dir))) as (url, state):
+        patch = {name: torch.randn(dict(state.engine.model.named_parameters())[name].shape)}
+        before = dict(state.engine.model.named_parameters())[name].detach().clone()
+
+        async def run():
+            client = SGLangEngine(SGLangClientConfig(url=url, pause_mode="in_place"))
+            http = httpx.AsyncClient(base_url=url, timeout=30)
+            try:
+                task = asyncio.create_task(client.generate(PROMPT, SamplingParams(max_new_tokens=2000)))
+                while state.engine.running == 0:
+                    assert not task.done()
+                    await asyncio.sleep(0.005)
+                await asyncio.to_thread(client.pause)
+                body = {"serialized_named_tensors": [_tensor_payload(patch)], "weight_version": "1"}
+                refused = await http.post("/update_weights_from_tensor", json=body)
+                unchanged = torch.equal(dict(state.engine.model.named_parameters())[name], before)
+                busy_flush = await http.post("/flush_cache")
+                taken = await http.post("/update_weights_from_tensor", json={**body, "flush_cache": False})
+                await asyncio.to_thread(client.resume)
+                span = await asyncio.wait_for(task, 60)
+                return refused, unchanged, busy_flush, taken, span, await http.post("/flush_cache")
+            finally:
+                await http.aclose()
+                await client.aclose()
+
+        refused, unchanged, busy_flush, taken, span, idle_flush = asyncio.run(run())
+        assert refused.status_code == 400 and refused.json()["param"] == "flush_cache" and unchanged
+        assert busy_flush.status_code == 400 and "pending requests" in busy_flush.text
+        assert taken.status_code == 200 and taken.json()["success"]
+        assert idle_flush.status_code == 200
+        assert span.weight_version == 1 and len(span.token_ids) > 0
+        assert torch.equal(dict(state.engine.model.named_parameters())[name], patch[name])
+
+
 @pytest.mark.parametrize(
     ("path", "body", "param"),
     [
@@ -340,6 +378,7 @@ def test_distributed_update_is_bit_exact_and_versioned(server_process):
 
     before, after, seen = asyncio.run(generate_across_update())
     assert before.weight_version in (0, 3) and after.weight_version == 3 == seen
+    assert pusher.cache_flushed in ([True], [False])  # False: the update overtook the generation
     served = _served_weights(url, new)
     assert all(torch.equal(served[k], v) for k, v in new.items())
     scored = httpx.post(
@@ -371,6 +410,7 @@ def test_distributed_update_is_bit_exact_and_versioned(server_process):
     direct.connect()
     newer = {k: v.detach().clone() for k, v in _model(29).named_parameters()}
     direct.push(newer, 7)
+    assert direct.cache_flushed == [True]  # nothing in flight: the server flushed
     served = _served_weights(url, newer)
     assert all(torch.equal(served[k], v) for k, v in newer.items())
     direct.shutdown()

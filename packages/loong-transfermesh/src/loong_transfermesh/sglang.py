@@ -12,11 +12,20 @@ Protocol, for a trainer (rank 0) and ``n`` servers with ``r`` ranks each (tensor
      ranks joined). The rendezvous is the one SGLang uses: a TCP store hosted by rank 0, keys
      under ``group_name``, a process group built the way ``torch.distributed`` builds its own.
   2. Per update: ``POST /pause_generation``; per bucket ``POST /update_weights_from_distributed
-     {names, dtypes, shapes, group_name, flush_cache, weight_version, load_format:
-     "flattened_bucket"}`` while the trainer broadcasts the bucket from rank 0; the last bucket
-     carries ``weight_version``; ``POST /continue_generation``; ``GET /get_weight_version`` must
-     read back the new version.
+     {names, dtypes, shapes, group_name, flush_cache: false, weight_version, load_format:
+     "flattened_bucket"}`` while the trainer broadcasts the bucket from rank 0 (SGLang receives
+     the broadcast inside that HTTP call); the last bucket carries ``weight_version``; then
+     ``POST /flush_cache`` (when ``flush_cache``); ``POST /continue_generation``;
+     ``GET /get_weight_version`` must read back the new version.
   3. ``POST /destroy_weights_update_group {group_name}``.
+
+Cache flush: SGLang's scheduler flushes only when no request is queued or running, and after a
+weight update with ``flush_cache: true`` it *asserts* the flush succeeded
+(``scheduler_update_weights_mixin.py``), so an update while an ``in_place``/``retract`` pause
+holds requests would kill the server. The update calls therefore never ask for the flush; the
+pusher flushes through ``POST /flush_cache`` instead, which answers 400 (no crash) while
+requests are held: those requests, and the radix cache, then keep KV computed under the old
+weights (``cache_flushed`` records, per server, whether the last push flushed).
 
 A flattened bucket (SGLang's ``flattened_bucket`` load format) is the concatenation of the
 flattened tensors, in ``names`` order, as one 1-D tensor with no padding: tensor ``k`` occupies
@@ -70,6 +79,8 @@ class SGLangPusherConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     across the update, ``retract`` re-prefills them, ``abort`` returns them early).
     ``load_format``: ``flattened_bucket`` (one broadcast per bucket) or ``direct`` (one broadcast
     per tensor, in ``names`` order: for SGLang versions without flattened buckets).
+    ``flush_cache``: after the last bucket, ask each server to drop its KV/prefix cache
+    (``POST /flush_cache``; skipped by servers that still hold requests, see the module docstring).
     """
 
     urls: list[str]
@@ -200,6 +211,7 @@ class SGLangWeightPusher:
         self._http = httpx.Client(headers=headers, timeout=config.timeout_s)
         self._pool = ThreadPoolExecutor(max_workers=len(config.urls))
         self._group: dist.ProcessGroup | None = None
+        self.cache_flushed: list[bool] = []  # per server (``urls`` order): did the last push flush?
 
     @property
     def world_size(self) -> int:
@@ -241,6 +253,11 @@ class SGLangWeightPusher:
             for i, names in enumerate(buckets):
                 last = i == len(buckets) - 1
                 self._send_bucket([(n, named[n]) for n in names], str(version) if last else None)
+            self.cache_flushed = (
+                _results([self._pool.submit(self._flush, url) for url in self.config.urls])
+                if self.config.flush_cache
+                else []
+            )
         self.check_version(version)
 
     def push_from_disk(self, model_path: str, version: int) -> None:
@@ -276,7 +293,7 @@ class SGLangWeightPusher:
             "dtypes": [dtype_field(t.dtype) for _, t in items],
             "shapes": [list(t.shape) for _, t in items],
             "group_name": c.group_name,
-            "flush_cache": c.flush_cache,
+            "flush_cache": False,  # SGLang asserts on a failed flush here; see _flush
         }
         if c.load_format == "flattened_bucket":
             body["load_format"] = "flattened_bucket"
@@ -304,6 +321,14 @@ class SGLangWeightPusher:
             yield
         finally:
             self._all("/continue_generation", {})
+
+    def _flush(self, url: str) -> bool:
+        """``POST /flush_cache``: True once flushed, False when the server still holds requests
+        (SGLang answers 400 then and keeps serving); any other failure raises."""
+        response = self._http.post(f"{url}/flush_cache")
+        if response.status_code in (200, 400):
+            return response.status_code == 200
+        raise SGLangUpdateError(f"{url}/flush_cache: HTTP {response.status_code}: {response.text}")
 
     def _all(self, path: str, body: dict) -> list[dict]:
         return _results([self._post_async(url, path, body) for url in self.config.urls])

@@ -18,7 +18,12 @@ instead of the embedded engine:
 Launchers: ``"sglang"`` runs ``python -m sglang.launch_server`` (``python`` may be another
 environment's interpreter: SGLang pins its own torch) with ``--tp-size``, ``--skip-tokenizer-init``
 (token ids in and out), ``--random-seed`` and, when set, ``--mem-fraction-static``; the server sees
-the GPUs Ray gave the worker (``gpus`` per worker, ``CUDA_VISIBLE_DEVICES`` inherited).
+the GPUs Ray gave the worker (``gpus`` per worker, ``CUDA_VISIBLE_DEVICES`` inherited). It runs
+with ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false``: by default SGLang's ``/health`` generates
+a token, and while a weight update holds the server paused that request waits for
+``/continue_generation`` (``TokenizerManager.generate_request`` waits on the pause), so a long
+update would read as failed health checks and the supervisor would relaunch the server mid-update.
+With the variable off, ``/health`` answers 503 until the server is up, then 200 (no generation).
 ``"loong"`` runs ``loong-train serve-sglang``: the embedded engine behind the same HTTP API, on
 CPU, so this whole path runs in CPU tests and on machines without SGLang.
 
@@ -108,11 +113,13 @@ class SGLangRolloutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkn
     def server(self, model_path: str, worker_id: int, log_dir: str, seed: int) -> SGLangServerConfig:
         """The supervisor's config for worker ``worker_id``."""
         python = self.python or sys.executable
+        env: dict[str, str] = {}
         if self.launcher == "sglang":
             launcher = sglang_launch_command(python)
             flags = ["--tp-size", str(self.tp_size), "--random-seed", str(seed), "--skip-tokenizer-init"]
             if self.mem_fraction_static:
                 flags += ["--mem-fraction-static", str(self.mem_fraction_static)]
+            env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] = "false"  # see the module docstring
         else:
             launcher = [python, "-m", "loong_train.cli", "serve-sglang"]
             flags = ["--seed", str(seed), "--threads", "1"]
@@ -123,6 +130,7 @@ class SGLangRolloutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkn
             port=self.port_base + worker_id,
             api_key=self.api_key or None,
             args=[*flags, *self.args],
+            env=env,
             log_path=str(Path(log_dir) / f"sglang-{worker_id}.log") if log_dir else "",
             startup_timeout_s=self.startup_timeout_s,
             health_interval_s=self.health_interval_s,

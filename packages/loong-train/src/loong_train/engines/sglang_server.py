@@ -19,7 +19,8 @@ The subset Loong uses, with SGLang's field names and shapes (``entrypoints/http_
   ``log_softmax(logits / T)`` of the sampled tokens; a matched stop token is in ``output_ids``.
 - ``/pause_generation {mode}``, ``/continue_generation``, ``/get_weight_version``,
   ``/get_model_info``, ``/get_weights_by_name {name, truncate_size}``, ``/health``,
-  ``/health_generate``, ``/flush_cache`` (no prefix cache here: a no-op).
+  ``/health_generate``, ``/flush_cache`` (no prefix cache here, but it answers as SGLang does:
+  400 while requests are queued or running, 200 otherwise).
 - Weight updates, each applied between decode steps (the engine is paused, the step in flight
   finishes, parameters are copied, the engine resumes unless a client paused it; running
   requests continue under the new weights, and ``meta_info.weight_version`` names the newest):
@@ -38,9 +39,12 @@ The subset Loong uses, with SGLang's field names and shapes (``entrypoints/http_
 Differences from SGLang: no ``text`` input, no streaming, greedy (``temperature = 0``) and the
 sampling options other than ``max_new_tokens``, ``temperature``, ``top_p``, ``stop_token_ids`` are
 refused (400) unless left at SGLang's defaults; every pause mode holds running and queued requests
-between decode steps rather than aborting or retracting them; ``flush_cache``/``abort_all_requests``
-are accepted and ignored. ``weight_version`` is a string as in SGLang; when it reads as an
-integer it also becomes the engine's version stamp.
+between decode steps rather than aborting or retracting them; ``abort_all_requests`` is accepted
+and ignored. ``flush_cache`` (default true, as in SGLang) on a weight update while an ``in_place``
+or ``retract`` pause holds running requests answers 400 after the weights arrived, unapplied:
+SGLang's scheduler asserts on that failed flush and dies, so a client must send
+``flush_cache: false`` there (and flush later through ``/flush_cache``). ``weight_version`` is a
+string as in SGLang; when it reads as an integer it also becomes the engine's version stamp.
 
 Errors: a bad field answers 400 with SGLang's error body (``object``, ``message``, ``type``,
 ``code``) plus ``param`` naming the field and ``success: false``. With an API key, every path but
@@ -93,6 +97,7 @@ class SGLangServer:
         self.label = str(engine.weight_version)
         self.labels = {engine.weight_version: self.label}
         self.paused = False
+        self.pause_mode = "abort"
         self.groups: dict[str, dist.ProcessGroup] = {}
         self._update_lock = asyncio.Lock()
 
@@ -174,7 +179,7 @@ class SGLangServer:
         mode = field(await json_body(request), "mode", str, "abort")
         if mode not in ("abort", "retract", "in_place"):
             raise BadRequest("mode", "must be one of abort, retract, in_place")
-        self.paused = True
+        self.paused, self.pause_mode = True, mode
         self.engine.pause()
         return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
 
@@ -207,8 +212,22 @@ class SGLangServer:
         return JSONResponse(param.detach()[:size].float().cpu().tolist())
 
     # ---- weight updates ----
-    async def swap(self, named: dict[str, torch.Tensor], label: str | None) -> None:
-        """Check every tensor, then copy all of them between decode steps and relabel the version."""
+    def busy(self) -> bool:
+        """Requests queued or running: SGLang's scheduler would refuse to flush its cache."""
+        return bool(self.engine.running or self.engine.queued)
+
+    async def swap(self, named: dict[str, torch.Tensor], label: str | None, flush: bool = False) -> None:
+        """Check every tensor, then copy all of them between decode steps and relabel the version.
+
+        ``flush`` (the request's ``flush_cache``) while a non-abort pause holds running requests is
+        refused: SGLang applies the weights, fails the flush and its scheduler dies on an assert."""
+        if flush and self.paused and self.pause_mode != "abort" and self.engine.running:
+            raise BadRequest(
+                "flush_cache",
+                f"{self.engine.running} requests are held by the {self.pause_mode!r} pause, so the "
+                "cache cannot be flushed (SGLang's scheduler asserts and dies here); send "
+                "flush_cache: false and flush later",
+            )
         params = dict(self.engine.model.named_parameters())
         if self.engine.model.config.tie_word_embeddings:
             named.pop("lm_head.weight", None)  # tied to embed_tokens, as SGLang skips it
@@ -246,7 +265,9 @@ class SGLangServer:
         named: dict[str, torch.Tensor] = {}
         for f in files:
             named.update(await asyncio.to_thread(load_file, str(f)))
-        await self.swap(named, field(body, "weight_version", str, None))
+        await self.swap(
+            named, field(body, "weight_version", str, None), field(body, "flush_cache", bool, True)
+        )
         return JSONResponse(
             {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
         )
@@ -290,8 +311,9 @@ class SGLangServer:
         if load_format not in ("direct", "flattened_bucket"):
             raise BadRequest("load_format", "must be null or 'flattened_bucket'")
         receive = _receive_flat if load_format == "flattened_bucket" else _receive_each
+        flush = field(body, "flush_cache", bool, True)
         named = await asyncio.to_thread(receive, group, names, torch_dtypes, shapes, self.device)
-        await self.swap(named, field(body, "weight_version", str, None))
+        await self.swap(named, field(body, "weight_version", str, None), flush)
         return JSONResponse({"success": True, "message": "Succeeded to update parameter online."})
 
     async def destroy_group(self, request: Request) -> Response:
@@ -315,7 +337,9 @@ class SGLangServer:
                 "entry 0 must be base64 of torch.save([(name, tensor), ...]) (SGLang's CUDA IPC "
                 f"pickles are not accepted by the embedded server): {e}",
             ) from None
-        await self.swap(named, field(body, "weight_version", str, None))
+        await self.swap(
+            named, field(body, "weight_version", str, None), field(body, "flush_cache", bool, True)
+        )
         return JSONResponse({"success": True, "message": "Success"})
 
 
@@ -362,6 +386,12 @@ def build_app(
         return Response(status_code=200)
 
     async def flush(request: Request) -> Response:
+        if s.busy():
+            message = (
+                "Cache not flushed because there are pending requests. "
+                f"#queue-req: {s.engine.queued}, #running-req: {s.engine.running}\n"
+            )
+            return Response(message, status_code=400)
         return Response("Cache flushed.\n", status_code=200)
 
     async def on_bad_request(request: Request, exc: BadRequest) -> Response:

@@ -5,8 +5,12 @@
 API works, e.g. ``loong-train serve-sglang`` on CPU) and keeps it serving:
 
 - **start**: launch, then poll ``GET /health`` (SGLang and the embedded server both answer 200 once
-  they serve) until ``startup_timeout_s``; a process that exits or never gets healthy counts as a
-  failed launch and is retried like a crash.
+  they serve, 503 while SGLang starts) until ``startup_timeout_s``; a process that exits or never
+  gets healthy counts as a failed launch and is retried like a crash. ``/health`` is exempt from
+  ``--api-key`` in SGLang (``utils/auth.py``), so the key is sent but not needed. By default
+  SGLang's ``/health`` generates one token (like ``/health_generate``), which waits while the
+  server is paused; set ``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=false`` in ``env`` when pauses
+  can outlast ``health_failures`` checks (``SGLangRollout`` does).
 - **logs**: the process writes stdout and stderr straight into ``log_path`` (appended; a header
   line per launch, the API key redacted), so nothing is lost if this process dies.
 - **watch**: a daemon thread checks every ``health_interval_s`` that the process is alive and that
