@@ -65,10 +65,18 @@ def test_console_script_reports_errors_without_traceback():
 def test_address_flag_sets_the_ray_address(monkeypatch):
     seen = {}
     monkeypatch.setattr(
-        "loong_train.controller.run", lambda recipe, out, cache: seen.setdefault("r", recipe) and out
+        "loong_train.controller.run", lambda recipe, out, cache, resume: seen.setdefault("r", recipe) and out
     )
     assert main(["run", "tiny-calc-agent", "--address", "10.0.0.5:6379", "--set", "train.steps=1"]) == 0
     assert seen["r"].ray_address == "10.0.0.5:6379" and seen["r"].train.steps == 1
+
+
+def test_resume_needs_a_checkpoint(tmp_path, capsys):
+    fast = ["--set", "warmstart.steps=0", "--cache", str(tmp_path / "cache")]
+    code, err = _run(capsys, "run", "tiny-calc-agent", "--resume", str(tmp_path / "run"), *fast)
+    assert code == 2 and "no checkpoint" in err
+    code, err = _run(capsys, "run", "tiny-calc-agent", "--resume", "runs/a", "--out", "runs/b")
+    assert code == 2 and "--resume DIR continues in DIR" in err
 
 
 def test_sigterm_runs_the_clean_up(tmp_path):

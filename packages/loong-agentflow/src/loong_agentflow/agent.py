@@ -14,6 +14,7 @@ Example::
 from __future__ import annotations
 
 import asyncio
+import inspect
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -40,12 +41,20 @@ class EpisodeLimits:
 
 @dataclass
 class EpisodeSpec:
-    """What to run: the ledger id, the GRPO group, the task payload and routing tags."""
+    """What to run: the ledger id, the GRPO group, the task payload and routing tags.
+
+    ``seed``: the episode's sampling seed. Turn ``t`` (0-based) asks the engine for
+    ``(seed + t) mod 2**64``, so an episode's tokens depend only on its seed and the weights, not
+    on which worker runs it or what ran before (resumed runs sample what an uninterrupted run
+    would). It reaches engines whose ``generate`` takes ``seed=`` (the embedded engine); ``None``
+    or another engine: the engine's own random stream.
+    """
 
     sample_id: str
     group_id: str
     task: dict[str, Any]
     tags: dict[str, str] = field(default_factory=dict)
+    seed: int | None = None
 
 
 class Episode:
@@ -63,6 +72,7 @@ class Episode:
         self.buffer = TokenBuffer(codec)
         self.truncated = False
         self.turns = 0
+        self.seed = spec.seed if _takes_seed(engine) else None
 
     @property
     def task(self) -> dict[str, Any]:
@@ -83,7 +93,8 @@ class Episode:
         sampling = msgspec.structs.replace(
             self.sampling, max_new_tokens=min(budget, self.sampling.max_new_tokens)
         )
-        span = await self.engine.generate(list(self.buffer.ids), sampling)
+        seed = {"seed": (self.seed + self.turns) % 2**64} if self.seed is not None else {}
+        span = await self.engine.generate(list(self.buffer.ids), sampling, **seed)
         self.buffer.append(span)
         self.turns += 1
         hit_stop = bool(span.token_ids) and span.token_ids[-1] in sampling.stop_token_ids
@@ -104,6 +115,13 @@ class Episode:
             tags=dict(self.spec.tags),
             info=info or {},
         )
+
+
+def _takes_seed(engine: RolloutEngine) -> bool:
+    try:
+        return "seed" in inspect.signature(engine.generate).parameters
+    except (TypeError, ValueError):  # no introspectable signature
+        return False
 
 
 class Agent(Protocol):

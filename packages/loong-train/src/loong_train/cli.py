@@ -1,6 +1,7 @@
 """``loong-train``: run a recipe.
 
 loong-train run tiny-calc-agent [--out runs/NAME] [--set train.steps=50]...
+loong-train run tiny-calc-agent --resume runs/NAME [--set train.steps=200]...
 loong-train recipes
 loong-train serve-sglang MODEL_DIR [--port 30000] [--api-key KEY]
 """
@@ -30,6 +31,14 @@ def _parser() -> argparse.ArgumentParser:
         default=[],
         metavar="KEY=VALUE",
         help="override a recipe key, e.g. --set train.steps=50 (repeatable)",
+    )
+    run.add_argument(
+        "--resume",
+        type=Path,
+        metavar="DIR",
+        help="continue the run directory DIR from its newest checkpoint (DIR/checkpoints/step_<v>); "
+        "the recipe and --set overrides are the ones it continues with (e.g. --set train.steps=200 "
+        "trains on); keys that change what it computes may not differ from the checkpoint's",
     )
     run.add_argument(
         "--address", help="join an existing Ray cluster (auto or HOST:PORT) instead of starting one"
@@ -89,8 +98,17 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     from loong_train.controller import run
 
+    if args.resume and args.out and args.out.absolute() != args.resume.absolute():
+        print("loong-train: --resume DIR continues in DIR; drop --out", file=sys.stderr)
+        return 2
     exit_on_sigterm()
-    out = run(recipe, args.out or Path("runs") / recipe.name, args.cache)
+    try:
+        out = run(
+            recipe, args.resume or args.out or Path("runs") / recipe.name, args.cache, args.resume is not None
+        )
+    except ConfigError as e:  # --resume: no checkpoint, or a recipe that does not fit it
+        print(f"loong-train: {e}", file=sys.stderr)
+        return 2
     print(f"run directory: {out}")
     return 0
 

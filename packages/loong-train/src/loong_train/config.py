@@ -135,7 +135,9 @@ class TrainConfig(_Section):
     def __post_init__(self) -> None:
         _at_least(self, checkpoint_every=0, keep_checkpoints=1)
         if self.backend == "megatron" and self.checkpoint_every:
-            raise ValueError("checkpoint_every needs backend = 'torch' (Megatron writes only checkpoints/final)")
+            raise ValueError(
+                "checkpoint_every needs backend = 'torch' (Megatron writes only checkpoints/final)"
+            )
         _at_least(
             self,
             steps=1,

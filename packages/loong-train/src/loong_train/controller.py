@@ -22,7 +22,8 @@ import ray
 from tqdm import tqdm
 
 from loong_core.window import StalenessWindow
-from loong_train import tasks
+from loong_train import checkpoint, tasks
+from loong_train.checkpoint import Checkpoint
 from loong_train.config import Recipe
 from loong_train.opd import prepare_teachers
 from loong_train.pipeline import GroupSource, Pipeline
@@ -37,18 +38,20 @@ __all__ = ["run"]
 log = logging.getLogger("loong.controller")
 
 
-def run(recipe: Recipe, out: Path, cache: Path) -> Path:
-    """Train ``recipe``; writes the run directory ``out`` and returns it."""
+def run(recipe: Recipe, out: Path, cache: Path, resume: bool = False) -> Path:
+    """Train ``recipe``; writes the run directory ``out`` and returns it. ``resume``: continue the
+    run in ``out`` from its newest checkpoint (:mod:`loong_train.checkpoint`)."""
     out, cache = out.absolute(), cache.absolute()  # Ray actors may run in another working directory
     model_path = str(prepare_model(recipe, cache))
     recipe = prepare_teachers(recipe, cache, Path(model_path))  # OPD recipes: build their teachers
-    run_dir = RunDir(out, recipe)
+    ckpt = checkpoint.latest(out, recipe) if resume else None
+    run_dir = RunDir(out, recipe, ckpt.state.run_dir if ckpt else None)
     started_ray = not ray.is_initialized()
     transport = msgspec.structs.replace(recipe.transport, name=run_dir.name)
-    pipe = _start(recipe, model_path, transport, run_dir.path / "logs")
+    pipe = _start(recipe, model_path, transport, run_dir.path / "logs", ckpt)
     try:
         run_dir.begin(pipe)
-        bar = tqdm(total=recipe.train.steps, desc=recipe.name, unit="step")
+        bar = tqdm(total=recipe.train.steps, initial=pipe.window.version, desc=recipe.name, unit="step")
         while pipe.window.version < recipe.train.steps:
             pipe.admit()
             for kind, result in pipe.wait():
@@ -60,6 +63,7 @@ def run(recipe: Recipe, out: Path, cache: Path) -> Path:
                     pipe.window.advance()
                     pipe.sync_weights(manifest)
                     run_dir.on_train_step(pipe, metrics)
+                    checkpoint.maybe_save(pipe, run_dir)
                     bar.update(1)
                     bar.set_postfix(run_dir.postfix())
             if (trajs := pipe.start_train_step()) is not None:
@@ -68,13 +72,17 @@ def run(recipe: Recipe, out: Path, cache: Path) -> Path:
         run_dir.finish(pipe)
     finally:
         run_dir.close()
+        pipe.shutdown()
         remove_slots(run_dir.name)  # also when the trainer died before unlinking them
         if started_ray:
             ray.shutdown()
     return run_dir.path
 
 
-def _start(recipe: Recipe, model_path: str, transport: TransportConfig, log_dir: Path) -> Pipeline:
+def _start(
+    recipe: Recipe, model_path: str, transport: TransportConfig, log_dir: Path, ckpt: Checkpoint | None
+) -> Pipeline:
+    """Ray, the rollout workers and the trainer; resumed, all three start from ``ckpt``."""
     if not ray.is_initialized():
         ray.init(
             address=recipe.ray_address or None,
@@ -92,9 +100,11 @@ def _start(recipe: Recipe, model_path: str, transport: TransportConfig, log_dir:
     }
     sglang = recipe.sglang if r.engine == "sglang" else None  # each worker runs a server, on its GPUs
     gpus = sglang.gpus if sglang else 0
+    engine_path, version = (str(ckpt.path), ckpt.version) if ckpt else (model_path, 0)
     workers = [
         ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=r.max_restarts)(RolloutWorker).remote(
-            model_path,
+            engine_path,
+            version=version,
             seed=recipe.seed * 1000 + i,
             sampling=sampling,
             limits=limits,
@@ -108,10 +118,15 @@ def _start(recipe: Recipe, model_path: str, transport: TransportConfig, log_dir:
         for i in range(r.workers)
     ]
     trainer_actor = ray.remote(num_cpus=1, num_gpus=recipe.train.gpus)(TrainerWorker)
-    trainer = trainer_actor.remote(model_path, recipe, transport)
+    trainer = trainer_actor.remote(model_path, recipe, transport)  # the initial model: KL reference
+    if ckpt:
+        ray.get(trainer.load_checkpoint.remote(str(ckpt.path)))
     held_out = tasks.eval_tasks(recipe.task, recipe.eval.num_tasks)
     source = GroupSource(
-        tasks.train_tasks(recipe.task, recipe.seed + 2, held_out), r.group_size
+        tasks.train_tasks(recipe.task, recipe.seed + 2, held_out), r.group_size, seed=recipe.seed
     )  # warm start used seed + 1
     window = StalenessWindow(recipe.train.max_staleness, recipe.train.batch_groups)
-    return Pipeline(recipe, workers, trainer, window, source, model_path)
+    pipe = Pipeline(recipe, workers, trainer, window, source, model_path)
+    if ckpt:
+        checkpoint.restore(pipe, ckpt)
+    return pipe

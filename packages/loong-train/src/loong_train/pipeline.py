@@ -6,7 +6,7 @@ Faults. Rollout workers are Ray actors with ``max_restarts``. A call of a worker
 died raises ``RayActorError`` (``ActorDiedError``, or ``ActorUnavailableError`` while Ray
 restarts it). For a rollout call the pipeline aborts the call's groups in the window, so they
 wait in ``window.reissue`` and ``admit`` issues them again: same group ids, same prompts
-(``GroupSource.issued`` keeps them until trained). A failed weight apply
+(``GroupSource.issued`` keeps them until trained), same sampling seeds. A failed weight apply
 is dropped. Either way the worker is marked down and probed (``pid()``, retried by Ray until
 the actor is back); nothing else is queued on it meanwhile (weight updates skip it, evaluations
 go to a live worker). The restarted worker took the newest weights in its constructor (see
@@ -18,6 +18,7 @@ its restarts are spent) ends the run.
 
 from __future__ import annotations
 
+import hashlib
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -31,18 +32,35 @@ from loong_core.window import StalenessWindow
 from loong_train.algorithms import grpo_advantages, pack_batch
 from loong_train.config import Recipe
 
-__all__ = ["GroupSource", "Pipeline"]
+__all__ = ["GroupSource", "Pipeline", "episode_seed"]
 
 log = logging.getLogger("loong.pipeline")
 
 
+def episode_seed(run_seed: int, sample_id: str) -> int:
+    """The sampling seed of episode ``sample_id`` in a run seeded ``run_seed`` (64 bits of a hash):
+    the same sample samples the same tokens from the same weights however the run was split."""
+    digest = hashlib.blake2b(f"{run_seed}/{sample_id}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
+
+
 class GroupSource:
-    """Training prompts as GRPO groups; a group id names the window entry (the ledger key)."""
+    """Training prompts as GRPO groups; a group id names the window entry (the ledger key).
+
+    ``count`` tasks have been drawn from ``tasks`` (one per group), which is the data position a
+    checkpoint saves; ``issued`` keeps the prompt of every group not yet trained, so a lost group
+    is issued again with the same prompt. With ``seed``, each episode carries
+    ``episode_seed(seed, sample_id)``.
+    """
 
     def __init__(
-        self, tasks: Iterator[dict[str, Any]], group_size: int, tags: dict[str, str] | None = None
+        self,
+        tasks: Iterator[dict[str, Any]],
+        group_size: int,
+        tags: dict[str, str] | None = None,
+        seed: int | None = None,
     ) -> None:
-        self.tasks, self.group_size, self.tags = tasks, group_size, tags or {}
+        self.tasks, self.group_size, self.tags, self.seed = tasks, group_size, tags or {}, seed
         self.issued: dict[str, dict[str, Any]] = {}
         self.count = 0
 
@@ -60,7 +78,11 @@ class GroupSource:
     def specs(self, group_id: str) -> list[EpisodeSpec]:
         task = self.issued[group_id]
         tags = {**self.tags, **task.get("tags", {})}  # a task's own tags (its domain) route it
-        return [EpisodeSpec(f"{group_id}-{j}", group_id, task, dict(tags)) for j in range(self.group_size)]
+        ids = [f"{group_id}-{j}" for j in range(self.group_size)]
+        return [EpisodeSpec(i, group_id, task, dict(tags), self._seed(i)) for i in ids]
+
+    def _seed(self, sample_id: str) -> int | None:
+        return None if self.seed is None else episode_seed(self.seed, sample_id)
 
 
 @dataclass
@@ -260,6 +282,14 @@ class Pipeline:
                         self._seen(w, done[-1]["pid"])
                 del self.applies[version]
         return done
+
+    def shutdown(self) -> None:
+        """End the run's actors, so a cluster that outlives the run (``--address``, tests) gets
+        its CPUs back at once: workers stop their proxy or server first (``close``)."""
+        closing = [w.close.remote() for w in self.workers]
+        ray.wait(closing, num_returns=len(closing), timeout=30)
+        for actor in [*self.workers, self.trainer]:
+            ray.kill(actor)
 
     def drain(self) -> None:
         """Wait for every call still in flight (the run is over: lost ones are not re-issued)."""

@@ -133,6 +133,7 @@ class RolloutWorker:
         agent: AgentConfig | None = None,
         sglang: SGLangRolloutConfig | None = None,
         log_dir: str = "",
+        version: int = 0,
     ) -> None:
         torch.set_num_threads(threads)
         self.worker_id, self._model_path = worker_id, model_path
@@ -155,6 +156,8 @@ class RolloutWorker:
             if agent.kind == "blackbox"
             else None
         )
+        if version:  # resumed: ``model_path`` is a checkpoint of this version
+            self.engine.set_version(version)
         self.receiver = open_receiver(transport or TransportConfig())
         self._catch_up(transport or TransportConfig())
 

@@ -2,9 +2,17 @@
 
 ``runs/<name>/``: ``config.toml`` (resolved recipe), ``metrics.jsonl`` (one object per train
 step), ``ledger.jsonl`` (per train step: its groups and sample ids, so anyone can check that no
-sample was lost or trained twice), ``trace.json`` (Perfetto: rollout, eval, train and sync spans per actor), ``plots/*.png``,
-``checkpoints/final`` (Hugging Face format), ``summary.json``. Task sets with domains add
+sample was lost or trained twice), ``trace.json`` (Perfetto: rollout, eval, train and sync spans
+per actor), ``plots/*.png``, ``checkpoints/final`` (Hugging Face format) and ``checkpoints/step_<v>``
+(resumable, :mod:`loong_train.checkpoint`), ``summary.json``. Task sets with domains add
 held-out success per domain (``eval_reward/<domain>``, ``plots/eval_by_domain.png``).
+
+Resumed (``resume``, a :class:`RunDirState` from a checkpoint at step v): ``metrics.jsonl`` and
+``ledger.jsonl`` keep their lines up to step v (lines of steps after it, written by a run that
+died later, are dropped) and go on from there; the previous ``trace.json`` is kept as
+``trace.1.json`` (``.2``, ... on later resumes); counters, clocks and eval results continue. An
+evaluation of version v that had not finished is queued again (the engines start at v); older
+unfinished ones are recorded lost.
 
 An evaluation whose worker died is recorded as missing (logged, ``lost_evals`` in the summary),
 not re-run: a later run would evaluate other weights than the version it names.
@@ -24,6 +32,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import ray
 
 from loong_agentflow import EpisodeSpec
@@ -33,10 +42,10 @@ from loong_core.telemetry import MetricsWriter, TraceWriter
 from loong_train import tasks
 from loong_train.config import Recipe
 from loong_train.opd import teacher_success
-from loong_train.pipeline import Pipeline
+from loong_train.pipeline import Pipeline, episode_seed
 from loong_train.plots import plot_domains, plot_run
 
-__all__ = ["RunDir"]
+__all__ = ["RunDir", "RunDirState"]
 
 log = logging.getLogger("loong.run_dir")
 
@@ -64,17 +73,39 @@ _TRAIN_KEYS = (
 _TRAIN_PREFIXES = ("opd/", "teacher/")  # per-teacher OPD metrics (loong_train.opd), named by teacher
 
 
+class RunDirState(msgspec.Struct, kw_only=True):
+    """The bookkeeping a checkpoint at ``step`` keeps, so a resumed run's metrics continue."""
+
+    step: int
+    elapsed_s: float
+    trained_samples: int
+    trainer_busy: float
+    rollout_busy: float
+    apply_s: float
+    eval_results: dict[int, float]
+    eval_by_domain: dict[int, dict[str, float]]
+    reported_evals: list[int]
+    lost_evals: list[int]
+    pending_evals: list[int]  # queued, not finished at the checkpoint
+
+
 class RunDir:
     """Writes config, metrics, trace, plots and the final checkpoint of one run."""
 
-    def __init__(self, path: Path, recipe: Recipe) -> None:
-        self.path, self.recipe = path, recipe
+    def __init__(self, path: Path, recipe: Recipe, resume: RunDirState | None = None) -> None:
+        self.path, self.recipe, self.resumed = path, recipe, resume
         (path / "plots").mkdir(parents=True, exist_ok=True)
         (path / "checkpoints").mkdir(exist_ok=True)
         (path / "config.toml").write_text(dump_toml(recipe))
         self.name = f"{recipe.name}-{os.getpid()}-{int(time.time())}"
         for name in ("metrics.jsonl", "ledger.jsonl"):
-            (path / name).unlink(missing_ok=True)  # a new run starts new logs
+            if resume is None:
+                (path / name).unlink(missing_ok=True)  # a new run starts new logs
+            else:
+                _keep_until(path / name, resume.step)
+        if resume is not None and (path / "trace.json").exists():
+            parts = 1 + sum(1 for _ in path.glob("trace.*.json"))
+            (path / "trace.json").rename(path / f"trace.{parts}.json")
         self.metrics = MetricsWriter(path / "metrics.jsonl")
         self.ledger = MetricsWriter(path / "ledger.jsonl")
         self.trace = TraceWriter(path / "trace.json")
@@ -91,17 +122,52 @@ class RunDir:
         self.batch: dict[str, Any] = {}
         self.batch_ids: dict[str, list[str]] = {}
         self.last: dict[str, Any] = {}
+        if resume is not None:
+            self.trained_samples, self.apply_s = resume.trained_samples, resume.apply_s
+            self.trainer_busy, self.rollout_busy = resume.trainer_busy, resume.rollout_busy
+            self.eval_results, self.eval_by_domain = dict(resume.eval_results), dict(resume.eval_by_domain)
+            self.reported_evals, self.lost_evals = set(resume.reported_evals), set(resume.lost_evals)
 
     def begin(self, pipe: Pipeline) -> None:
-        """Start the clocks and evaluate the initial policy (version 0) on held-out tasks."""
+        """Start the clocks and evaluate the initial policy (version 0) on held-out tasks; resumed:
+        continue the clocks and queue the checkpoint version's evaluation again if it was pending."""
         self.start = self.last_step_end = time.time()
-        self.evaluate(pipe, version=0)
+        if (r := self.resumed) is None:
+            self.evaluate(pipe, version=0)
+            return
+        self.start -= r.elapsed_s
+        for v in r.pending_evals:
+            if v == r.step:
+                self.evaluate(pipe, v)
+            else:
+                self.lost_evals.add(v)
+                log.warning(
+                    "evaluation of version %d lost: unfinished at the checkpoint of step %d", v, r.step
+                )
+
+    def state(self, step: int) -> RunDirState:
+        """What a checkpoint at ``step`` keeps (see :mod:`loong_train.checkpoint`)."""
+        done = self.eval_results.keys() | self.lost_evals
+        return RunDirState(
+            step=step,
+            elapsed_s=time.time() - self.start,
+            trained_samples=self.trained_samples,
+            trainer_busy=self.trainer_busy,
+            rollout_busy=self.rollout_busy,
+            apply_s=self.apply_s,
+            eval_results=dict(self.eval_results),
+            eval_by_domain=dict(self.eval_by_domain),
+            reported_evals=sorted(self.reported_evals),
+            lost_evals=sorted(self.lost_evals),
+            pending_evals=sorted(v for v in self.evals if v not in done),
+        )
 
     def evaluate(self, pipe: Pipeline, version: int) -> None:
         """Queue a held-out evaluation on a live worker behind the weight update to ``version``."""
+        ids = [f"eval-v{version}-{i}" for i in range(len(self.held_out))]
         specs = [
-            EpisodeSpec(f"eval-v{version}-{i}", f"eval-v{version}-{i}", t, dict(t.get("tags", {})))
-            for i, t in enumerate(self.held_out)
+            EpisodeSpec(i, i, t, dict(t.get("tags", {})), episode_seed(self.recipe.seed, i))
+            for i, t in zip(ids, self.held_out, strict=True)
         ]
         self.evals[version] = pipe.live_worker().rollout.remote(specs)
 
@@ -293,6 +359,22 @@ class RunDir:
         self.metrics.close()
         self.ledger.close()
         self.trace.save()
+
+
+def _keep_until(path: Path, step: int) -> None:
+    """Drop the lines of ``path`` (JSON lines with a ``step``) after ``step``, and a torn last line."""
+    if not path.exists():
+        return
+    keep = []
+    for line in path.read_text().splitlines():
+        try:
+            if json.loads(line)["step"] <= step:
+                keep.append(line + "\n")
+        except (json.JSONDecodeError, KeyError, TypeError):
+            continue
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text("".join(keep))
+    tmp.replace(path)
 
 
 def _by_domain(trajs: list[Trajectory]) -> dict[str, float]:

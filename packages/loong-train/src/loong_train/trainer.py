@@ -86,6 +86,22 @@ class TrainerWorker:
     def save(self, path: str) -> None:
         self.backend.save(path)
 
+    def save_checkpoint(self, path: str) -> None:
+        """Hugging Face weights, plus ``trainer_state.pt``: optimizer, LR scheduler, step count,
+        torch RNG state and the sender's version (torch backend)."""
+        self.backend.model.save_pretrained(path)
+        state = {"backend": self.backend.state_dict(), "version": self.version, "rng": torch.get_rng_state()}
+        torch.save(state, f"{path}/trainer_state.pt")
+
+    def load_checkpoint(self, path: str) -> int:
+        """Continue from ``save_checkpoint(path)``; returns the version it holds (the next push is
+        that version + 1)."""
+        state = torch.load(f"{path}/trainer_state.pt", weights_only=False)
+        self.backend.load(path, state["backend"])
+        torch.set_rng_state(state["rng"])
+        self.version = state["version"]
+        return self.version
+
     def close(self) -> None:
         self.sender.close()
         getattr(self.backend, "close", lambda: None)()  # the Megatron driver stops its ranks

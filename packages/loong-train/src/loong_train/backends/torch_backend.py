@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import copy
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -116,10 +117,21 @@ class TorchBackend:
     def save(self, path: str | Path) -> None:
         path = Path(path)
         self.model.save_pretrained(path)
-        torch.save(
-            {"opt": self.opt.state_dict(), "sched": self.sched.state_dict(), "steps": self.steps},
-            path / "optimizer.pt",
-        )
+        torch.save(self.state_dict(), path / "optimizer.pt")
+
+    def state_dict(self) -> dict[str, Any]:
+        """Optimizer and LR-scheduler state and the step count (weights: ``save``)."""
+        return {"opt": self.opt.state_dict(), "sched": self.sched.state_dict(), "steps": self.steps}
+
+    @torch.no_grad()
+    def load(self, path: str | Path, state: dict[str, Any]) -> None:
+        """Continue from a checkpoint: the weights ``save`` wrote to ``path`` (copied in place, so
+        the optimizer keeps its parameters; a KL reference stays the initial model) and
+        ``state_dict()``."""
+        self.model.load_state_dict(Qwen3ForCausalLM.from_pretrained(path).state_dict())
+        self.opt.load_state_dict(state["opt"])
+        self.sched.load_state_dict(state["sched"])
+        self.steps = state["steps"]
 
 
 def _frozen_copy(model: Qwen3ForCausalLM) -> Qwen3ForCausalLM:
