@@ -81,10 +81,16 @@ class RolloutConfig(_Section):
     """``max_restarts``: how often Ray restarts a rollout worker whose process died (its lost
     groups are issued again, see :mod:`loong_train.pipeline`); 0 = a dead worker ends the run.
     ``engine``: ``"embedded"`` (torch, in the worker) or ``"sglang"`` (a supervised server per
-    worker, configured by the ``[sglang]`` table: :mod:`loong_train.engines.sglang_rollout`)."""
+    worker, configured by the ``[sglang]`` table: :mod:`loong_train.engines.sglang_rollout`).
+    ``partial``: what a weight update does to a running rollout call (:mod:`loong_train.partial`):
+    ``"off"`` waits for the call to end (no generation sees two versions), ``"continue"`` pauses
+    the engine between decode steps, swaps and goes on (tokens keep per-token versions),
+    ``"restart"`` also reruns, from the prompt, episodes older than the window can still train
+    (embedded engine, white-box agent)."""
 
     workers: int = 1
     engine: Literal["embedded", "sglang"] = "embedded"
+    partial: Literal["off", "continue", "restart"] = "off"
     max_restarts: int = 3
     group_size: int = 8
     temperature: float = 1.0
@@ -354,6 +360,12 @@ class Recipe(_Section):
             raise ValueError(
                 f"transport.type {self.transport.type!r}: loong-train drives 'shm' (trainer and "
                 "engines on one host) for now"
+            )
+        r, kind = self.rollout, self.agent.kind
+        if r.partial != "off" and (r.engine != "embedded" or kind != "whitebox"):
+            raise ValueError(
+                f"rollout.partial = {r.partial!r} needs rollout.engine = 'embedded' and "
+                f"agent.kind = 'whitebox', got {r.engine!r} and {kind!r}"
             )
 
 

@@ -101,8 +101,11 @@ def _start(
     sglang = recipe.sglang if r.engine == "sglang" else None  # each worker runs a server, on its GPUs
     gpus = sglang.gpus if sglang else 0
     engine_path, version = (str(ckpt.path), ckpt.version) if ckpt else (model_path, 0)
+    worker_actor = ray.remote(  # "weights": partial rollouts apply updates beside a running rollout
+        num_cpus=1, num_gpus=gpus, max_restarts=r.max_restarts, concurrency_groups={"weights": 1}
+    )(RolloutWorker)
     workers = [
-        ray.remote(num_cpus=1, num_gpus=gpus, max_restarts=r.max_restarts)(RolloutWorker).remote(
+        worker_actor.remote(
             engine_path,
             version=version,
             seed=recipe.seed * 1000 + i,

@@ -91,7 +91,10 @@ class Pipeline:
 
     Ray runs one caller's calls to an actor in order, so a rollout queued after a weight update
     runs on the new weights: ``queued_version`` is the version every call queued from now on
-    will run at, and is what admission checks.
+    will run at, and is what admission checks. With partial rollouts (``rollout.partial``, see
+    :mod:`loong_train.partial`) updates run on the workers' ``weights`` thread instead, so they
+    land mid-call and never wait for rollouts; a rollout call then carries ``queued_version``
+    and its worker waits until it holds that version before starting, so the bound holds alike.
     """
 
     recipe: Recipe
@@ -110,6 +113,7 @@ class Pipeline:
     probes: dict[Any, int] = field(default_factory=dict)  # pid() call -> worker, while it is down
     restarts: int = 0
     reissued: int = 0  # groups whose generation was lost and issued again
+    restarted: int = 0  # episodes a weight update restarted (rollout.partial = "restart")
 
     def __post_init__(self) -> None:
         if not self.pids:
@@ -152,7 +156,7 @@ class Pipeline:
                 if not groups:
                     return
                 specs = [s for g in groups for s in self.source.specs(g)]
-                self.rollouts[worker.rollout.remote(specs)] = (w, groups)
+                self.rollouts[self.queue_rollout(worker, specs)] = (w, groups)
 
     def wait(self) -> list[tuple[str, Any]]:
         """Block until some rollout or the train step finishes; returns (kind, result) events.
@@ -226,7 +230,7 @@ class Pipeline:
             ) from e
         self._seen(w, pid)
         if self.latest is not None:  # updates queued while it was down were skipped
-            ref = self.workers[w].apply_weights.remote(self.latest)
+            ref = self._apply(w, self.latest)
             self.applies.setdefault(self.latest.version, {})[w] = ref
 
     def _seen(self, w: int, pid: int) -> None:
@@ -261,9 +265,35 @@ class Pipeline:
         """Queue the update on every live worker; calls queued after it run on the new version."""
         down = self.down
         self.applies[manifest.version] = {
-            w: worker.apply_weights.remote(manifest) for w, worker in enumerate(self.workers) if w not in down
+            w: self._apply(w, manifest) for w in range(len(self.workers)) if w not in down
         }
         self.queued_version, self.latest = manifest.version, manifest
+
+    def queue_rollout(self, worker: Any, specs: list[EpisodeSpec], evaluation: bool = False) -> Any:
+        """Queue a rollout call that runs at ``queued_version`` or newer (with partial rollouts the
+        worker waits for that version itself; without, Ray's call order ensures it). An
+        evaluation runs entirely at one version (updates wait for it)."""
+        partial = self.recipe.rollout.partial != "off"
+        return worker.rollout.remote(specs, self.queued_version if partial else 0, evaluation)
+
+    def restart_floor(self) -> int:
+        """The lowest oldest-token version the window can still train: ``take_batch`` trains at
+        its version t only entries with ``t - oldest <= max_staleness``, and the next take is at
+        ``version`` (``version + 1`` while a batch is taken), so an older episode could only be
+        evicted. Every in-flight entry was admitted at a version >= this floor (the window's
+        invariant F: live deadlines ``admit + max_staleness`` >= the next take), so restarts are
+        a guard that fires only for work admitted outside that rule."""
+        w = self.window
+        return w.version + bool(w.taken) - w.max_staleness
+
+    def _apply(self, w: int, manifest: WeightManifest) -> Any:
+        """Queue ``manifest`` on worker ``w``: behind its rollout calls, or with partial rollouts
+        on its ``weights`` thread (``restart``: with the restart floor)."""
+        worker, partial = self.workers[w], self.recipe.rollout.partial
+        if partial == "off":
+            return worker.apply_weights.remote(manifest)
+        floor = self.restart_floor() if partial == "restart" else -1
+        return worker.apply_weights.options(concurrency_group="weights").remote(manifest, floor)
 
     def applied(self) -> list[dict[str, float]]:
         """Results of weight applies that finished since the last call (one per live worker and
@@ -280,6 +310,7 @@ class Pipeline:
                         self._down(w)
                     else:
                         self._seen(w, done[-1]["pid"])
+                        self.restarted += done[-1]["restarted"]
                 del self.applies[version]
         return done
 

@@ -8,6 +8,7 @@ chosen by the recipe's ``[agent] kind``; either way ``rollout`` returns trajecto
 from __future__ import annotations
 
 import asyncio
+import functools
 import os
 import time
 from typing import Any
@@ -32,6 +33,7 @@ from loong_train.config import AgentConfig
 from loong_train.engines.embedded import EmbeddedEngine
 from loong_train.engines.sglang_rollout import SGLangRollout, SGLangRolloutConfig
 from loong_train.models.qwen3 import Qwen3ForCausalLM
+from loong_train.partial import EngineHost
 from loong_train.tasks import calc
 from loong_train.tokenizer import load_tokenizer
 from loong_transfermesh import ShmReceiver, TransferFailed, TransportConfig, open_receiver
@@ -156,6 +158,11 @@ class RolloutWorker:
             if agent.kind == "blackbox"
             else None
         )
+        self.host = (  # white-box episodes on the embedded engine: partial rollouts possible
+            EngineHost(self.engine)
+            if self.blackbox is None and isinstance(self.engine, EmbeddedEngine)
+            else None
+        )
         if version:  # resumed: ``model_path`` is a checkpoint of this version
             self.engine.set_version(version)
         self.receiver = open_receiver(transport or TransportConfig())
@@ -181,12 +188,20 @@ class RolloutWorker:
                     raise
         receiver.close()
 
-    def rollout(self, specs: list[EpisodeSpec]) -> dict[str, Any]:
+    def rollout(
+        self, specs: list[EpisodeSpec], min_version: int = 0, evaluation: bool = False
+    ) -> dict[str, Any]:
         """Run episodes; returns their trajectories (black-box: every row of each episode) and the
-        call's wall-clock span."""
+        call's wall-clock span. With partial rollouts (:mod:`loong_train.partial`) the episodes
+        start once the engine holds ``min_version`` (its update may still be on the way), and an
+        ``evaluation`` runs entirely at one version."""
         start = time.time()
         if self.blackbox is not None:
             out = self.blackbox.run(specs)
+        elif self.host is not None:
+            out = self.host.rollout(
+                self.agent, specs, self.codec, self.sampling, self.limits, min_version, evaluation
+            )
         else:
             out = asyncio.run(
                 run_episodes(self.agent, specs, self.engine, self.codec, self.sampling, self.limits)
@@ -203,17 +218,24 @@ class RolloutWorker:
             "pid": os.getpid(),
         }
 
-    def apply_weights(self, manifest: WeightManifest) -> dict[str, float]:
-        """Receive an update through TransferMesh. Ray runs an actor's calls one
-        at a time, so the update lands between rollout calls: no generation sees mixed weights.
-        A worker that already holds this version or a newer one (a restarted worker that caught
-        up) skips it."""
-        start = time.time()
+    def apply_weights(self, manifest: WeightManifest, restart_below: int = -1) -> dict[str, float]:
+        """Receive an update through TransferMesh. Called like a rollout, Ray runs it between
+        rollout calls: no generation sees mixed weights. Called in the ``weights`` concurrency
+        group (partial rollouts) it lands mid-call: :meth:`EngineHost.swap` pauses the engine for
+        the copy, and episodes that started below ``restart_below`` run again. A worker that
+        already holds this version or a newer one (a restarted worker that caught up) skips it."""
+        start, restarted = time.time(), 0
         if manifest.version > self.engine.weight_version:
-            self.receiver.apply(dict(self.engine.model.named_parameters()), version=manifest.version)
-            self.engine.set_version(manifest.version)
+            params = dict(self.engine.model.named_parameters())
+            copy = functools.partial(self.receiver.apply, params, version=manifest.version)
+            if self.host is not None:
+                restarted = self.host.swap(copy, manifest.version, restart_below)
+            else:
+                copy()
+                self.engine.set_version(manifest.version)
         end = time.time()
         return {
+            "restarted": restarted,
             "apply_s": end - start,
             "start": start,
             "end": end,
@@ -227,6 +249,8 @@ class RolloutWorker:
         server with it; in process, call this)."""
         if self.blackbox is not None:
             self.blackbox.close()
+        if self.host is not None:
+            self.host.close()
         if isinstance(self.engine, SGLangRollout):
             self.engine.close()
 

@@ -42,6 +42,7 @@ from loong_core.telemetry import MetricsWriter, TraceWriter
 from loong_train import tasks
 from loong_train.config import Recipe
 from loong_train.opd import teacher_success
+from loong_train.partial import crossed_update
 from loong_train.pipeline import Pipeline, episode_seed
 from loong_train.plots import plot_domains, plot_run
 
@@ -169,7 +170,7 @@ class RunDir:
             EpisodeSpec(i, i, t, dict(t.get("tags", {})), episode_seed(self.recipe.seed, i))
             for i, t in zip(ids, self.held_out, strict=True)
         ]
-        self.evals[version] = pipe.live_worker().rollout.remote(specs)
+        self.evals[version] = pipe.queue_rollout(pipe.live_worker(), specs, evaluation=True)
 
     def on_rollout(self, result: dict[str, Any]) -> None:
         self.rollout_busy += result["end"] - result["start"]
@@ -197,6 +198,7 @@ class RunDir:
             "timeouts": statuses[EpisodeStatus.TIMEOUT],
             "truncated": statuses[EpisodeStatus.TRUNCATED],
             "response_tokens_mean": sum(t.num_model_tokens for t in ok) / max(1, len(ok)),
+            "mixed_version_samples": sum(map(crossed_update, trajs)),  # partial rollouts
         }
         self.batch_ids = {
             "groups": list(dict.fromkeys(t.group_id for t in trajs)),
@@ -227,6 +229,7 @@ class RunDir:
             "elapsed_s": now - self.start,
             "worker_restarts": pipe.restarts,
             "reissued_groups": pipe.reissued,
+            "restarted_episodes": pipe.restarted,
         }
         self.last_step_end = now
         if version % self.recipe.eval.every == 0 or version == self.recipe.train.steps:
