@@ -9,6 +9,7 @@ tokens after the update against the new weights, tokens before it against the ol
 from __future__ import annotations
 
 import json
+import random
 import threading
 import time
 from collections import Counter
@@ -19,11 +20,12 @@ import torch
 from loong_core.protocols import SamplingParams
 from loong_core.records import Trajectory, WeightManifest
 from loong_core.telemetry import read_metrics
+from loong_core.window import StalenessWindow
 from loong_train import controller
 from loong_train.config import load_recipe
 from loong_train.models.qwen3 import Qwen3ForCausalLM
 from loong_train.partial import crossed_update
-from loong_train.pipeline import GroupSource
+from loong_train.pipeline import GroupSource, Pipeline
 from loong_train.rollout import RolloutWorker
 from loong_train.tasks import calc
 from loong_transfermesh import ShmSender, TransportConfig, remove_slots
@@ -172,3 +174,25 @@ def test_partial_rollouts_need_the_embedded_engine_and_a_whitebox_agent():
     assert load_recipe("tiny-calc-agent", ["rollout.partial=restart"]).rollout.partial == "restart"
     with pytest.raises(ValueError, match=r"rollout\.partial = 'continue' needs"):
         load_recipe("tiny-calc-agent", ["rollout.partial=continue", "agent.kind=blackbox"])
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_no_in_flight_group_is_ever_below_the_restart_floor(recipe, k):
+    """Why ``restart`` is a guard: driving the window as the pipeline does (admission at the
+    newest version, finishes at random later versions, a take whenever possible), every in-flight
+    entry's admit version stays >= ``Pipeline.restart_floor()`` and nothing is evicted."""
+    rng = random.Random(k)
+    window = StalenessWindow(max_staleness=k, batch_size=2)
+    pipe = Pipeline(recipe, [], None, window, GroupSource(iter([]), 2), pids=[0])
+    ids, checked = (f"g{i}" for i in range(10**6)), 0
+    while window.version < 50:
+        while rng.random() < 0.7 and window.can_admit(window.version):
+            window.admit(next(ids), window.version)
+        for entry, admitted in list(window.in_flight.items()):
+            if rng.random() < 0.4:
+                window.finish(entry, rng.randint(admitted, window.version))
+        if window.take_batch() is not None:
+            window.advance()
+            assert all(a >= pipe.restart_floor() for a in window.in_flight.values())
+            checked += len(window.in_flight)
+    assert checked > 20 and window.stats.evicted == 0
