@@ -8,7 +8,8 @@ The driver is the loop of DESIGN.md section 5:
    ``max_staleness`` versions, and admission keeps at most ``(max_staleness + 1) * batch``
    groups in flight (``max_staleness = 0`` is synchronous on-policy training, same code);
 4. after each train step the version advances and TransferMesh carries the weights to every
-   engine, queued behind the work already admitted at the old version;
+   engine, queued behind the work already admitted at the old version (``rollout.partial``:
+   landing mid-generation instead, the running requests continuing under the new version);
 5. everything that matters is measured every step.
 """
 
