@@ -77,30 +77,44 @@ class ForkServer:
     ) -> ForkedProcess:
         """Fork ``argv`` (``[python, "-m", MODULE, ...]`` or ``[python, SCRIPT, ...]``)."""
         _check_argv(argv)
-        control = await self._ensure_started()
-        loop = asyncio.get_running_loop()
+        message = {"argv": list(argv), "env": dict(env), "cwd": cwd}
+        try:
+            return await self._fork(await self._ensure_started(), message)
+        except ConnectionError:  # the warm process died and was not reaped yet: no child exists
+            await self.close()
+        try:
+            return await self._fork(await self._ensure_started(), message)
+        except ConnectionError as e:
+            raise RuntimeError(f"the fork server for {self.python} is not reachable: {e}") from e
+
+    async def _fork(self, control: socket.socket, message: dict) -> ForkedProcess:
+        """Send one fork request with the child's stdin, stdout and stderr; wait for its pid."""
         request_id = next(self._ids)
+        loop = asyncio.get_running_loop()
         forked = self._pids[request_id] = loop.create_future()
         exited = self._exits[request_id] = loop.create_future()
         stdin_r, stdin_w = os.pipe()
         stdout_r, stdout_w = os.pipe()
         stderr_r, stderr_w = os.pipe()
-        message = {"id": request_id, "argv": list(argv), "env": dict(env), "cwd": cwd}
+        ours = (stdin_w, stdout_r, stderr_r)
         try:
-            socket.send_fds(control, [json.dumps(message).encode()], [stdin_r, stdout_w, stderr_w])
-        except OSError as e:
-            for fd in (stdin_w, stdout_r, stderr_r):
+            packet = json.dumps({"id": request_id, **message}).encode()
+            socket.send_fds(control, [packet], [stdin_r, stdout_w, stderr_w])
+            pid = await forked
+        except BaseException:
+            self._pids.pop(request_id, None)
+            self._exits.pop(request_id, None)
+            for fd in ours:
                 os.close(fd)
-            raise RuntimeError(f"the fork server for {self.python} is not reachable: {e}") from e
+            raise
         finally:
             for fd in (stdin_r, stdout_w, stderr_w):
                 os.close(fd)
-        pid = await forked
         if pid == SERVER_DIED:
-            for fd in (stdin_w, stdout_r, stderr_r):
+            for fd in ours:
                 os.close(fd)
-            raise RuntimeError(f"the fork server for {self.python} died before forking {list(argv)!r}")
-        return ForkedProcess(pid, stdin_w, stdout_r, stderr_r, exited)
+            raise RuntimeError(f"the fork server for {self.python} died before forking {message['argv']!r}")
+        return ForkedProcess(pid, *ours, exited)
 
     async def close(self) -> None:
         """Stop the warm process (running children are the caller's to end)."""
@@ -122,7 +136,8 @@ class ForkServer:
 
     async def _ensure_started(self) -> socket.socket:
         async with self._starting:
-            if self._control is not None and self._proc is not None and self._proc.returncode is None:
+            alive = self._proc is not None and self._proc.returncode is None
+            if self._control is not None and alive and self._reader is not None and not self._reader.done():
                 return self._control
             await self.close()
             ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
