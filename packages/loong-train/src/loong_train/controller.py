@@ -83,11 +83,12 @@ def run(recipe: Recipe, out: Path, cache: Path, resume: bool = False) -> Path:
 def _start(
     recipe: Recipe, model_path: str, transport: TransportConfig, log_dir: Path, ckpt: Checkpoint | None
 ) -> Pipeline:
-    """Ray, the rollout workers and the trainer; resumed, all three start from ``ckpt``."""
+    """Ray, the rollout workers and the trainer; resumed, all three start from ``ckpt``. Each actor
+    reserves ``threads`` CPUs (its torch threads) and its GPUs, so Ray places them by resources."""
     if not ray.is_initialized():
         ray.init(
             address=recipe.ray_address or None,
-            num_cpus=None if recipe.ray_address else recipe.rollout.workers + 1,
+            num_cpus=None if recipe.ray_address else (recipe.rollout.workers + 1) * recipe.threads,
             include_dashboard=False,
             logging_level=logging.WARNING,
             log_to_driver=True,
@@ -103,7 +104,7 @@ def _start(
     gpus = sglang.gpus if sglang else 0
     engine_path, version = (str(ckpt.path), ckpt.version) if ckpt else (model_path, 0)
     worker_actor = ray.remote(  # "weights": partial rollouts apply updates beside a running rollout
-        num_cpus=1, num_gpus=gpus, max_restarts=r.max_restarts, concurrency_groups={"weights": 1}
+        num_cpus=recipe.threads, num_gpus=gpus, max_restarts=r.max_restarts, concurrency_groups={"weights": 1}
     )(RolloutWorker)
     workers = [
         worker_actor.remote(
@@ -121,7 +122,7 @@ def _start(
         )
         for i in range(r.workers)
     ]
-    trainer_actor = ray.remote(num_cpus=1, num_gpus=recipe.train.gpus)(TrainerWorker)
+    trainer_actor = ray.remote(num_cpus=recipe.threads, num_gpus=recipe.train.gpus)(TrainerWorker)
     trainer = trainer_actor.remote(model_path, recipe, transport)  # the initial model: KL reference
     if ckpt:
         ray.get(trainer.load_checkpoint.remote(str(ckpt.path)))
