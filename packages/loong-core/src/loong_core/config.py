@@ -23,6 +23,7 @@ from __future__ import annotations
 import copy
 import datetime
 import difflib
+import ipaddress
 import pathlib
 import re
 import tomllib
@@ -32,7 +33,7 @@ from typing import Any, TypeVar
 import msgspec
 import msgspec.inspect
 
-__all__ = ["ConfigError", "apply_override", "dump_toml", "load_config"]
+__all__ = ["ConfigError", "apply_override", "dump_toml", "is_loopback", "load_config"]
 
 S = TypeVar("S", bound=msgspec.Struct)
 
@@ -45,6 +46,17 @@ class ConfigError(ValueError):
 
 
 # --------------------------------------------------------------------------------------------- loading
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` (a name or an IP address) is this machine's loopback. Loong's servers bind
+    loopback by default and refuse any other address without a key; this is the one check."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def load_config(

@@ -26,7 +26,6 @@ Lifecycle::
 from __future__ import annotations
 
 import hmac
-import ipaddress
 import socket
 import struct
 import threading
@@ -36,6 +35,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from loong_core.config import is_loopback
 from loong_core.records import WeightManifest, decode, encode
 from loong_transfermesh.manifest import (
     ManifestMismatch,
@@ -64,15 +64,6 @@ def _split(address: str) -> tuple[str, int]:
     return host.strip("[]") or "127.0.0.1", int(port)
 
 
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 def _tune(sock: socket.socket) -> None:
     sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, _SOCK_BUF)
@@ -86,7 +77,7 @@ class TcpSender:
         self, address: str = "127.0.0.1:0", bucket_bytes: int = 64 << 20, checksum: bool = True, key: str = ""
     ) -> None:
         host, port = _split(address)
-        if not _is_loopback(host) and not key:
+        if not is_loopback(host) and not key:
             raise ValueError(f"a tcp sender bound to {host} (not loopback) needs a key; set transport.key")
         self.bucket_bytes, self.checksum, self._key = bucket_bytes, checksum, key.encode()
         self._server = socket.create_server((host, port))

@@ -48,12 +48,12 @@ import httpx
 import msgspec
 
 from loong_agentflow.sglang_client import SGLangClientConfig, SGLangEngine
+from loong_core.config import is_loopback
 from loong_core.protocols import SamplingParams
 from loong_core.records import TokenSpan
 from loong_train.engines.sglang_supervisor import (
     SGLangServerConfig,
     SGLangSupervisor,
-    is_loopback,
     sglang_launch_command,
 )
 from loong_train.models.qwen3 import Qwen3ForCausalLM

@@ -43,7 +43,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import ctypes
-import ipaddress
 import os
 import signal
 import subprocess
@@ -56,6 +55,8 @@ from pathlib import Path
 import httpx
 import msgspec
 
+from loong_core.config import is_loopback
+
 __all__ = ["SGLangServerConfig", "SGLangServerError", "SGLangSupervisor", "sglang_launch_command"]
 
 
@@ -66,15 +67,6 @@ def sglang_launch_command(python: str = sys.executable) -> list[str]:
 
 class SGLangServerError(RuntimeError):
     """The server could not be started or kept healthy; the message names its log file."""
-
-
-def is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 class SGLangServerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
