@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -23,3 +26,12 @@ def recipe():
 def tiny_dir(tmp_path_factory, recipe):
     """A random-init tiny Qwen3 checkpoint and char tokenizer (Hugging Face layout)."""
     return build_tiny(tmp_path_factory.mktemp("tiny"), recipe)
+
+
+@pytest.fixture(scope="session")
+def tiny_cache(tmp_path_factory):
+    """A model cache shared by the slow runs of the shipped recipe: the first warm-starts into it.
+    ``LOONG_TEST_CACHE=DIR`` keeps it across sessions (to rerun slow tests while developing)."""
+    if path := os.environ.get("LOONG_TEST_CACHE"):
+        return Path(path)
+    return tmp_path_factory.mktemp("cache")

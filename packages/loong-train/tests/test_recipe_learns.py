@@ -1,4 +1,5 @@
-"""The shipped recipe really learns: a shortened tiny-calc-agent run from an empty cache.
+"""The shipped recipe really learns: a shortened tiny-calc-agent run (the session's model cache
+starts empty, so the first slow run of the recipe warm-starts it).
 
 Builds and warm-starts the tiny model, then runs 40 asynchronous GRPO steps (window 1). The full
 recipe (120 steps) is what the README reports; 40 steps already show the held-out gain.
@@ -15,9 +16,9 @@ from loong_train.controller import run
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
-def test_tiny_calc_agent_improves_held_out_success(tmp_path):
+def test_tiny_calc_agent_improves_held_out_success(tmp_path, tiny_cache):
     recipe = load_recipe("tiny-calc-agent", ["train.steps=40"])
-    out = run(recipe, tmp_path / "run", tmp_path / "cache")
+    out = run(recipe, tmp_path / "run", tiny_cache)
     summary = json.loads((out / "summary.json").read_text())
     assert summary["final_eval"] - summary["first_eval"] >= 0.3, summary
     rows = read_metrics(out / "metrics.jsonl")
