@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from loong_train.config import load_recipe
-from loong_train.warmstart import build_tiny
+from loong_train.tiny.warmstart import build_tiny
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -10,7 +10,7 @@ import pytest
 from loong_train.algorithms import grpo_advantages, pack_batch
 from loong_train.pipeline import GroupSource
 from loong_train.rollout import RolloutWorker
-from loong_train.tasks import calc
+from loong_train.tiny import calc
 from loong_train.trainer import TrainerWorker
 from loong_transfermesh import TransportConfig
 

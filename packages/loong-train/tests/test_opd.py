@@ -17,15 +17,15 @@ from loong_core.protocols import SamplingParams
 from loong_core.records import TrainBatch
 from loong_core.telemetry import read_metrics
 from loong_teacher import LocalTeacherConfig, TeacherManagerConfig, TokenizerMismatch
-from loong_train import tasks
 from loong_train.algorithms import grpo_advantages, pack_batch
 from loong_train.config import OPDConfig, Recipe, load_recipe
 from loong_train.engines.embedded import EmbeddedEngine
 from loong_train.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from loong_train.models.tokenizer import HFCodec, load_tokenizer
 from loong_train.pipeline import GroupSource
-from loong_train.rollout import HFCodec
-from loong_train.tasks import calc
-from loong_train.tokenizer import build_tokenizer, load_tokenizer
+from loong_train.tasks import build_task
+from loong_train.tiny import calc
+from loong_train.tiny.tokenizer import build_tokenizer
 from loong_train.trainer import TrainerWorker
 from loong_transfermesh import TransportConfig
 
@@ -150,8 +150,8 @@ def test_distiller_refuses_a_teacher_with_another_chat_template(dirs, tmp_path):
 
 
 def test_domain_tag_travels_from_the_task_to_the_train_batch(tiny_dir, recipe):
-    held_out = tasks.eval_tasks("calc-domains", 8)
-    stream = tasks.train_tasks("calc-domains", 2, held_out)
+    held_out = build_task("calc-domains").held_out(8)
+    stream = build_task("calc-domains").train_stream(2, held_out)
     source = GroupSource(stream, group_size=2, tags={"run": "test"})
     groups = [source.next_group() for _ in range(2)]
     specs = [s for g in groups for s in source.specs(g)]
@@ -170,16 +170,16 @@ def test_domain_tag_travels_from_the_task_to_the_train_batch(tiny_dir, recipe):
 
 
 def test_domain_task_sets_share_one_held_out_set():
-    both = tasks.eval_tasks("calc-domains", 10)
+    both = build_task("calc-domains").held_out(10)
     assert [t["tags"]["domain"] for t in both] == ["add", "mul"] * 5
-    assert tasks.eval_tasks("calc-add", 10) == [t for t in both if t["tags"]["domain"] == "add"]
-    assert tasks.eval_tasks("calc-mul", 10) == [t for t in both if t["tags"]["domain"] == "mul"]
-    assert all(set(t["expr"]) & set("+-") for t in tasks.eval_tasks("calc-add", 40))
-    stream = tasks.train_tasks("calc-mul", 0, both)
+    assert build_task("calc-add").held_out(10) == [t for t in both if t["tags"]["domain"] == "add"]
+    assert build_task("calc-mul").held_out(10) == [t for t in both if t["tags"]["domain"] == "mul"]
+    assert all(set(t["expr"]) & set("+-") for t in build_task("calc-add").held_out(40))
+    stream = build_task("calc-mul").train_stream(0, both)
     drawn = [next(stream) for _ in range(200)]
     assert all("*" in t["expr"] and t["tags"] == {"domain": "mul"} for t in drawn)
     assert not {t["expr"] for t in drawn} & {t["expr"] for t in both}
-    assert tasks.eval_tasks("calc", 16) == calc.eval_tasks(16)  # the untagged task set is unchanged
+    assert build_task("calc").held_out(16) == calc.eval_tasks(16)  # the untagged task set is unchanged
 
 
 def test_opd_recipe_loads_and_round_trips():
@@ -208,7 +208,7 @@ def test_opd_recipe_loads_and_round_trips():
         ("opd.build=[]", "local teachers ['add-teacher', 'mul-teacher'] need a path or a build"),
         (
             "opd.build=[{teacher='add-teacher', task='calc-div'}, {teacher='mul-teacher', task='calc-mul'}]",
-            "build tasks must be among",
+            "build: unknown task .calc-div.",
         ),
         ("task='calc-div'", "unknown task 'calc-div'"),
     ],

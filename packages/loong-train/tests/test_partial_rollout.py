@@ -27,7 +27,7 @@ from loong_train.models.qwen3 import Qwen3ForCausalLM
 from loong_train.partial import crossed_update
 from loong_train.pipeline import GroupSource, Pipeline
 from loong_train.rollout import RolloutWorker
-from loong_train.tasks import calc
+from loong_train.tiny import calc
 from loong_transfermesh import ShmSender, TransportConfig, remove_slots
 
 TOKENS = 96  # per episode; no stop token, so every episode is long

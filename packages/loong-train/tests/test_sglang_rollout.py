@@ -25,7 +25,7 @@ from loong_train.engines.sglang_rollout import SGLangRolloutConfig
 from loong_train.engines.sglang_supervisor import SGLangServerError
 from loong_train.pipeline import GroupSource
 from loong_train.rollout import RolloutWorker
-from loong_train.tasks import calc
+from loong_train.tiny import calc
 from loong_train.trainer import TrainerWorker
 from loong_transfermesh import TransportConfig
 

@@ -8,10 +8,9 @@ import torch
 
 from loong_agentflow import ChatML, ToolResult
 from loong_train.models.qwen3 import Qwen3ForCausalLM
-from loong_train.rollout import HFCodec
-from loong_train.tasks import calc
-from loong_train.tokenizer import load_tokenizer
-from loong_train.warmstart import build_tiny, sft_loss
+from loong_train.models.tokenizer import HFCodec, load_tokenizer
+from loong_train.tiny import calc
+from loong_train.tiny.warmstart import build_tiny, sft_loss
 
 
 def _digest(path):

@@ -91,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"loong-train: {e}", file=sys.stderr)
         return 2
     if args.command == "build-tiny":
-        from loong_train.warmstart import build_tiny, warm_start
+        from loong_train.tiny.warmstart import build_tiny, warm_start
 
         build_tiny(args.out, recipe)
         print(warm_start(args.out, recipe) if recipe.warmstart.steps else "built (no warm start)")

@@ -16,9 +16,8 @@ import msgspec
 
 from loong_core.config import ConfigError, load_config
 from loong_teacher import LocalTeacherConfig, TeacherManagerConfig
-from loong_train.agents import missing_openai
 from loong_train.engines.sglang_rollout import SGLangRolloutConfig
-from loong_train.tasks import TASKS
+from loong_train.tasks import task_problem
 from loong_transfermesh import TransportConfig
 
 __all__ = [
@@ -255,13 +254,14 @@ class AgentConfig(_Section):
     - ``kind = "blackbox"``: each worker hosts an AgentFlow proxy (OpenAI API on 127.0.0.1) over its
       engine and runs every episode as a subprocess of ``command`` (the contract of
       :mod:`loong_agentflow.blackbox`; ``LOONG_MAX_TURNS`` holds ``rollout.max_turns``), at most
-      ``max_concurrency`` at a time per worker. An empty ``command`` is the shipped calc agent
-      (:mod:`loong_train.agents.calc_agent`), an ``openai``-SDK program run by this interpreter.
+      ``max_concurrency`` at a time per worker. An empty ``command`` is the task's own agent
+      program (``Task.agent_command``; the calc tasks': :mod:`loong_train.tiny.calc_agent`, an
+      ``openai``-SDK program run by this interpreter).
     - ``preload``: modules a Python ``command`` imports; episodes are then forked from a warm
       process that imported them once (:mod:`loong_agentflow.forkserver`), instead of paying an
       interpreter start and the imports (about a second for ``openai``) per episode. Unset: the
-      shipped agent preloads ``openai``, another ``command`` runs as plain subprocesses; ``[]``
-      turns forking off.
+      task's agent preloads what it declares (the calc agent: ``openai``), another ``command`` runs
+      as plain subprocesses; ``[]`` turns forking off.
     """
 
     kind: Literal["whitebox", "blackbox"] = "whitebox"
@@ -271,8 +271,6 @@ class AgentConfig(_Section):
 
     def __post_init__(self) -> None:
         _at_least(self, max_concurrency=1)
-        if self.kind == "blackbox" and not self.command and (problem := missing_openai()):
-            raise ValueError(problem)
 
 
 class TeacherBuild(_Section):
@@ -328,10 +326,7 @@ def _opd_problems(c: OPDConfig) -> list[str]:
             set(unbuilt) <= set(built),
             f"local teachers {sorted(set(unbuilt) - set(built))} need a path or a build",
         ),
-        (
-            all(b.task in TASKS for b in c.build),
-            f"build tasks must be among {list(TASKS)}, got {[b.task for b in c.build]}",
-        ),
+        *((not task_problem(b.task), f"build: {task_problem(b.task)}") for b in c.build),
     ]
     return [msg for ok, msg in checks if not ok]
 
@@ -354,8 +349,8 @@ class Recipe(_Section):
     ray_address: str = ""
 
     def __post_init__(self) -> None:
-        if self.task not in TASKS:
-            raise ValueError(f"unknown task {self.task!r} (expected one of: {', '.join(map(repr, TASKS))})")
+        if problem := task_problem(self.task):
+            raise ValueError(problem)
         if self.transport.type != "shm":
             raise ValueError(
                 f"transport.type {self.transport.type!r}: loong-train drives 'shm' (trainer and "

@@ -22,16 +22,18 @@ import msgspec
 import ray
 from tqdm import tqdm
 
+from loong_agentflow import EpisodeLimits
 from loong_core.window import StalenessWindow
-from loong_train import checkpoint, tasks
+from loong_train import checkpoint
 from loong_train.checkpoint import Checkpoint
 from loong_train.config import Recipe
-from loong_train.opd import prepare_teachers
 from loong_train.pipeline import GroupSource, Pipeline
-from loong_train.rollout import RolloutWorker
+from loong_train.rollout import RolloutWorker, agent_program
 from loong_train.run_dir import RunDir
+from loong_train.tasks import build_task
+from loong_train.tiny.teachers import prepare_teachers
+from loong_train.tiny.warmstart import prepare_model
 from loong_train.trainer import TrainerWorker
-from loong_train.warmstart import prepare_model
 from loong_transfermesh import TransportConfig, remove_slots
 
 __all__ = ["run"]
@@ -43,6 +45,7 @@ def run(recipe: Recipe, out: Path, cache: Path, resume: bool = False) -> Path:
     """Train ``recipe``; writes the run directory ``out`` and returns it. ``resume``: continue the
     run in ``out`` from its newest checkpoint (:mod:`loong_train.checkpoint`)."""
     out, cache = out.absolute(), cache.absolute()  # Ray actors may run in another working directory
+    _preflight(recipe)
     model_path = str(prepare_model(recipe, cache))
     recipe = prepare_teachers(recipe, cache, Path(model_path))  # OPD recipes: build their teachers
     ckpt = checkpoint.latest(out, recipe) if resume else None
@@ -78,6 +81,14 @@ def run(recipe: Recipe, out: Path, cache: Path, resume: bool = False) -> Path:
         if started_ray:
             ray.shutdown()
     return run_dir.path
+
+
+def _preflight(recipe: Recipe) -> None:
+    """Fail before any work on what the workers would fail on: the task, the agent program."""
+    task = build_task(recipe.task)
+    if recipe.agent.kind == "blackbox":
+        r = recipe.rollout
+        agent_program(recipe.agent, task, EpisodeLimits(r.max_turns, r.max_model_tokens, r.episode_timeout_s))
 
 
 def _start(
@@ -119,6 +130,7 @@ def _start(
             agent=recipe.agent,
             sglang=sglang,
             log_dir=str(log_dir),
+            task=recipe.task,
         )
         for i in range(r.workers)
     ]
@@ -126,9 +138,10 @@ def _start(
     trainer = trainer_actor.remote(model_path, recipe, transport)  # the initial model: KL reference
     if ckpt:
         ray.get(trainer.load_checkpoint.remote(str(ckpt.path)))
-    held_out = tasks.eval_tasks(recipe.task, recipe.eval.num_tasks)
+    task = build_task(recipe.task)
+    held_out = task.held_out(recipe.eval.num_tasks)
     source = GroupSource(
-        tasks.train_tasks(recipe.task, recipe.seed + 2, held_out), r.group_size, seed=recipe.seed
+        task.train_stream(recipe.seed + 2, held_out), r.group_size, seed=recipe.seed
     )  # warm start used seed + 1
     window = StalenessWindow(recipe.train.max_staleness, recipe.train.batch_groups)
     pipe = Pipeline(recipe, workers, trainer, window, source, model_path)

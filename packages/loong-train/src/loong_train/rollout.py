@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import importlib.util
 import os
+import sys
 import time
 from typing import Any
 
@@ -26,32 +28,19 @@ from loong_agentflow import (
     ToolAgent,
     run_episodes,
 )
+from loong_core.config import ConfigError
 from loong_core.protocols import SamplingParams
 from loong_core.records import SpanSource, TokenSpan, Trajectory, WeightManifest
-from loong_train.agents import CALC_AGENT_PRELOAD, calc_agent_argv, missing_openai
 from loong_train.config import AgentConfig
 from loong_train.engines.embedded import EmbeddedEngine
 from loong_train.engines.sglang_rollout import SGLangRollout, SGLangRolloutConfig
 from loong_train.models.qwen3 import Qwen3ForCausalLM
+from loong_train.models.tokenizer import HFCodec, end_of_turn_ids, load_tokenizer
 from loong_train.partial import EngineHost
-from loong_train.tasks import calc
-from loong_train.tokenizer import load_tokenizer
+from loong_train.tasks import AgentCommand, Task, build_task
 from loong_transfermesh import ShmReceiver, TransferFailed, TransportConfig, open_receiver
 
-__all__ = ["BlackBoxHost", "HFCodec", "RolloutWorker"]
-
-
-class HFCodec:
-    """A Hugging Face tokenizer as an AgentFlow ``TextCodec`` (no special tokens added)."""
-
-    def __init__(self, tokenizer) -> None:
-        self.tokenizer = tokenizer
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens=False)
-
-    def decode(self, ids: list[int]) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False)
+__all__ = ["BlackBoxHost", "RolloutWorker", "agent_program"]
 
 
 class BlackBoxHost:
@@ -76,9 +65,8 @@ class BlackBoxHost:
         agent: AgentConfig,
         sampling: SamplingParams,
         limits: EpisodeLimits,
+        task: Task,
     ) -> None:
-        if not agent.command and (problem := missing_openai()):
-            raise RuntimeError(problem)
         config = ProxyConfig(
             temperature=sampling.temperature,
             top_p=sampling.top_p,
@@ -88,14 +76,8 @@ class BlackBoxHost:
         self.proxy = ProxyServer(engine, HFChatRenderer(tokenizer), config)
         self.loop = asyncio.new_event_loop()
         self.loop.run_until_complete(self.proxy.start())
-        preload = agent.preload if agent.preload is not None else [] if agent.command else CALC_AGENT_PRELOAD
-        program = AgentProgram(
-            agent.command or calc_agent_argv(),
-            env={"LOONG_MAX_TURNS": str(limits.max_turns)},
-            timeout_s=limits.timeout_s,
-            preload=preload,
-        )
-        self.runner = BlackBoxRunner(self.proxy, program, calc.reward, agent.max_concurrency)
+        program = agent_program(agent, task, limits)
+        self.runner = BlackBoxRunner(self.proxy, program, task.reward, agent.max_concurrency)
 
     def run(self, specs: list[EpisodeSpec]) -> list[Trajectory]:
         episodes = self.loop.run_until_complete(self.runner.run_many(specs))
@@ -109,6 +91,26 @@ class BlackBoxHost:
         self.loop.run_until_complete(self.runner.close())
         self.loop.run_until_complete(self.proxy.stop())
         self.loop.close()
+
+
+def agent_program(agent: AgentConfig, task: Task, limits: EpisodeLimits) -> AgentProgram:
+    """The program black-box episodes run: ``agent.command``, or the task's own agent (whose
+    required modules must be installed). ``agent.preload`` unset: the task agent's preloads, none
+    for a ``command``."""
+    command = AgentCommand(argv=agent.command) if agent.command else task.agent_command()
+    if command is None:
+        raise ConfigError("agent.kind = 'blackbox': this task ships no agent program; set agent.command")
+    if missing := [m for m in command.requires if importlib.util.find_spec(m) is None]:
+        raise ConfigError(
+            f"the task's agent program {' '.join(command.argv)} needs {', '.join(missing)}, not installed "
+            f"for {sys.executable}: {command.install or 'install it'}, or set agent.command to your own program"
+        )
+    return AgentProgram(
+        command.argv,
+        env={"LOONG_MAX_TURNS": str(limits.max_turns)},
+        timeout_s=limits.timeout_s,
+        preload=command.preload if agent.preload is None else agent.preload,
+    )
 
 
 class RolloutWorker:
@@ -136,6 +138,7 @@ class RolloutWorker:
         sglang: SGLangRolloutConfig | None = None,
         log_dir: str = "",
         version: int = 0,
+        task: str = "calc",
     ) -> None:
         torch.set_num_threads(threads)
         self.worker_id, self._model_path = worker_id, model_path
@@ -148,13 +151,14 @@ class RolloutWorker:
                 Qwen3ForCausalLM.from_pretrained(model_path), seed=seed, pad_id=tokenizer.pad_token_id
             )
         )
-        end = tokenizer.convert_tokens_to_ids("<|im_end|>")
-        self.sampling = SamplingParams(**sampling, stop_token_ids=[end])
+        stop = end_of_turn_ids(tokenizer, model_path)
+        self.sampling = SamplingParams(**sampling, stop_token_ids=stop)
         self.limits = EpisodeLimits(**limits)
-        self.agent = ToolAgent(calc.tool_registry(), calc.reward)
+        self.task = build_task(task)
+        self.agent = ToolAgent(self.task.tools(), self.task.reward)
         agent = agent or AgentConfig()
         self.blackbox = (
-            BlackBoxHost(self.engine, tokenizer, agent, self.sampling, self.limits)
+            BlackBoxHost(self.engine, tokenizer, agent, self.sampling, self.limits, self.task)
             if agent.kind == "blackbox"
             else None
         )

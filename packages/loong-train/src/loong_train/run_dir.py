@@ -39,12 +39,12 @@ from loong_agentflow import EpisodeSpec
 from loong_core.config import dump_toml
 from loong_core.records import EpisodeStatus, Trajectory
 from loong_core.telemetry import MetricsWriter, TraceWriter
-from loong_train import tasks
 from loong_train.config import Recipe
-from loong_train.opd import teacher_success
 from loong_train.partial import crossed_update
 from loong_train.pipeline import Pipeline, episode_seed
 from loong_train.plots import plot_domains, plot_run
+from loong_train.tasks import build_task
+from loong_train.tiny.teachers import teacher_success
 
 __all__ = ["RunDir", "RunDirState"]
 
@@ -110,7 +110,7 @@ class RunDir:
         self.metrics = MetricsWriter(path / "metrics.jsonl")
         self.ledger = MetricsWriter(path / "ledger.jsonl")
         self.trace = TraceWriter(path / "trace.json")
-        self.held_out = tasks.eval_tasks(recipe.task, recipe.eval.num_tasks)
+        self.held_out = build_task(recipe.task).held_out(recipe.eval.num_tasks)
         self.evals: dict[int, Any] = {}
         self.eval_results: dict[int, float] = {}
         self.eval_by_domain: dict[int, dict[str, float]] = {}  # tasks tagged with a domain only

@@ -13,7 +13,7 @@ import sys
 
 from openai import OpenAI
 
-from loong_train.agents.calc_agent import TOOLS
+from loong_train.tiny.calc_agent import TOOLS
 
 
 def plain(client, messages):

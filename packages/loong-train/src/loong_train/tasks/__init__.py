@@ -1,36 +1,53 @@
-"""Synthetic agentic tasks with verifiable rewards, addressed by a recipe's ``task`` name.
+"""Tasks: the :class:`Task` seam and the factory that picks a recipe's ``task``.
 
-Every task set shares the calculator tool, reward and demonstration layout of :mod:`calc`; they
-differ in which questions they draw and in the routing tags the questions carry:
+A recipe's ``task`` is a shipped name or the import path of a factory, ``"pkg.module:factory"``,
+called with no arguments and returning a :class:`Task`. The shipped names are the calculator tasks
+of the tiny recipes (:mod:`loong_train.tiny.calc`, :mod:`loong_train.tiny.calc_domains`):
 
-- ``calc``: ``compute A<op>B`` with ``op`` in ``+ - *``, untagged.
-- ``calc-domains``: the same questions in two tagged domains, ``add`` and ``mul``, in equal shares.
+- ``calc``: ``compute A<op>B`` with ``op`` in ``+ - *``, untagged;
+- ``calc-domains``: the same questions in two tagged domains, ``add`` and ``mul``, in equal shares;
 - ``calc-add``, ``calc-mul``: one domain each (how the tiny OPD recipe trains its teachers).
+
+Choosing a task imports nothing: the module is imported when the task is built.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import Any
+import importlib
 
-from loong_train.tasks import calc, calc_domains
+from loong_train.tasks.base import AgentCommand, Item, Task
 
-__all__ = ["EVAL_SEED", "TASKS", "eval_tasks", "train_tasks"]
+__all__ = ["SHIPPED", "AgentCommand", "Item", "Task", "build_task", "task_problem"]
 
-EVAL_SEED = 1_000_003
-_DOMAINS = {"calc-domains": tuple(calc_domains.DOMAINS), "calc-add": ("add",), "calc-mul": ("mul",)}
-TASKS = ("calc", *_DOMAINS)
-
-
-def eval_tasks(task: str, n: int, seed: int = EVAL_SEED) -> list[dict[str, Any]]:
-    """Held-out (or, with another seed, probe) questions of ``task``."""
-    if task == "calc":
-        return calc.eval_tasks(n, seed)
-    return calc_domains.eval_tasks(n, seed, _DOMAINS[task])
+SHIPPED: dict[str, tuple[str, dict]] = {
+    "calc": ("loong_train.tiny.calc:CalcTask", {}),
+    "calc-domains": ("loong_train.tiny.calc_domains:CalcDomainsTask", {"domains": ("add", "mul")}),
+    "calc-add": ("loong_train.tiny.calc_domains:CalcDomainsTask", {"domains": ("add",)}),
+    "calc-mul": ("loong_train.tiny.calc_domains:CalcDomainsTask", {"domains": ("mul",)}),
+}
 
 
-def train_tasks(task: str, seed: int, held_out: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
-    """An endless stream of training questions of ``task``, none of them in ``held_out``."""
-    if task == "calc":
-        return calc.train_tasks(seed, held_out)
-    return calc_domains.train_tasks(seed, held_out, _DOMAINS[task])
+def task_problem(name: str) -> str:
+    """Why ``name`` cannot name a task ("" when it can), checked without importing anything."""
+    if name in SHIPPED or (name.count(":") == 1 and all(name.split(":"))):
+        return ""
+    return (
+        f"unknown task {name!r} (expected a shipped task, one of {', '.join(map(repr, SHIPPED))}, "
+        "or the import path of a factory, 'pkg.module:factory')"
+    )
+
+
+def build_task(name: str) -> Task:
+    """The task ``name`` names (see the module docstring)."""
+    if problem := task_problem(name):
+        raise ValueError(problem)
+    path, kwargs = SHIPPED.get(name, (name, {}))
+    module, attr = path.split(":")
+    try:
+        factory = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"task {name!r}: cannot import {path} ({type(e).__name__}: {e})") from e
+    task = factory(**kwargs)
+    if not isinstance(task, Task):
+        raise ValueError(f"task {name!r}: {path}() returned {type(task).__name__}, which is not a Task")
+    return task

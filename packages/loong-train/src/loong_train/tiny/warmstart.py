@@ -20,13 +20,13 @@ from tqdm import tqdm
 
 from loong_agentflow import EpisodeLimits, EpisodeSpec, ToolAgent, run_episodes
 from loong_core.protocols import SamplingParams
-from loong_train import tasks
 from loong_train.config import Recipe
 from loong_train.engines.embedded import EmbeddedEngine
 from loong_train.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
-from loong_train.rollout import HFCodec
-from loong_train.tasks import calc
-from loong_train.tokenizer import build_tokenizer, load_tokenizer
+from loong_train.models.tokenizer import HFCodec, load_tokenizer
+from loong_train.tasks import build_task
+from loong_train.tiny.calc import CalcTask
+from loong_train.tiny.tokenizer import build_tokenizer
 
 __all__ = ["build_tiny", "prepare_model", "sampled_success"]
 
@@ -55,21 +55,22 @@ def sampled_success(
         temperature=r.temperature,
         top_p=r.top_p,
         max_new_tokens=r.max_new_tokens,
-        stop_token_ids=[tokenizer.convert_tokens_to_ids("<|im_end|>")],
+        stop_token_ids=[tokenizer.eos_token_id],
     )
     specs = [EpisodeSpec(f"probe-{i}", f"probe-{i}", t) for i, t in enumerate(tasks)]
     limits = EpisodeLimits(max_turns=r.max_turns, max_model_tokens=r.max_model_tokens)
-    agent = ToolAgent(calc.tool_registry(), calc.reward)
+    task = build_task(recipe.task)
+    agent = ToolAgent(task.tools(), task.reward)
     trajs = asyncio.run(run_episodes(agent, specs, engine, HFCodec(tokenizer), sampling, limits))
     model.train()
     return sum(t.reward for t in trajs) / len(trajs)
 
 
-def _sft_batch(codec: HFCodec, tasks: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+def _sft_batch(codec: HFCodec, task: CalcTask, items: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
     rows = []
-    for task in tasks:
+    for item in items:
         ids, mask = [], []
-        for text, is_model in calc.demonstration(task):
+        for text, is_model in task.demonstration(item):
             piece = codec.encode(text)
             ids += piece
             mask += [int(is_model)] * len(piece)
@@ -103,14 +104,13 @@ def warm_start(path: Path, recipe: Recipe) -> dict:
     codec, model = HFCodec(tokenizer), Qwen3ForCausalLM.from_pretrained(path).train()
     opt = torch.optim.AdamW(model.parameters(), lr=w.lr, betas=(0.9, 0.99))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, w.warmup_steps)))
-    probe = tasks.eval_tasks(recipe.task, w.eval_tasks, seed=recipe.seed + 7)  # probe set, not held-out eval
-    stream = tasks.train_tasks(
-        recipe.task, recipe.seed + 1, tasks.eval_tasks(recipe.task, recipe.eval.num_tasks)
-    )
+    task = _demonstrated(recipe.task)
+    probe = task.probe(w.eval_tasks, seed=recipe.seed + 7)  # a probe set, not the held-out eval
+    stream = task.train_stream(recipe.seed + 1, task.held_out(recipe.eval.num_tasks))
     success, step = 0.0, 0
     bar = tqdm(range(1, w.steps + 1), desc="warm start", unit="step", leave=False)
     for step in bar:
-        ids, mask = _sft_batch(codec, [next(stream) for _ in range(w.batch_size)])
+        ids, mask = _sft_batch(codec, task, [next(stream) for _ in range(w.batch_size)])
         loss = sft_loss(model, ids, mask, w.label_smoothing)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -125,6 +125,17 @@ def warm_start(path: Path, recipe: Recipe) -> dict:
     bar.close()
     model.save_pretrained(path)
     return {"steps": step, "sampled_success": success}
+
+
+def _demonstrated(name: str) -> CalcTask:
+    """The task ``name`` when the warm start can train on it (it has demonstrations and probes)."""
+    task = build_task(name)
+    if not isinstance(task, CalcTask):
+        raise ValueError(
+            f"the tiny warm start trains on a task's demonstrations; task {name!r} has none: "
+            "set warmstart.steps = 0 or model.path to a checkpoint"
+        )
+    return task
 
 
 def prepare_model(recipe: Recipe, cache_dir: Path) -> Path:

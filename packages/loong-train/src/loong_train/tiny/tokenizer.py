@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-__all__ = ["CHAT_TEMPLATE", "SPECIAL_TOKENS", "TOOL_TOKENS", "build_tokenizer", "load_tokenizer"]
+__all__ = ["CHAT_TEMPLATE", "SPECIAL_TOKENS", "TOOL_TOKENS", "build_tokenizer"]
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 TOOL_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
@@ -62,10 +62,3 @@ def build_tokenizer(path: str | Path) -> Path:
     }
     (path / "tokenizer_config.json").write_text(json.dumps(config, indent=2))
     return path
-
-
-def load_tokenizer(path: str | Path):
-    """Load a tokenizer directory with ``transformers`` (any HF tokenizer works)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(path))

@@ -4,7 +4,7 @@ Questions, tool, reward and demonstrations are :mod:`calc`'s; every task also ca
 ``tags = {"domain": d}``, which travels with its episodes into each ``Trajectory`` (and its
 TrainBatch row) and routes the row to that domain's teacher in on-policy distillation.
 
-Task sets (names in :data:`loong_train.tasks.TASKS`): ``calc-domains`` alternates the domains
+Task sets (names in :data:`loong_train.tasks.SHIPPED`): ``calc-domains`` alternates the domains
 (so every batch and the held-out set hold them in equal shares); ``calc-add`` and ``calc-mul`` are
 one domain each. A one-domain held-out set is that domain's part of the two-domain held-out set
 of the same size, so a teacher trained on ``calc-add`` never sees a question the student's run
@@ -18,9 +18,10 @@ import random
 from collections.abc import Iterator, Sequence
 from typing import Any
 
-from loong_train.tasks.calc import random_task
+from loong_train.tiny import calc
+from loong_train.tiny.calc import EVAL_SEED, random_task
 
-__all__ = ["DOMAINS", "domain", "eval_tasks", "train_tasks"]
+__all__ = ["DOMAINS", "CalcDomainsTask", "domain", "eval_tasks", "train_tasks"]
 
 DOMAINS: dict[str, str] = {"add": "+-", "mul": "*"}
 
@@ -49,3 +50,20 @@ def train_tasks(
         task = _tagged(rng, next(cycle))
         if task["expr"] not in banned:
             yield task
+
+
+class CalcDomainsTask(calc.CalcTask):
+    """A task set of ``domains`` (``calc-domains``, ``calc-add``, ``calc-mul``) as a
+    :class:`~loong_train.tasks.Task`; tools, reward, demonstrations and agent are ``calc``'s."""
+
+    def __init__(self, domains: Sequence[str]) -> None:
+        self.domains = tuple(domains)
+
+    def held_out(self, n: int) -> list[dict[str, Any]]:
+        return eval_tasks(n, EVAL_SEED, self.domains)
+
+    def probe(self, n: int, seed: int) -> list[dict[str, Any]]:
+        return eval_tasks(n, seed, self.domains)
+
+    def train_stream(self, seed: int, held_out: Sequence[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        return train_tasks(seed, list(held_out), self.domains)

@@ -13,12 +13,27 @@ import ast
 import json
 import operator
 import random
-from collections.abc import Iterator
+import sys
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from loong_agentflow import ChatML, Tool, ToolRegistry, ToolResult
+from loong_train.tasks.base import AgentCommand
 
-__all__ = ["calc", "demonstration", "eval_tasks", "random_task", "reward", "tool_registry", "train_tasks"]
+__all__ = [
+    "EVAL_SEED",
+    "CalcTask",
+    "calc",
+    "calc_agent_command",
+    "demonstration",
+    "eval_tasks",
+    "random_task",
+    "reward",
+    "tool_registry",
+    "train_tasks",
+]
+
+EVAL_SEED = 1_000_003
 
 _OPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul}
 
@@ -51,7 +66,7 @@ def random_task(rng: random.Random, ops: str = "+-*") -> dict[str, Any]:
     return {"messages": [{"role": "user", "content": f"compute {expr}"}], "expr": expr, "answer": calc(expr)}
 
 
-def eval_tasks(n: int, seed: int = 1_000_003) -> list[dict[str, Any]]:
+def eval_tasks(n: int, seed: int = EVAL_SEED) -> list[dict[str, Any]]:
     rng = random.Random(seed)
     return [random_task(rng) for _ in range(n)]
 
@@ -80,3 +95,40 @@ def demonstration(task: dict[str, Any]) -> list[tuple[str, bool]]:
         (tool_turn, False),
         (f"{result}{ChatML.END}", True),
     ]
+
+
+def calc_agent_command() -> AgentCommand:
+    """The shipped black-box calc agent (:mod:`loong_train.tiny.calc_agent`), an ``openai``-SDK
+    program run by this interpreter; its episodes fork from a process that imported the SDK."""
+    return AgentCommand(
+        argv=[sys.executable, "-m", "loong_train.tiny.calc_agent"],
+        preload=["openai", "loong_train.tiny.calc"],
+        requires=["openai"],
+        install="pip install 'loong-train[blackbox]'",
+    )
+
+
+class CalcTask:
+    """The ``calc`` task as a :class:`~loong_train.tasks.Task`, plus what the tiny warm start uses:
+    ``probe`` sets (other seeds than the held-out one) and expert ``demonstration`` episodes."""
+
+    def held_out(self, n: int) -> list[dict[str, Any]]:
+        return eval_tasks(n, EVAL_SEED)
+
+    def probe(self, n: int, seed: int) -> list[dict[str, Any]]:
+        return eval_tasks(n, seed)
+
+    def train_stream(self, seed: int, held_out: Sequence[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+        return train_tasks(seed, list(held_out))
+
+    def tools(self) -> ToolRegistry:
+        return tool_registry()
+
+    def reward(self, item: dict[str, Any], answer: str) -> float:
+        return reward(item, answer)
+
+    def demonstration(self, item: dict[str, Any]) -> list[tuple[str, bool]]:
+        return demonstration(item)
+
+    def agent_command(self) -> AgentCommand:
+        return calc_agent_command()

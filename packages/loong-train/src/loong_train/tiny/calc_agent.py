@@ -1,6 +1,6 @@
 """The calc task's agent as a black-box program: the official ``openai`` SDK with tool calling.
 
-Run by :class:`loong_agentflow.BlackBoxRunner` (``python -m loong_train.agents.calc_agent``): the
+Run by :class:`loong_agentflow.BlackBoxRunner` (``python -m loong_train.tiny.calc_agent``): the
 SDK reads ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` from the environment, the task arrives as JSON
 on stdin (``{"messages": [...], ...}``), and the final answer goes to stdout.
 
@@ -39,7 +39,7 @@ TOOLS = [
 
 def run_tool(name: str, arguments: str) -> str:
     """A tool call's result, or its error as text (the model sees it, the episode goes on)."""
-    from loong_train.tasks.calc import calc
+    from loong_train.tiny.calc import calc
 
     if name != "calc":
         return f"error: unknown tool {name!r} (known: ['calc'])"

@@ -1,0 +1,42 @@
+"""Hugging Face tokenizers as the rest of Loong uses them: loading, a text codec, end-of-turn ids."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+__all__ = ["HFCodec", "end_of_turn_ids", "load_tokenizer"]
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """Load a tokenizer directory with ``transformers`` (any HF tokenizer works)."""
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(path))
+
+
+class HFCodec:
+    """A Hugging Face tokenizer as an AgentFlow ``TextCodec`` (no special tokens added)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def end_of_turn_ids(tokenizer: Any, model_path: str | Path) -> list[int]:
+    """The token ids that end a model turn: ``eos_token_id`` of the model's
+    ``generation_config.json`` (an id or a list) when it has one, else the tokenizer's eos token."""
+    config = Path(model_path) / "generation_config.json"
+    if config.exists():
+        eos = json.loads(config.read_text()).get("eos_token_id")
+        if eos is not None:
+            return list(eos) if isinstance(eos, list) else [int(eos)]
+    if tokenizer.eos_token_id is None:
+        raise ValueError(f"{model_path}: neither generation_config.json nor the tokenizer names an eos token")
+    return [tokenizer.eos_token_id]

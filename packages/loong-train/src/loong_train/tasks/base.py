@@ -1,0 +1,87 @@
+"""The task seam: where a run's prompts, tools and rewards come from.
+
+The controller draws training and held-out items from a :class:`Task`; every rollout worker builds
+the same task to run its episodes (its tools and reward for white-box agents, its agent program
+for black-box ones). Nothing above this seam imports a concrete task: :func:`loong_train.tasks.build_task`
+picks one by name or import path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol, runtime_checkable
+
+import msgspec
+
+from loong_agentflow import ToolRegistry
+
+__all__ = ["AgentCommand", "Item", "Task"]
+
+Item = dict[str, Any]
+"""One task item: plain data that crosses processes inside an ``EpisodeSpec``. ``"messages"`` (the
+chat prompt, a list of ``{"role", "content"}``) is required; ``"tags"`` (``{str: str}``) routes the
+item (``domain``: its teacher in distillation, its curve in evaluation); any other key is the
+task's own (a reference answer, metadata)."""
+
+
+class AgentCommand(msgspec.Struct, frozen=True, kw_only=True):
+    """A task's black-box agent: the program every episode runs (the contract of
+    :mod:`loong_agentflow.blackbox`), the modules its episodes fork after importing once
+    (``preload``, see :mod:`loong_agentflow.forkserver`) and the modules it needs installed
+    (``requires``; ``install`` says how to get them)."""
+
+    argv: list[str]
+    preload: list[str] = []
+    requires: list[str] = []
+    install: str = ""
+
+
+@runtime_checkable
+class Task(Protocol):
+    """Training and held-out items, tools, and the reward of an episode's final answer.
+
+    Lifecycle: one instance per process that needs it (the controller for data, each rollout
+    worker for episodes), built by :func:`loong_train.tasks.build_task` with no arguments beyond
+    its config, so every process builds the same task. A sketch of a task with no tools::
+
+        class Echo:
+            def held_out(self, n):
+                return [{"messages": [{"role": "user", "content": f"say {i}"}], "answer": str(i)}
+                        for i in range(n)]
+
+            def train_stream(self, seed, held_out):
+                rng = random.Random(seed)
+                while True:
+                    i = rng.randint(1000, 9999)          # never one of held_out's answers
+                    yield {"messages": [{"role": "user", "content": f"say {i}"}], "answer": str(i)}
+
+            def tools(self):
+                return ToolRegistry([])
+
+            def reward(self, item, answer):
+                return float(answer.strip() == item["answer"])
+
+            def agent_command(self):
+                return None                              # white-box episodes only
+    """
+
+    def held_out(self, n: int) -> list[Item]:
+        """The first ``n`` held-out items, the same on every call and in every process."""
+        ...
+
+    def train_stream(self, seed: int, held_out: Sequence[Item]) -> Iterator[Item]:
+        """Training items in a seeded order, never one of ``held_out``; endless (a finite data set
+        cycles), so a run of any length has prompts."""
+        ...
+
+    def tools(self) -> ToolRegistry:
+        """The tools a white-box episode may call (an empty registry: none)."""
+        ...
+
+    def reward(self, item: Item, answer: str) -> float:
+        """The reward of an episode of ``item`` whose final answer is ``answer``."""
+        ...
+
+    def agent_command(self) -> AgentCommand | None:
+        """The task's own black-box agent program (``agent.command`` unset), or None."""
+        ...
