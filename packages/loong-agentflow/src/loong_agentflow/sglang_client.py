@@ -1,11 +1,12 @@
 """A ``RolloutEngine`` over an SGLang server's native ``/generate`` endpoint (token ids in and out).
 
 Works against any SGLang server (and Loong's embedded server, which serves the same endpoints on
-CPU). Requests send ``input_ids``, ``sampling_params {max_new_tokens, temperature, top_p,
-stop_token_ids}`` and ``return_logprob``; the span is built from ``output_ids`` and
-``meta_info.output_token_logprobs`` (``[logprob, token_id, text]`` triples), so nothing is
-re-tokenized. SGLang's output logprobs are ``log(softmax(logits / T))`` of the sampled tokens
-before top-p filtering, which is the convention of ``loong_core.protocols.SamplingParams``.
+CPU). Bodies are the Structs of ``loong_core.sglang_api``. Requests send ``input_ids``,
+``sampling_params {max_new_tokens, temperature, top_p, stop_token_ids}`` (all four always, so a
+server's preferred sampling defaults never apply) and ``return_logprob``; the span is built from
+``output_ids`` and ``meta_info.output_token_logprobs`` (``[logprob, token_id, text]`` triples), so
+nothing is re-tokenized. SGLang's output logprobs are ``log(softmax(logits / T))`` of the sampled
+tokens before top-p filtering, which is the convention of ``loong_core.protocols.SamplingParams``.
 
 Versions: SGLang's ``weight_version`` is a string (``"default"`` until the first update);
 Loong pushes integers (``loong_transfermesh.sglang`` sends ``str(version)``). ``"default"`` reads
@@ -14,7 +15,7 @@ as ``initial_version``; any other non-integer label is an error naming it.
 Failures: connection errors and 502/503/504 answers are retried with exponential backoff (a
 request that never reached the server is safe to resend); other HTTP errors raise
 ``SGLangError`` with the server's message. A request the server aborted (finish reason ``abort``)
-also raises ``SGLangError``.
+and an answer that does not decode as SGLang's also raise ``SGLangError``.
 
 Lifecycle::
 
@@ -28,17 +29,28 @@ from __future__ import annotations
 
 import asyncio
 import random
-from typing import Any
+from typing import TypeVar
 
 import httpx
 import msgspec
 
 from loong_core.protocols import SamplingParams
 from loong_core.records import SpanSource, TokenSpan
+from loong_core.sglang_api import (
+    ContinueGenerationRequest,
+    ErrorResponse,
+    GenerateRequest,
+    GenerateResponse,
+    PauseGenerationRequest,
+    SGLangSamplingParams,
+    WeightVersionResponse,
+)
 
 __all__ = ["SGLangClientConfig", "SGLangEngine", "SGLangError"]
 
 _RETRY_STATUS = {502, 503, 504}
+_JSON = {"content-type": "application/json"}
+_T = TypeVar("_T")
 
 
 class SGLangError(RuntimeError):
@@ -87,25 +99,22 @@ class SGLangEngine:
         return self._version
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams) -> TokenSpan:
-        body = {
-            "input_ids": list(input_ids),
-            "sampling_params": {
-                "max_new_tokens": sampling.max_new_tokens,
-                "temperature": sampling.temperature,
-                "top_p": sampling.top_p,
-                "stop_token_ids": list(sampling.stop_token_ids),
-            },
-            "return_logprob": True,
-        }
-        out = await self._request("POST", "/generate", body)
-        meta = out["meta_info"]
-        if (meta.get("finish_reason") or {}).get("type") == "abort":
-            raise SGLangError(f"request aborted by the server: {meta['finish_reason']}")
-        ids = list(out["output_ids"])
-        triples = meta["output_token_logprobs"]
+        options = SGLangSamplingParams(
+            max_new_tokens=sampling.max_new_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            stop_token_ids=list(sampling.stop_token_ids),
+        )
+        body = GenerateRequest(input_ids=list(input_ids), sampling_params=options, return_logprob=True)
+        out = await self._request("POST", "/generate", GenerateResponse, body)
+        meta, ids = out.meta_info, out.output_ids
+        if meta.finish_reason is not None and meta.finish_reason.type == "abort":
+            reason = msgspec.to_builtins(meta.finish_reason)
+            raise SGLangError(f"request aborted by the server: {reason}")
+        triples = meta.output_token_logprobs or []
         if [t[1] for t in triples] != ids:
             raise SGLangError("output_token_logprobs do not match output_ids")
-        version = self._parse_version(meta["weight_version"])
+        version = self._parse_version(meta.weight_version)
         self._version = max(self._version, version)
         return TokenSpan(
             token_ids=ids,
@@ -116,26 +125,26 @@ class SGLangEngine:
 
     async def prompt_logprobs(self, input_ids: list[int], start: int = 0) -> list[float]:
         """Prefill only: ``log p(x_i | x_<i)`` for ``i`` in ``start+1 .. n-1`` at T = 1 ([n - start - 1])."""
-        body = {
-            "input_ids": list(input_ids),
-            "sampling_params": {"max_new_tokens": 0},
-            "return_logprob": True,
-            "logprob_start_len": start,
-        }
-        out = await self._request("POST", "/generate", body)
-        return [float(t[0]) for t in out["meta_info"]["input_token_logprobs"][1:]]
+        body = GenerateRequest(
+            input_ids=list(input_ids),
+            sampling_params=SGLangSamplingParams(max_new_tokens=0),
+            return_logprob=True,
+            logprob_start_len=start,
+        )
+        out = await self._request("POST", "/generate", GenerateResponse, body)
+        return [float(t[0]) for t in (out.meta_info.input_token_logprobs or [])[1:]]
 
     def pause(self) -> None:
         """Ask the server to hold generation (``/pause_generation``); blocks until it answered."""
-        self._sync("/pause_generation", {"mode": self.config.pause_mode})
+        self._sync("/pause_generation", PauseGenerationRequest(mode=self.config.pause_mode))
 
     def resume(self) -> None:
-        self._sync("/continue_generation", {})
+        self._sync("/continue_generation", ContinueGenerationRequest())
 
     async def refresh_version(self) -> int:
         """Read ``/get_weight_version`` and return it as an integer."""
-        out = await self._request("GET", "/get_weight_version")
-        self._version = self._parse_version(out["weight_version"])
+        out = await self._request("GET", "/get_weight_version", WeightVersionResponse)
+        self._version = self._parse_version(out.weight_version)
         return self._version
 
     async def health(self) -> bool:
@@ -148,43 +157,54 @@ class SGLangEngine:
     async def aclose(self) -> None:
         await self._client.aclose()
 
-    def _parse_version(self, label: Any) -> int:
+    def _parse_version(self, label: str | None) -> int:
         if label in (None, "default"):
             return self.config.initial_version
         try:
             return int(label)
-        except (TypeError, ValueError):
+        except ValueError:
             raise SGLangError(f"weight_version {label!r} is not an integer") from None
 
-    async def _request(self, method: str, path: str, body: dict | None = None) -> dict:
+    async def _request(
+        self, method: str, path: str, kind: type[_T], body: msgspec.Struct | None = None
+    ) -> _T:
+        """Send ``body``, retrying transient failures, and decode a 200 answer as ``kind``."""
+        where, content = f"{self._base}{path}", None if body is None else msgspec.json.encode(body)
         delay = self.config.backoff_s
         for attempt in range(self.config.retries + 1):
             last = attempt == self.config.retries
             try:
-                response = await self._client.request(method, f"{self._base}{path}", json=body)
+                response = await self._client.request(method, where, content=content, headers=_JSON)
             except (httpx.ConnectError, httpx.ConnectTimeout, httpx.RemoteProtocolError) as e:
                 if last:
-                    raise SGLangError(
-                        f"{self._base}{path}: unreachable after {attempt + 1} tries: {e}"
-                    ) from e
+                    raise SGLangError(f"{where}: unreachable after {attempt + 1} tries: {e}") from e
             else:
                 if response.status_code not in _RETRY_STATUS or last:
-                    return _payload(response, f"{self._base}{path}")
+                    return _decode(_checked(response, where), kind, where)
             await asyncio.sleep(delay * (1 + random.random() * 0.1))
             delay *= 2
         raise AssertionError("unreachable")
 
-    def _sync(self, path: str, body: dict) -> dict:
+    def _sync(self, path: str, body: msgspec.Struct) -> None:
+        """POST ``body`` and wait for a 200; the answer's body is not needed."""
+        where = f"{self._base}{path}"
         with httpx.Client(headers=self._headers, timeout=self._timeout) as client:
-            return _payload(client.post(f"{self._base}{path}", json=body), f"{self._base}{path}")
+            _checked(client.post(where, content=msgspec.json.encode(body), headers=_JSON), where)
 
 
-def _payload(response: httpx.Response, where: str) -> dict:
+def _checked(response: httpx.Response, where: str) -> httpx.Response:
+    """``response`` if it is a 200; else ``SGLangError`` with the server's message."""
+    if response.status_code == 200:
+        return response
     try:
-        payload = response.json()
-    except ValueError:
-        payload = {"message": response.text}
-    if response.status_code != 200:
-        message = payload.get("message", payload) if isinstance(payload, dict) else payload
-        raise SGLangError(f"{where}: HTTP {response.status_code}: {message}")
-    return payload
+        message = msgspec.json.decode(response.content, type=ErrorResponse).message
+    except msgspec.DecodeError:  # not SGLang's error body (SGLang's /generate nests it)
+        message = response.text
+    raise SGLangError(f"{where}: HTTP {response.status_code}: {message}")
+
+
+def _decode(response: httpx.Response, kind: type[_T], where: str) -> _T:
+    try:
+        return msgspec.json.decode(response.content, type=kind)
+    except msgspec.DecodeError as e:
+        raise SGLangError(f"{where}: not an SGLang answer: {e}") from None

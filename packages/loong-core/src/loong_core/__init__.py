@@ -1,5 +1,6 @@
-"""Loong core: the records, protocols, config loading, staleness window and telemetry shared by
-every Loong package. Pure Python plus msgspec: importing it never pulls in torch or ray."""
+"""Loong core: the records, protocols, config loading, staleness window, telemetry and SGLang HTTP
+API bodies shared by every Loong package. Pure Python plus msgspec: importing it never pulls in
+torch or ray."""
 
 from loong_core.config import ConfigError, dump_toml, load_config
 from loong_core.protocols import RolloutEngine, SamplingParams
@@ -13,6 +14,26 @@ from loong_core.records import (
     WeightManifest,
     decode,
     encode,
+)
+from loong_core.sglang_api import (
+    ContinueGenerationRequest,
+    DestroyWeightsUpdateGroupRequest,
+    ErrorResponse,
+    FinishReason,
+    GenerateRequest,
+    GenerateResponse,
+    GetWeightsByNameRequest,
+    InitWeightsUpdateGroupRequest,
+    MetaInfo,
+    ModelInfoResponse,
+    PauseGenerationRequest,
+    SGLangSamplingParams,
+    StatusResponse,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDistributedRequest,
+    UpdateWeightsFromTensorRequest,
+    UpdateWeightsResponse,
+    WeightVersionResponse,
 )
 from loong_core.telemetry import MetricsWriter, TraceWriter, read_metrics
 from loong_core.window import StalenessWindow, WindowStats
@@ -42,4 +63,23 @@ __all__ = [
     "MetricsWriter",
     "TraceWriter",
     "read_metrics",
+    # SGLang HTTP API bodies (loong_core.sglang_api)
+    "ContinueGenerationRequest",
+    "DestroyWeightsUpdateGroupRequest",
+    "ErrorResponse",
+    "FinishReason",
+    "GenerateRequest",
+    "GenerateResponse",
+    "GetWeightsByNameRequest",
+    "InitWeightsUpdateGroupRequest",
+    "MetaInfo",
+    "ModelInfoResponse",
+    "PauseGenerationRequest",
+    "SGLangSamplingParams",
+    "StatusResponse",
+    "UpdateWeightsFromDiskRequest",
+    "UpdateWeightsFromDistributedRequest",
+    "UpdateWeightsFromTensorRequest",
+    "UpdateWeightsResponse",
+    "WeightVersionResponse",
 ]

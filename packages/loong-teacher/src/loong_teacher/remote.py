@@ -1,7 +1,7 @@
 """The ``sglang`` teacher backend: an SGLang server (or anything serving SGLang's native
 ``/generate``, such as Loong's embedded engine) scored with prefill-only requests.
 
-One request carries up to ``batch_size`` rows::
+One request (a ``loong_core.sglang_api.GenerateRequest``) carries up to ``batch_size`` rows::
 
     POST /generate {"input_ids": [[...], ...], "sampling_params": {"max_new_tokens": 0},
                     "return_logprob": true, "logprob_start_len": s, "top_logprobs_num": k}
@@ -27,14 +27,17 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
+import msgspec
 import torch
 
+from loong_core.sglang_api import GenerateRequest, GenerateResponse, MetaInfo, SGLangSamplingParams
 from loong_teacher.losses import _log1mexp
 from loong_teacher.teacher import RowScores, TeacherConfigBase
 
 __all__ = ["SGLangTeacher", "SGLangTeacherConfig", "TeacherServerError"]
 
 _RETRY_STATUS = {502, 503, 504}
+_JSON = {"content-type": "application/json"}
 
 
 class TeacherServerError(RuntimeError):
@@ -96,29 +99,32 @@ class SGLangTeacher:
 
     def _score_batch(self, rows, top_k: int) -> list[RowScores]:
         start = min(p[0] for _, p in rows) - 1
-        body = {
-            "input_ids": [list(ids) for ids, _ in rows],
-            "sampling_params": {"max_new_tokens": 0},
-            "return_logprob": True,
-            "logprob_start_len": start,
-        }
-        if top_k:
-            body["top_logprobs_num"] = top_k
-        answers = self._post(body)
-        if not isinstance(answers, list) or len(answers) != len(rows):
-            raise TeacherServerError(f"{self.name}: expected {len(rows)} answers, got {_short(answers)}")
+        body = GenerateRequest(
+            input_ids=[list(ids) for ids, _ in rows],
+            sampling_params=SGLangSamplingParams(max_new_tokens=0),
+            return_logprob=True,
+            logprob_start_len=start,
+            top_logprobs_num=top_k or None,
+        )
+        try:
+            answers = msgspec.json.decode(self._post(msgspec.json.encode(body)), type=list[GenerateResponse])
+        except msgspec.DecodeError as e:
+            raise TeacherServerError(f"{self.name}: not an SGLang /generate answer: {e}") from None
+        if len(answers) != len(rows):
+            raise TeacherServerError(f"{self.name}: expected {len(rows)} answers, got {len(answers)}")
         return [
-            _row_scores(self.name, a["meta_info"], ids, p, start, top_k)
+            _row_scores(self.name, a.meta_info, ids, p, start, top_k)
             for a, (ids, p) in zip(answers, rows, strict=True)
         ]
 
-    def _post(self, body: dict) -> object:
+    def _post(self, body: bytes) -> bytes:
+        """POST ``body`` to ``/generate`` with the retries of the module docstring; the 200 answer."""
         delay = self.config.backoff_s
         for attempt in range(self.config.retries + 1):
             self.requests += 1
             last = attempt == self.config.retries
             try:
-                response = self._client.post("/generate", json=body)
+                response = self._client.post("/generate", content=body, headers=_JSON)
             except httpx.TransportError as exc:  # connection errors and timeouts
                 if last:
                     raise TeacherServerError(
@@ -126,7 +132,7 @@ class SGLangTeacher:
                     ) from exc
             else:
                 if response.status_code == 200:
-                    return response.json()
+                    return response.content
                 if response.status_code not in _RETRY_STATUS or last:
                     raise TeacherServerError(
                         f"{self.name}: {self.config.url}/generate: HTTP {response.status_code}: {response.text[:500]}"
@@ -137,9 +143,9 @@ class SGLangTeacher:
         raise AssertionError("unreachable")
 
 
-def _row_scores(name: str, meta: dict, ids, positions, start: int, top_k: int) -> RowScores:
+def _row_scores(name: str, meta: MetaInfo, ids, positions, start: int, top_k: int) -> RowScores:
     """Pick the scored positions out of one row's ``meta_info`` (entries cover ``ids[start:]``)."""
-    triples = meta.get("input_token_logprobs") or []
+    triples = meta.input_token_logprobs or []
     if len(triples) < len(ids) - start:
         raise TeacherServerError(f"{name}: {len(triples)} input logprobs for {len(ids) - start} positions")
     at = [p - start for p in positions]
@@ -148,20 +154,15 @@ def _row_scores(name: str, meta: dict, ids, positions, start: int, top_k: int) -
     logprobs = torch.tensor([float(triples[i][0]) for i in at], dtype=torch.float32)
     if not top_k:
         return RowScores(logprobs)
-    tops = meta.get("input_top_logprobs")
-    if tops is None or len(tops) < len(triples):
+    tops = meta.input_top_logprobs or []
+    if len(tops) < len(triples):
         raise TeacherServerError(
             f"{name}: the server returned no input_top_logprobs for top_logprobs_num={top_k}"
         )
-    rows = [tops[i][:top_k] for i in at]
+    rows = [(tops[i] or [])[:top_k] for i in at]
     if any(len(r) < top_k for r in rows):
         raise TeacherServerError(f"{name}: fewer than {top_k} top logprobs at a scored position")
     top_lp = torch.tensor([[float(t[0]) for t in r] for r in rows], dtype=torch.float32)
     top_ids = torch.tensor([[int(t[1]) for t in r] for r in rows], dtype=torch.long)
     tail = _log1mexp(top_lp.logsumexp(-1).clamp(max=0.0))
     return RowScores(logprobs, top_ids, top_lp, tail)
-
-
-def _short(value: object) -> str:
-    text = repr(value)
-    return text if len(text) < 200 else text[:200] + "..."

@@ -1,9 +1,9 @@
 """Push named tensors into running SGLang servers through SGLang's own weight-update endpoints.
 
-No ``import sglang``: this speaks SGLang's native HTTP API (field names as in SGLang's
-``managers/io_struct.py``) and joins the same ``torch.distributed`` group the server creates,
-so any training framework can drive any SGLang server (or Loong's embedded server, which serves
-the same endpoints on CPU).
+No ``import sglang``: this speaks SGLang's native HTTP API (the bodies are the Structs of
+``loong_core.sglang_api``, field names as in SGLang's ``managers/io_struct.py``) and joins the
+same ``torch.distributed`` group the server creates, so any training framework can drive any
+SGLang server (or Loong's embedded server, which serves the same endpoints on CPU).
 
 Protocol, for a trainer (rank 0) and ``n`` servers with ``r`` ranks each (tensor parallel size):
   1. ``POST /init_weights_update_group {master_address, master_port, rank_offset = 1 + i * r,
@@ -52,6 +52,17 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from loong_core.sglang_api import (
+    ContinueGenerationRequest,
+    DestroyWeightsUpdateGroupRequest,
+    InitWeightsUpdateGroupRequest,
+    PauseGenerationRequest,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDistributedRequest,
+    UpdateWeightsResponse,
+    WeightVersionResponse,
+)
+
 __all__ = [
     "SGLangPusherConfig",
     "SGLangUpdateError",
@@ -63,6 +74,9 @@ __all__ = [
     "plan_buckets",
     "unflatten_bucket",
 ]
+
+
+_JSON = {"content-type": "application/json"}
 
 
 class SGLangUpdateError(RuntimeError):
@@ -224,14 +238,14 @@ class SGLangWeightPusher:
             self._post_async(
                 url,
                 "/init_weights_update_group",
-                {
-                    "master_address": c.master_address,
-                    "master_port": c.master_port,
-                    "rank_offset": 1 + i * c.ranks_per_engine,
-                    "world_size": self.world_size,
-                    "group_name": c.group_name,
-                    "backend": c.backend,
-                },
+                InitWeightsUpdateGroupRequest(
+                    master_address=c.master_address,
+                    master_port=c.master_port,
+                    rank_offset=1 + i * c.ranks_per_engine,
+                    world_size=self.world_size,
+                    group_name=c.group_name,
+                    backend=c.backend,
+                ),
             )
             for i, url in enumerate(c.urls)
         ]
@@ -262,13 +276,14 @@ class SGLangWeightPusher:
 
     def push_from_disk(self, model_path: str, version: int) -> None:
         """Have every server load a Hugging Face checkpoint directory it can read."""
-        body = {"model_path": model_path, "weight_version": str(version)}
+        body = UpdateWeightsFromDiskRequest(model_path=model_path, weight_version=str(version))
         self._all("/update_weights_from_disk", body)
         self.check_version(version)
 
     def check_version(self, version: int) -> None:
         for url in self.config.urls:
-            got = self._http.get(f"{url}/get_weight_version").raise_for_status().json()["weight_version"]
+            answer = self._http.get(f"{url}/get_weight_version").raise_for_status().content
+            got = msgspec.json.decode(answer, type=WeightVersionResponse).weight_version
             if got != str(version):
                 raise SGLangUpdateError(f"{url} reports weight_version {got!r}, expected {version!r}")
 
@@ -276,7 +291,10 @@ class SGLangWeightPusher:
         """Destroy the group on the servers and here; the pusher can ``connect()`` again."""
         if self._group is not None:
             try:
-                self._all("/destroy_weights_update_group", {"group_name": self.config.group_name})
+                self._all(
+                    "/destroy_weights_update_group",
+                    DestroyWeightsUpdateGroupRequest(group_name=self.config.group_name),
+                )
             finally:
                 dist.destroy_process_group(self._group)
                 self._group = None
@@ -288,17 +306,15 @@ class SGLangWeightPusher:
 
     def _send_bucket(self, items: list[tuple[str, torch.Tensor]], version: str | None) -> None:
         c = self.config
-        body: dict[str, Any] = {
-            "names": [n for n, _ in items],
-            "dtypes": [dtype_field(t.dtype) for _, t in items],
-            "shapes": [list(t.shape) for _, t in items],
-            "group_name": c.group_name,
-            "flush_cache": False,  # SGLang asserts on a failed flush here; see _flush
-        }
-        if c.load_format == "flattened_bucket":
-            body["load_format"] = "flattened_bucket"
-        if version is not None:
-            body["weight_version"] = version
+        body = UpdateWeightsFromDistributedRequest(
+            names=[n for n, _ in items],
+            dtypes=[dtype_field(t.dtype) for _, t in items],
+            shapes=[list(t.shape) for _, t in items],
+            group_name=c.group_name,
+            flush_cache=False,  # SGLang asserts on a failed flush here; see _flush
+            weight_version=version,
+            load_format="flattened_bucket" if c.load_format == "flattened_bucket" else None,
+        )
         device = "cuda" if c.backend == "nccl" else "cpu"
         if c.load_format == "flattened_bucket":
             sends = [flatten_bucket([t.detach() for _, t in items]).to(device)]
@@ -316,11 +332,11 @@ class SGLangWeightPusher:
         if not self.config.pause:
             yield
             return
-        self._all("/pause_generation", {"mode": self.config.pause_mode})
+        self._all("/pause_generation", PauseGenerationRequest(mode=self.config.pause_mode))
         try:
             yield
         finally:
-            self._all("/continue_generation", {})
+            self._all("/continue_generation", ContinueGenerationRequest())
 
     def _flush(self, url: str) -> bool:
         """``POST /flush_cache``: True once flushed, False when the server still holds requests
@@ -330,23 +346,27 @@ class SGLangWeightPusher:
             return response.status_code == 200
         raise SGLangUpdateError(f"{url}/flush_cache: HTTP {response.status_code}: {response.text}")
 
-    def _all(self, path: str, body: dict) -> list[dict]:
-        return _results([self._post_async(url, path, body) for url in self.config.urls])
+    def _all(self, path: str, body: msgspec.Struct) -> None:
+        _results([self._post_async(url, path, body) for url in self.config.urls])
 
-    def _post_async(self, url: str, path: str, body: dict | None = None) -> Future:
+    def _post_async(self, url: str, path: str, body: msgspec.Struct) -> Future:
         return self._pool.submit(self._post, url, path, body)
 
-    def _post(self, url: str, path: str, body: dict | None) -> dict:
-        response = self._http.post(f"{url}{path}", json=body)
-        try:
-            payload = response.json()
-        except ValueError:
-            payload = {"message": response.text}
-        if response.status_code != 200 or payload.get("success") is False:
-            raise SGLangUpdateError(
-                f"{url}{path}: HTTP {response.status_code}: {payload.get('message', payload)}"
-            )
-        return payload
+    def _post(self, url: str, path: str, body: msgspec.Struct) -> None:
+        """POST ``body``; a non-200, or a 200 with ``success: false``, raises with the server's message."""
+        response = self._http.post(f"{url}{path}", content=msgspec.json.encode(body), headers=_JSON)
+        answer = _update_answer(response.content)
+        if response.status_code != 200 or (answer is not None and not answer.success):
+            message = response.text if answer is None else answer.message
+            raise SGLangUpdateError(f"{url}{path}: HTTP {response.status_code}: {message}")
+
+
+def _update_answer(content: bytes) -> UpdateWeightsResponse | None:
+    """``content`` as a weight-update answer; None for other bodies (``/pause_generation``'s, text)."""
+    try:
+        return msgspec.json.decode(content, type=UpdateWeightsResponse)
+    except msgspec.DecodeError:
+        return None
 
 
 def _results(calls: list[Future]) -> list[Any]:

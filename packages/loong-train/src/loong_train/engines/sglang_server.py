@@ -1,8 +1,9 @@
 """SGLang's native HTTP API, served by the embedded engine, so SGLang clients run on CPU.
 
 The subset Loong uses, with SGLang's field names and shapes (``entrypoints/http_server.py`` and
-``managers/io_struct.py`` in sgl-project/sglang); requests carry token ids, responses carry
-``output_ids`` and ``meta_info`` as SGLang does when started with ``--skip-tokenizer-init``:
+``managers/io_struct.py`` in sgl-project/sglang), as the Structs of ``loong_core.sglang_api``
+(bodies are decoded with msgspec); requests carry token ids, responses carry ``output_ids`` and
+``meta_info`` as SGLang does when started with ``--skip-tokenizer-init``:
 
 - ``POST /generate {input_ids, sampling_params, return_logprob, logprob_start_len,
   top_logprobs_num, rid}``:
@@ -63,7 +64,6 @@ import io
 import time
 import uuid
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -73,14 +73,30 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from loong_core.protocols import SamplingParams
+from loong_core.sglang_api import (
+    DestroyWeightsUpdateGroupRequest,
+    FinishReason,
+    GenerateRequest,
+    GenerateResponse,
+    GetWeightsByNameRequest,
+    InitWeightsUpdateGroupRequest,
+    MetaInfo,
+    ModelInfoResponse,
+    PauseGenerationRequest,
+    StatusResponse,
+    UpdateWeightsFromDiskRequest,
+    UpdateWeightsFromDistributedRequest,
+    UpdateWeightsFromTensorRequest,
+    UpdateWeightsResponse,
+    WeightVersionResponse,
+)
 from loong_train.engines.embedded import EmbeddedEngine
 from loong_train.engines.sglang_wire import (
     BadRequest,
     bad_request,
+    decode_body,
     dtype_named,
-    field,
-    is_int,
-    json_body,
+    json_response,
     sampling_params,
     token_ids,
 )
@@ -111,22 +127,21 @@ class SGLangServer:
 
     # ---- generation ----
     async def generate(self, request: Request) -> Response:
-        body = await json_body(request)
-        if body.get("text") is not None:
+        body = await decode_body(request, GenerateRequest)
+        if body.text is not None:
             raise BadRequest("text", "this server takes input_ids only (it has no tokenizer)")
-        ids = body.get("input_ids")
-        batch = isinstance(ids, list) and bool(ids) and isinstance(ids[0], list)
+        ids = body.input_ids
+        batch = bool(ids) and isinstance(ids[0], list)
         prompts = ids if batch else [ids]
-        raw = body.get("sampling_params") or {}
+        raw = body.sampling_params
         raws = raw if isinstance(raw, list) else [raw] * len(prompts)
         if len(raws) != len(prompts):
             raise BadRequest("sampling_params", "a list must have one entry per prompt")
-        rid = field(body, "rid", str, uuid.uuid4().hex) if not batch else uuid.uuid4().hex
-        logprob = field(body, "return_logprob", bool, False)
-        start = field(body, "logprob_start_len", int, -1)
-        top_k = field(body, "top_logprobs_num", int, 0)
-        if top_k < 0:
-            raise BadRequest("top_logprobs_num", "must be >= 0")
+        if not batch and isinstance(body.rid, list):
+            raise BadRequest("rid", "must be a string for a single prompt")
+        rid = body.rid if isinstance(body.rid, str) and not batch else uuid.uuid4().hex
+        logprob, start = bool(body.return_logprob), body.logprob_start_len
+        top_k = body.top_logprobs_num or 0
         jobs = []
         for i, (prompt, sp) in enumerate(zip(prompts, raws, strict=True)):
             suffix = f"[{i}]" if batch else ""
@@ -134,82 +149,75 @@ class SGLangServer:
             sampling, max_new = sampling_params(
                 sp, "sampling_params" + (suffix if isinstance(raw, list) else "")
             )
-            first = len(prompt) - 1 if start == -1 else start
+            first = len(prompt) - 1 if start in (None, -1) else start
             if not 0 <= first < len(prompt):
                 raise BadRequest("logprob_start_len", f"must be -1 or in [0, {len(prompt)})")
             jobs.append((prompt, sampling, max_new, logprob, first, f"{rid}{suffix}", top_k))
         results = await asyncio.gather(*(self._one(*job) for job in jobs))
-        return JSONResponse(results if batch else results[0])
+        return json_response(results if batch else results[0])
 
     async def _one(
         self, prompt, sampling: SamplingParams, max_new: int, logprob: bool, start: int, rid, top_k: int
-    ):
+    ) -> GenerateResponse:
         t0 = time.perf_counter()
-        meta: dict[str, Any] = {"id": rid}
+        logprobs: dict = {}
         version = self.engine.weight_version
         if logprob:
             scores: list[float] = []
             if start < len(prompt) - 1 and top_k:
                 scores, top, version = await self.engine.score_top(prompt, top_k)
-                meta["input_top_logprobs"] = [None] + [
-                    [[lp, t, None] for lp, t in top[j - 1]] for j in range(start + 1, len(prompt))
+                logprobs["input_top_logprobs"] = [None] + [
+                    [(lp, t, None) for lp, t in top[j - 1]] for j in range(start + 1, len(prompt))
                 ]
             elif start < len(prompt) - 1:
                 scores, version = await self.engine.score(prompt)
-            meta["input_token_logprobs"] = [[None, prompt[start], None]] + [
-                [scores[j - 1], prompt[j], None] for j in range(start + 1, len(prompt))
+            logprobs["input_token_logprobs"] = [(None, prompt[start], None)] + [
+                (scores[j - 1], prompt[j], None) for j in range(start + 1, len(prompt))
             ]
         out: list[int] = []
         lps: list[float] = []
-        finish: dict[str, Any] = {"type": "length", "length": max_new}
+        finish = FinishReason(type="length", length=max_new)
         if max_new > 0:
             span = await self.engine.generate(prompt, sampling)
             out, lps, version = span.token_ids, span.logprobs, span.weight_version
             if out[-1] in sampling.stop_token_ids:
-                finish = {"type": "stop", "matched": out[-1]}
+                finish = FinishReason(type="stop", matched=out[-1])
         if logprob:
-            meta["output_token_logprobs"] = [[lp, t, None] for lp, t in zip(lps, out, strict=True)]
-        meta.update(
-            finish_reason=finish, prompt_tokens=len(prompt), completion_tokens=len(out), cached_tokens=0,
-            weight_version=self.labels.get(version, self.label), e2e_latency=time.perf_counter() - t0,
+            logprobs["output_token_logprobs"] = [(lp, t, None) for lp, t in zip(lps, out, strict=True)]
+        meta = MetaInfo(
+            id=rid, finish_reason=finish, prompt_tokens=len(prompt), completion_tokens=len(out),
+            cached_tokens=0, weight_version=self.labels.get(version, self.label),
+            e2e_latency=time.perf_counter() - t0, **logprobs,
         )  # fmt: skip
-        return {"output_ids": out, "meta_info": meta}
+        return GenerateResponse(output_ids=out, meta_info=meta)
 
     async def pause(self, request: Request) -> Response:
-        mode = field(await json_body(request), "mode", str, "abort")
-        if mode not in ("abort", "retract", "in_place"):
-            raise BadRequest("mode", "must be one of abort, retract, in_place")
+        mode = (await decode_body(request, PauseGenerationRequest)).mode
         self.paused, self.pause_mode = True, mode
         self.engine.pause()
-        return JSONResponse({"message": "Generation paused successfully.", "status": "ok"})
+        return json_response(StatusResponse(message="Generation paused successfully."))
 
     async def resume(self, request: Request) -> Response:
         self.paused = False
         self.engine.resume()
-        return JSONResponse({"message": "Generation continued successfully.", "status": "ok"})
+        return json_response(StatusResponse(message="Generation continued successfully."))
 
     async def weight_version(self, request: Request) -> Response:
-        return JSONResponse({"weight_version": self.label})
+        return json_response(WeightVersionResponse(weight_version=self.label))
 
     async def model_info(self, request: Request) -> Response:
-        return JSONResponse(
-            {
-                "model_path": self.model_path,
-                "tokenizer_path": self.model_path,
-                "is_generation": True,
-                "preferred_sampling_params": None,
-                "weight_version": self.label,
-            }
+        path = self.model_path
+        return json_response(
+            ModelInfoResponse(model_path=path, tokenizer_path=path, weight_version=self.label)
         )
 
     async def weights_by_name(self, request: Request) -> Response:
         """SGLang's ``/get_weights_by_name {name, truncate_size}``: the first rows of a parameter."""
-        body = await json_body(request)
-        name, size = field(body, "name", str), field(body, "truncate_size", int, 100)
-        param = dict(self.engine.model.named_parameters()).get(name)
+        body = await decode_body(request, GetWeightsByNameRequest)
+        param = dict(self.engine.model.named_parameters()).get(body.name)
         if param is None:
-            raise BadRequest("name", f"no parameter named {name!r}")
-        return JSONResponse(param.detach()[:size].float().cpu().tolist())
+            raise BadRequest("name", f"no parameter named {body.name!r}")
+        return JSONResponse(param.detach()[: body.truncate_size].float().cpu().tolist())
 
     # ---- weight updates ----
     def busy(self) -> bool:
@@ -253,9 +261,9 @@ class SGLangServer:
                     self.engine.resume()
 
     async def from_disk(self, request: Request) -> Response:
-        body = await json_body(request)
-        path = Path(field(body, "model_path", str))
-        if field(body, "load_format", str, "auto") not in ("auto", "safetensors"):
+        body = await decode_body(request, UpdateWeightsFromDiskRequest)
+        path = Path(body.model_path)
+        if body.load_format not in (None, "auto", "safetensors"):
             raise BadRequest("load_format", "only safetensors checkpoints are supported")
         files = sorted(path.glob("*.safetensors"))
         if not files:
@@ -265,19 +273,14 @@ class SGLangServer:
         named: dict[str, torch.Tensor] = {}
         for f in files:
             named.update(await asyncio.to_thread(load_file, str(f)))
-        await self.swap(
-            named, field(body, "weight_version", str, None), field(body, "flush_cache", bool, True)
-        )
-        return JSONResponse(
-            {"success": True, "message": "Succeeded to update model weights.", "num_paused_requests": 0}
-        )
+        await self.swap(named, body.weight_version, body.flush_cache)
+        message = "Succeeded to update model weights."
+        return json_response(UpdateWeightsResponse(success=True, message=message, num_paused_requests=0))
 
     async def init_group(self, request: Request) -> Response:
-        body = await json_body(request)
-        address = field(body, "master_address", str)
-        port, offset = field(body, "master_port", int), field(body, "rank_offset", int)
-        world, name = field(body, "world_size", int), field(body, "group_name", str, "weight_update_group")
-        backend = field(body, "backend", str, "nccl")
+        body = await decode_body(request, InitWeightsUpdateGroupRequest)
+        address, port, offset = body.master_address, body.master_port, body.rank_offset
+        world, name, backend = body.world_size, body.group_name, body.backend
         if name in self.groups:
             raise BadRequest("group_name", f"group {name!r} already exists")
         if not 0 < offset < world:
@@ -292,41 +295,43 @@ class SGLangServer:
         except Exception as e:  # rendezvous failures are the caller's to fix; keep serving
             return bad_request("master_address", f"could not join group {name!r}: {e}")
         self.groups[name] = group
-        return JSONResponse({"success": True, "message": "Succeeded to initialize custom process group."})
+        return json_response(
+            UpdateWeightsResponse(success=True, message="Succeeded to initialize custom process group.")
+        )
 
     async def from_distributed(self, request: Request) -> Response:
-        body = await json_body(request)
-        names, dtypes, shapes = (field(body, k, list) for k in ("names", "dtypes", "shapes"))
-        group = self.groups.get(name := field(body, "group_name", str, "weight_update_group"))
+        body = await decode_body(request, UpdateWeightsFromDistributedRequest)
+        names, shapes, name = body.names, body.shapes, body.group_name
+        group = self.groups.get(name)
         if group is None:
             raise BadRequest(
                 "group_name", f"no weight update group named {name!r}; call /init_weights_update_group"
             )
-        if not (len(names) == len(dtypes) == len(shapes)) or not names:
+        if not (len(names) == len(body.dtypes) == len(shapes)) or not names:
             raise BadRequest("names", "names, dtypes and shapes must be non-empty lists of one length")
-        torch_dtypes = [dtype_named(d) for d in dtypes]
-        if not all(isinstance(s, list) and all(is_int(x) and x >= 0 for x in s) for s in shapes):
-            raise BadRequest("shapes", "must be lists of non-negative integers")
-        load_format = field(body, "load_format", str, "direct")
-        if load_format not in ("direct", "flattened_bucket"):
+        dtypes = [dtype_named(d) for d in body.dtypes]
+        if body.load_format not in (None, "direct", "flattened_bucket"):
             raise BadRequest("load_format", "must be null or 'flattened_bucket'")
-        receive = _receive_flat if load_format == "flattened_bucket" else _receive_each
-        flush = field(body, "flush_cache", bool, True)
-        named = await asyncio.to_thread(receive, group, names, torch_dtypes, shapes, self.device)
-        await self.swap(named, field(body, "weight_version", str, None), flush)
-        return JSONResponse({"success": True, "message": "Succeeded to update parameter online."})
+        receive = _receive_flat if body.load_format == "flattened_bucket" else _receive_each
+        named = await asyncio.to_thread(receive, group, names, dtypes, shapes, self.device)
+        await self.swap(named, body.weight_version, body.flush_cache)
+        return json_response(
+            UpdateWeightsResponse(success=True, message="Succeeded to update parameter online.")
+        )
 
     async def destroy_group(self, request: Request) -> Response:
-        name = field(await json_body(request), "group_name", str, "weight_update_group")
+        name = (await decode_body(request, DestroyWeightsUpdateGroupRequest)).group_name
         group = self.groups.pop(name, None)
         if group is None:
             raise BadRequest("group_name", f"no weight update group named {name!r}")
         dist.destroy_process_group(group)
-        return JSONResponse({"success": True, "message": "Succeeded to destroy custom process group."})
+        return json_response(
+            UpdateWeightsResponse(success=True, message="Succeeded to destroy custom process group.")
+        )
 
     async def from_tensor(self, request: Request) -> Response:
-        body = await json_body(request)
-        payloads = field(body, "serialized_named_tensors", list)
+        body = await decode_body(request, UpdateWeightsFromTensorRequest)
+        payloads = body.serialized_named_tensors
         try:
             raw = base64.b64decode(payloads[0], validate=True)
             loaded = torch.load(io.BytesIO(raw), weights_only=True, map_location=self.device)
@@ -337,10 +342,8 @@ class SGLangServer:
                 "entry 0 must be base64 of torch.save([(name, tensor), ...]) (SGLang's CUDA IPC "
                 f"pickles are not accepted by the embedded server): {e}",
             ) from None
-        await self.swap(
-            named, field(body, "weight_version", str, None), field(body, "flush_cache", bool, True)
-        )
-        return JSONResponse({"success": True, "message": "Success"})
+        await self.swap(named, body.weight_version, body.flush_cache)
+        return json_response(UpdateWeightsResponse(success=True, message="Success"))
 
 
 def _receive_flat(group, names, dtypes, shapes, device) -> dict[str, torch.Tensor]:
