@@ -8,6 +8,7 @@ left-padded against a KV cache, the trainer runs right-padded full sequences).
 import pytest
 
 from loong_train.algorithms import grpo_advantages, pack_batch
+from loong_train.controller import trainer_options
 from loong_train.pipeline import GroupSource
 from loong_train.rollout import RolloutWorker
 from loong_train.tiny import calc
@@ -31,7 +32,9 @@ def _rollout(tiny_dir, groups=4, transport=None):
 def test_trainer_logprobs_equal_engine_logprobs_on_first_step(tiny_dir, recipe):
     _, trajs = _rollout(tiny_dir)
     batch = pack_batch(trajs, grpo_advantages(trajs), policy_version=0)
-    trainer = TrainerWorker(str(tiny_dir), recipe, TransportConfig(name="first-step-test"))
+    trainer = TrainerWorker(
+        str(tiny_dir), transport=TransportConfig(name="first-step-test"), **trainer_options(recipe)
+    )
     try:
         recomputed = trainer.logprobs(batch)
         gaps = [
@@ -52,7 +55,7 @@ def test_trainer_logprobs_equal_engine_logprobs_on_first_step(tiny_dir, recipe):
 def test_weights_reach_the_engine_through_transfermesh(tiny_dir, recipe, mode):
     transport = TransportConfig(name=f"first-step-{mode}", mode=mode)
     worker, trajs = _rollout(tiny_dir, groups=2, transport=transport)
-    trainer = TrainerWorker(str(tiny_dir), recipe, transport)
+    trainer = TrainerWorker(str(tiny_dir), transport=transport, **trainer_options(recipe))
     try:
         _, manifest = trainer.publish(
             trainer.train_step(pack_batch(trajs, [1.0] * len(trajs), policy_version=0))

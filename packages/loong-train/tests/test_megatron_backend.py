@@ -29,7 +29,7 @@ import pytest
 import torch
 
 from loong_core.records import TrainBatch
-from loong_train.backends.megatron_weights import hf_to_megatron
+from loong_train.backends.megatron.weights import hf_to_megatron
 from loong_train.backends.torch_backend import TorchBackend
 from loong_train.config import LossConfig
 from loong_train.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
@@ -253,6 +253,7 @@ def test_trainer_worker_drives_a_two_rank_megatron_backend(tmp_path):
     and one spawned follower mirrors it; logprobs, the step's loss and the published weights
     match the torch backend (the CPU comparison above, through the trainer)."""
     from loong_train.config import load_recipe
+    from loong_train.controller import trainer_options
     from loong_train.trainer import TrainerWorker
     from loong_transfermesh import TransportConfig
 
@@ -260,7 +261,9 @@ def test_trainer_worker_drives_a_two_rank_megatron_backend(tmp_path):
     model.save_pretrained(tmp_path)
     sets = ["train.backend=megatron", "train.tp=2", "train.warmup_steps=0", f"train.lr={LR}"]
     recipe = load_recipe("tiny-calc-agent", [*sets, "rollout.temperature=0.9"])
-    trainer = TrainerWorker(str(tmp_path), recipe, TransportConfig(name="megatron-trainer-test"))
+    trainer = TrainerWorker(
+        str(tmp_path), transport=TransportConfig(name="megatron-trainer-test"), **trainer_options(recipe)
+    )
     try:
         batch = _batch()
         lp = torch.tensor(trainer.logprobs(batch))
@@ -281,7 +284,7 @@ def _cloned(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _one_run(rank: int, tp: int, pp: int, loss: str, rows: int, out: Path) -> None:
-    from loong_train.backends.megatron_backend import MegatronBackend, init_model_parallel
+    from loong_train.backends.megatron.backend import MegatronBackend, init_model_parallel
 
     init_model_parallel(tp, pp, seed=0)
     backend = MegatronBackend.from_pretrained(
@@ -332,3 +335,44 @@ def _worker(rank: int, world: int, port: int, root: str, names: list[str], devic
 
 if __name__ == "__main__":
     _worker(*json.loads(sys.argv[1]))
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_megatron_checkpoint_resumes_the_next_step_exactly(tmp_path):
+    """A two-rank Megatron trainer checkpointed after one step, then resumed in a fresh trainer,
+    takes the same second step as one that never stopped: same learning rate (the warmup
+    schedule), loss and bit-identical weights (Adam's moments came back on every rank)."""
+    from loong_train.config import load_recipe
+    from loong_train.controller import trainer_options
+    from loong_train.trainer import TrainerWorker
+    from loong_transfermesh import TransportConfig
+
+    _model(tied=False).save_pretrained(tmp_path / "init")
+    sets = ["train.backend=megatron", "train.tp=2", "train.warmup_steps=3", f"train.lr={LR}"]
+    recipe = load_recipe("tiny-calc-agent", sets)
+    batch, ckpt = _batch(), str(tmp_path / "ckpt")
+
+    def trainer(name: str) -> TrainerWorker:
+        return TrainerWorker(
+            str(tmp_path / "init"), transport=TransportConfig(name=name), **trainer_options(recipe)
+        )
+
+    first = trainer("megatron-ckpt-a")
+    try:
+        first.train_step(batch)
+        first.save_checkpoint(ckpt)
+        want = first.train_step(batch)
+        want_weights = _cloned(first.backend.named_weights())
+    finally:
+        first.close()
+    resumed = trainer("megatron-ckpt-b")
+    try:
+        resumed.load_checkpoint(ckpt)
+        got = resumed.train_step(batch)
+        got_weights = _cloned(resumed.backend.named_weights())
+    finally:
+        resumed.close()
+    assert (got["lr"], got["loss"]) == (want["lr"], want["loss"])
+    assert sorted(got_weights) == sorted(want_weights)
+    assert all(torch.equal(got_weights[k], want_weights[k]) for k in want_weights)

@@ -19,6 +19,7 @@ from loong_core.telemetry import read_metrics
 from loong_teacher import LocalTeacherConfig, TeacherManagerConfig, TokenizerMismatch
 from loong_train.algorithms import grpo_advantages, pack_batch
 from loong_train.config import OPDConfig, Recipe, load_recipe
+from loong_train.controller import trainer_options
 from loong_train.engines.embedded import EmbeddedEngine
 from loong_train.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from loong_train.models.tokenizer import HFCodec, load_tokenizer
@@ -112,7 +113,9 @@ def _reference(dirs, batch: TrainBatch, mode: str, task_coef: float) -> tuple[li
 
 def _trainer(dirs, opd: OPDConfig, name: str) -> TrainerWorker:
     recipe = msgspec.structs.replace(load_recipe("tiny-calc-agent"), opd=opd)
-    return TrainerWorker(str(dirs["student"]), recipe, TransportConfig(name=name))
+    return TrainerWorker(
+        str(dirs["student"]), transport=TransportConfig(name=name), **trainer_options(recipe)
+    )
 
 
 @pytest.mark.parametrize(("mode", "task_coef"), [("teacher_only", 1.0), ("mixed", 0.5)])

@@ -21,6 +21,7 @@ import torch
 
 from loong_train.algorithms import grpo_advantages, pack_batch
 from loong_train.config import load_recipe, recipe_names
+from loong_train.controller import trainer_options
 from loong_train.engines.sglang_rollout import SGLangRolloutConfig
 from loong_train.engines.sglang_supervisor import SGLangServerError
 from loong_train.pipeline import GroupSource
@@ -66,7 +67,7 @@ def test_worker_generates_takes_weights_and_survives_a_server_restart(tiny_dir, 
         sglang=config,
         log_dir=str(tmp_path / "logs"),
     )
-    trainer = TrainerWorker(str(tiny_dir), recipe, transport)
+    trainer = TrainerWorker(str(tiny_dir), transport=transport, **trainer_options(recipe))
     url, supervisor = worker.engine.supervisor.url, worker.engine.supervisor
     try:
         trajs = _rollout(worker, seed=0, groups=2)

@@ -1,12 +1,13 @@
 """Resumable checkpoints: ``loong-train run RECIPE --resume DIR`` continues where one stopped.
 
 ``DIR/checkpoints/step_<v>/`` is written every ``train.checkpoint_every`` steps and after the last
-one (torch backend), right after step v's weights were published:
+one, right after step v's weights were published:
 
 - ``config.json``, ``model.safetensors`` and the tokenizer files: the policy at version v in
   Hugging Face format; a resumed run's rollout workers load it as their model, at version v;
-- ``trainer_state.pt``: optimizer, LR scheduler, step count, torch RNG, the sender's version
-  (:meth:`TrainerWorker.save_checkpoint`);
+- the train backend's state (``TrainBackend.save_state``: ``optimizer.pt`` for torch, one
+  ``optimizer.tp<r>.pp<s>.pt`` per model-parallel rank for Megatron) and ``trainer_state.pt``
+  (torch RNG, the sender's version; :meth:`TrainerWorker.save_checkpoint`);
 - ``controller_state.msgpack`` (:class:`ControllerState`): the recipe, the window
   (``StalenessWindow.state_dict``), the data position (tasks drawn; the prompts of groups issued
   but not trained), the finished trajectories not yet trained, the fault counters and the run
@@ -100,9 +101,9 @@ class Checkpoint:
 
 def maybe_save(pipe: Pipeline, run_dir: RunDir) -> Path | None:
     """Checkpoint after a train step when ``train.checkpoint_every`` divides the version, and
-    after the last step (torch backend)."""
+    after the last step."""
     t, v = pipe.recipe.train, pipe.window.version
-    if t.backend != "torch" or not (v == t.steps or (t.checkpoint_every and v % t.checkpoint_every == 0)):
+    if not (v == t.steps or (t.checkpoint_every and v % t.checkpoint_every == 0)):
         return None
     return save(pipe, run_dir)
 

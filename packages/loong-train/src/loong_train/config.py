@@ -118,8 +118,7 @@ class TrainConfig(_Section):
     ``gpus``: GPUs Ray reserves for the trainer actor (0: CPU; Megatron on GPU: ``tp * pp * dp``,
     its ranks use the reserved GPUs in order; a fraction shares one GPU with a rollout worker).
     ``checkpoint_every``: write a resumable checkpoint every that many steps (0: only after the
-    last step); the newest ``keep_checkpoints`` are kept (:mod:`loong_train.checkpoint`; torch
-    backend only for now)."""
+    last step); the newest ``keep_checkpoints`` are kept (:mod:`loong_train.checkpoint`)."""
 
     steps: int = 100
     batch_groups: int = 16
@@ -139,10 +138,6 @@ class TrainConfig(_Section):
 
     def __post_init__(self) -> None:
         _at_least(self, checkpoint_every=0, keep_checkpoints=1)
-        if self.backend == "megatron" and self.checkpoint_every:
-            raise ValueError(
-                "checkpoint_every needs backend = 'torch' (Megatron writes only checkpoints/final)"
-            )
         _at_least(
             self,
             steps=1,

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import ray
@@ -25,6 +26,7 @@ from tqdm import tqdm
 from loong_agentflow import EpisodeLimits
 from loong_core.window import StalenessWindow
 from loong_train import checkpoint
+from loong_train.backends.base import BackendOptions
 from loong_train.checkpoint import Checkpoint
 from loong_train.config import Recipe
 from loong_train.pipeline import GroupSource, Pipeline
@@ -36,7 +38,7 @@ from loong_train.tiny.warmstart import prepare_model
 from loong_train.trainer import TrainerWorker
 from loong_transfermesh import TransportConfig, remove_slots
 
-__all__ = ["run"]
+__all__ = ["run", "trainer_options"]
 
 log = logging.getLogger("loong.controller")
 
@@ -81,6 +83,14 @@ def run(recipe: Recipe, out: Path, cache: Path, resume: bool = False) -> Path:
         if started_ray:
             ray.shutdown()
     return run_dir.path
+
+
+def trainer_options(recipe: Recipe) -> dict[str, Any]:
+    """The trainer's share of ``recipe`` (``TrainerWorker``'s keyword arguments)."""
+    options = BackendOptions(
+        train=recipe.train, loss=recipe.loss, temperature=recipe.rollout.temperature, threads=recipe.threads
+    )
+    return {"options": options, "seed": recipe.seed, "opd": recipe.opd}
 
 
 def _preflight(recipe: Recipe) -> None:
@@ -135,7 +145,8 @@ def _start(
         for i in range(r.workers)
     ]
     trainer_actor = ray.remote(num_cpus=recipe.threads, num_gpus=recipe.train.gpus)(TrainerWorker)
-    trainer = trainer_actor.remote(model_path, recipe, transport)  # the initial model: KL reference
+    # from the initial model, which stays the KL reference when resumed
+    trainer = trainer_actor.remote(model_path, transport=transport, **trainer_options(recipe))
     if ckpt:
         ray.get(trainer.load_checkpoint.remote(str(ckpt.path)))
     task = build_task(recipe.task)

@@ -9,9 +9,8 @@ import ray
 import torch
 
 from loong_core.records import TrainBatch, WeightManifest
-from loong_train.backends.torch_backend import TorchBackend
-from loong_train.config import Recipe
-from loong_train.models.qwen3 import Qwen3ForCausalLM
+from loong_train.backends.base import BackendOptions, build_backend
+from loong_train.config import OPDConfig
 from loong_train.opd import Distiller
 from loong_transfermesh import TransportConfig, open_sender
 
@@ -20,37 +19,25 @@ __all__ = ["TrainerWorker"]
 
 class TrainerWorker:
     """Runs one optimizer step per batch, then pushes the new weights (version + 1) through
-    TransferMesh."""
+    TransferMesh. Its backend is whatever ``options.train.backend`` names
+    (:func:`~loong_train.backends.base.build_backend`); with ``opd`` enabled, teachers rewrite each
+    batch's advantages first (:mod:`loong_train.opd`)."""
 
-    def __init__(self, model_path: str, recipe: Recipe, transport: TransportConfig) -> None:
-        torch.set_num_threads(recipe.threads)
-        torch.manual_seed(recipe.seed)
-        t = recipe.train
-        options = {
-            "lr": t.lr,
-            "warmup_steps": t.warmup_steps,
-            "weight_decay": t.weight_decay,
-            "grad_clip": t.grad_clip,
-            "loss": recipe.loss,
-            "temperature": recipe.rollout.temperature,
-        }
-        if t.backend == "megatron":  # megatron-core is imported only here
-            from loong_train.backends.megatron_driver import MegatronDriver
-
-            self.backend = MegatronDriver(
-                model_path,
-                tp=t.tp,
-                pp=t.pp,
-                dp=t.dp,
-                threads=recipe.threads,
-                micro_batch_rows=t.micro_batch_rows,
-                **options,
-            )
-        else:
-            self.backend = TorchBackend(Qwen3ForCausalLM.from_pretrained(model_path), **options)
+    def __init__(
+        self,
+        model_path: str,
+        options: BackendOptions,
+        transport: TransportConfig,
+        *,
+        seed: int = 0,
+        opd: OPDConfig | None = None,
+    ) -> None:
+        torch.set_num_threads(options.threads)
+        torch.manual_seed(seed)
+        self.backend = build_backend(model_path, options)
         self.sender = open_sender(transport)
         self.version = 0
-        self.distiller = Distiller(recipe.opd, model_path) if recipe.opd.enabled else None
+        self.distiller = Distiller(opd, model_path) if opd is not None and opd.enabled else None
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step; an all-failed (empty) batch skips the step but still advances.
@@ -84,26 +71,26 @@ class TrainerWorker:
         return [v for i, n in enumerate(batch.row_lens) for v in lp[i, :n].tolist()]
 
     def save(self, path: str) -> None:
-        self.backend.save(path)
+        """The model as a Hugging Face checkpoint (``checkpoints/final``)."""
+        self.backend.save_pretrained(path)
 
     def save_checkpoint(self, path: str) -> None:
-        """Hugging Face weights, plus ``trainer_state.pt``: optimizer, LR scheduler, step count,
-        torch RNG state and the sender's version (torch backend)."""
-        self.backend.model.save_pretrained(path)
-        state = {"backend": self.backend.state_dict(), "version": self.version, "rng": torch.get_rng_state()}
-        torch.save(state, f"{path}/trainer_state.pt")
+        """The backend's resumable state (weights, optimizer, LR scheduler, step count), plus
+        ``trainer_state.pt``: the torch RNG state and the sender's version."""
+        self.backend.save_state(path)
+        torch.save({"version": self.version, "rng": torch.get_rng_state()}, f"{path}/trainer_state.pt")
 
     def load_checkpoint(self, path: str) -> int:
         """Continue from ``save_checkpoint(path)``; returns the version it holds (the next push is
         that version + 1)."""
+        self.backend.load_state(path)
         state = torch.load(f"{path}/trainer_state.pt", weights_only=False)
-        self.backend.load(path, state["backend"])
         torch.set_rng_state(state["rng"])
         self.version = state["version"]
         return self.version
 
     def close(self) -> None:
         self.sender.close()
-        getattr(self.backend, "close", lambda: None)()  # the Megatron driver stops its ranks
+        self.backend.close()
         if self.distiller is not None:
             self.distiller.close()

@@ -1,1 +1,3 @@
-"""Train backends: ``torch`` (CPU or one GPU) and ``megatron`` (megatron-core, TP/PP/DP; extra ``[megatron]``)."""
+"""Train backends behind one seam: the :class:`~loong_train.backends.base.TrainBackend` protocol,
+built by :func:`~loong_train.backends.base.build_backend` from ``train.backend``: ``torch``
+(:mod:`torch_backend`) or ``megatron`` (:mod:`megatron`, imported only when chosen)."""

@@ -66,6 +66,10 @@ class TorchBackend:
         self.reference = _frozen_copy(model) if self.loss_cfg.kl_coef > 0 else None
         self.steps = 0
 
+    @classmethod
+    def from_pretrained(cls, path: str | Path, **kwargs: Any) -> TorchBackend:
+        return cls(Qwen3ForCausalLM.from_pretrained(path), **kwargs)
+
     def tensors(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
         lens = batch.row_lens
         return {
@@ -114,24 +118,27 @@ class TorchBackend:
     def named_weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.model.named_parameters()}
 
-    def save(self, path: str | Path) -> None:
-        path = Path(path)
+    def save_pretrained(self, path: str | Path) -> None:
         self.model.save_pretrained(path)
-        torch.save(self.state_dict(), path / "optimizer.pt")
 
-    def state_dict(self) -> dict[str, Any]:
-        """Optimizer and LR-scheduler state and the step count (weights: ``save``)."""
-        return {"opt": self.opt.state_dict(), "sched": self.sched.state_dict(), "steps": self.steps}
+    def save_state(self, path: str | Path) -> None:
+        """The HF checkpoint plus ``optimizer.pt``: optimizer, LR scheduler, step count."""
+        self.save_pretrained(path)
+        state = {"opt": self.opt.state_dict(), "sched": self.sched.state_dict(), "steps": self.steps}
+        torch.save(state, Path(path) / "optimizer.pt")
 
     @torch.no_grad()
-    def load(self, path: str | Path, state: dict[str, Any]) -> None:
-        """Continue from a checkpoint: the weights ``save`` wrote to ``path`` (copied in place, so
-        the optimizer keeps its parameters; a KL reference stays the initial model) and
-        ``state_dict()``."""
+    def load_state(self, path: str | Path) -> None:
+        """Weights copied in place (the optimizer keeps its parameters; a KL reference stays the
+        initial model), then ``optimizer.pt``."""
         self.model.load_state_dict(Qwen3ForCausalLM.from_pretrained(path).state_dict())
+        state = torch.load(Path(path) / "optimizer.pt", weights_only=False)
         self.opt.load_state_dict(state["opt"])
         self.sched.load_state_dict(state["sched"])
         self.steps = state["steps"]
+
+    def close(self) -> None:
+        pass
 
 
 def _frozen_copy(model: Qwen3ForCausalLM) -> Qwen3ForCausalLM:

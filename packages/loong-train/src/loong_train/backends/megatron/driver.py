@@ -1,6 +1,6 @@
 """Drive a ``tp * pp * dp``-rank Megatron backend from one process, as the trainer wants it.
 
-:class:`~loong_train.backends.megatron_backend.MegatronBackend` is SPMD: every rank makes the
+:class:`~loong_train.backends.megatron.backend.MegatronBackend` is SPMD: every rank makes the
 same calls. :class:`MegatronDriver` makes the calling process rank 0 and spawns ranks
 1..world-1 as followers; each call on the driver is first broadcast (method name and
 arguments, pickled, over the default group) so the followers make it too, then run on rank 0,
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from loong_core.records import TrainBatch
-from loong_train.backends.megatron_backend import MegatronBackend, init_model_parallel
+from loong_train.backends.megatron.backend import MegatronBackend, init_model_parallel
 
 __all__ = ["MegatronDriver"]
 
@@ -64,8 +64,14 @@ class MegatronDriver:
     def named_weights(self) -> dict[str, torch.Tensor]:
         return self._call("named_weights")
 
-    def save(self, path: str | Path) -> None:
-        self._call("save", path)
+    def save_pretrained(self, path: str | Path) -> None:
+        self._call("save_pretrained", path)
+
+    def save_state(self, path: str | Path) -> None:
+        self._call("save_state", path)
+
+    def load_state(self, path: str | Path) -> None:
+        self._call("load_state", path)
 
     def close(self) -> None:
         if self._followers:

@@ -11,7 +11,7 @@ world builds one ``MegatronBackend`` and makes the same calls in the same order;
 Model. A Hugging Face Qwen3 config becomes a ``TransformerConfig`` + ``GPTModel`` with the
 local (torch-native) layer spec: RMSNorm, per-head RMSNorm on queries and keys, SwiGLU, rotary
 embedding (rotate-half, ``rope_theta``), no biases, tied or untied embeddings. Weights are loaded
-with :func:`~loong_train.backends.megatron_weights.hf_to_megatron` and exported by gathering the
+with :func:`~loong_train.backends.megatron.weights.hf_to_megatron` and exported by gathering the
 tensor-parallel shards, converting them with :func:`loong_transfermesh.megatron_to_hf`, and
 broadcasting each pipeline stage's tensors to the other stages.
 
@@ -35,7 +35,7 @@ norm counts each parameter once (no TP duplicates, no shared embedding copy) and
 the model-parallel group.
 
 megatron-core is imported lazily in this module only; on a CPU host every call into it runs
-inside :func:`~loong_train.backends.megatron_cpu.cpu_compat` (a no-op with CUDA).
+inside :func:`~loong_train.backends.megatron.cpu.cpu_compat` (a no-op with CUDA).
 """
 
 from __future__ import annotations
@@ -53,8 +53,8 @@ from torch.nn.utils.rnn import pad_sequence
 
 from loong_core.records import TrainBatch
 from loong_train.algorithms import policy_loss
-from loong_train.backends.megatron_cpu import cpu_compat
-from loong_train.backends.megatron_weights import gather_hf_weights, hf_to_megatron
+from loong_train.backends.megatron.cpu import cpu_compat
+from loong_train.backends.megatron.weights import gather_hf_weights, hf_to_megatron
 from loong_train.backends.torch_backend import mismatch_stats
 from loong_train.config import LossConfig
 from loong_train.models.qwen3 import Qwen3Config
@@ -191,6 +191,11 @@ class MegatronBackend:
                 position_embedding_type="rope",
                 rotary_base=c.rope_theta,
             )
+        self._load_into(model, hf_weights)
+        return model.train()
+
+    def _load_into(self, model, hf_weights: Mapping[str, torch.Tensor]) -> None:
+        """Copy this rank's shard of ``hf_weights`` (Hugging Face names) into ``model``."""
         shard = hf_to_megatron(
             hf_weights,
             self.layout,
@@ -207,7 +212,6 @@ class MegatronBackend:
         with torch.no_grad():
             for name, p in params.items():
                 p.copy_(shard[name])
-        return model.train()
 
     # -- forward ---------------------------------------------------------------------------
 
@@ -390,9 +394,8 @@ class MegatronBackend:
             pp_group=self.ps.get_pipeline_model_parallel_group(),
         )
 
-    def save(self, path: str | Path) -> None:
-        """Rank 0 writes an HF checkpoint (config.json + model.safetensors); the ranks of the
-        first data-parallel replica write their optimizer shards ``optimizer.tp{r}.pp{s}.pt``."""
+    def save_pretrained(self, path: str | Path) -> None:
+        """Rank 0 writes an HF checkpoint (config.json + model.safetensors)."""
         from safetensors.torch import save_file
 
         path = Path(path)
@@ -404,12 +407,31 @@ class MegatronBackend:
             (path / "config.json").write_text(json.dumps(self.cfg.to_hf(), indent=2))
             save_file(weights, str(path / "model.safetensors"))
         dist.barrier()
-        if self.dp_rank == 0:  # the replicas hold the same state
-            rank = f"tp{self.tp_rank}.pp{self.ps.get_pipeline_model_parallel_rank()}"
-            torch.save(
-                {"opt": self.opt.state_dict(), "sched": self.sched.state_dict(), "steps": self.steps},
-                path / f"optimizer.{rank}.pt",
-            )
+
+    def save_state(self, path: str | Path) -> None:
+        """The HF checkpoint, and each rank of the first data-parallel replica writes its optimizer
+        shard, LR scheduler and step count to ``optimizer.tp{r}.pp{s}.pt`` (the replicas hold
+        the same state)."""
+        self.save_pretrained(path)
+        if self.dp_rank == 0:
+            state = {"opt": self.opt.state_dict(), "sched": self.sched.state_dict(), "steps": self.steps}
+            torch.save(state, self._state_file(path))
+        dist.barrier()
+
+    @torch.no_grad()
+    def load_state(self, path: str | Path) -> None:
+        """Continue from ``save_state(path)``: every rank converts the HF weights into its shard
+        (copied in place; a KL reference stays the initial model) and loads its optimizer file."""
+        from loong_train.models.qwen3 import load_hf_weights
+
+        self._load_into(self.model, load_hf_weights(Path(path)))
+        state = torch.load(self._state_file(path), weights_only=False, map_location=self.device)
+        self.opt.load_state_dict(state["opt"])
+        self.sched.load_state_dict(state["sched"])
+        self.steps = state["steps"]
+
+    def _state_file(self, path: str | Path) -> Path:
+        return Path(path) / f"optimizer.tp{self.tp_rank}.pp{self.ps.get_pipeline_model_parallel_rank()}.pt"
 
     def _from_last_stage(self, value):
         """Broadcast a tensor or picklable value held by the last pipeline stage to all stages."""

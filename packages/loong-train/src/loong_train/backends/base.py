@@ -1,0 +1,97 @@
+"""The train-backend seam: what the trainer needs from a backend, and the factory that builds one.
+
+Lifecycle (what :class:`~loong_train.trainer.TrainerWorker` does)::
+
+    backend = build_backend(model_path, BackendOptions(...))
+    lp = backend.logprobs(batch)            # [rows, max_len], column 0 is 0
+    metrics = backend.train_step(batch)     # one optimizer step
+    sender.push(backend.named_weights(), v) # Hugging Face names, shapes and dtypes
+    backend.save_state(ckpt)                # resumable: HF weights + optimizer state files
+    backend.load_state(ckpt)                # a fresh backend continues from it
+    backend.save_pretrained(final)          # HF weights and config only
+    backend.close()
+
+State is saved into a directory rather than returned as a dict because a distributed backend's
+optimizer state lives on many ranks: each rank writes and reads its own files there.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Protocol
+
+import msgspec
+import torch
+
+from loong_core.records import TrainBatch
+from loong_train.config import LossConfig, TrainConfig
+
+__all__ = ["BackendOptions", "TrainBackend", "build_backend"]
+
+
+class TrainBackend(Protocol):
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        """Recomputed logprob of every token given its prefix, right-padded: ``[rows, max_len]``."""
+        ...
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        """One optimizer step on ``batch``; returns loss, gradient norm, learning rate and the
+        train-inference mismatch statistics."""
+        ...
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        """The whole model in Hugging Face naming (what TransferMesh sends to the engines)."""
+        ...
+
+    def save_pretrained(self, path: str | Path) -> None:
+        """A Hugging Face checkpoint (``config.json`` + weights) of the current model."""
+        ...
+
+    def save_state(self, path: str | Path) -> None:
+        """``save_pretrained(path)`` plus what a resumed run needs: optimizer, LR scheduler, step count."""
+        ...
+
+    def load_state(self, path: str | Path) -> None:
+        """Continue from ``save_state(path)``: weights copied in place (a KL reference stays the
+        initial model), optimizer, scheduler and step count restored."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class BackendOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """What a backend is built with: the recipe's ``[train]`` and ``[loss]`` tables, the rollout
+    temperature (logprobs are of ``logits / temperature``, as the engines sample) and its threads."""
+
+    train: TrainConfig
+    loss: LossConfig
+    temperature: float = 1.0
+    threads: int = 1
+
+
+def build_backend(model_path: str, options: BackendOptions) -> TrainBackend:
+    """The backend ``options.train.backend`` names, loaded from the checkpoint at ``model_path``."""
+    t = options.train
+    common = {
+        "lr": t.lr,
+        "warmup_steps": t.warmup_steps,
+        "weight_decay": t.weight_decay,
+        "grad_clip": t.grad_clip,
+        "loss": options.loss,
+        "temperature": options.temperature,
+    }
+    if t.backend == "megatron":  # megatron-core is imported only here
+        from loong_train.backends.megatron.driver import MegatronDriver
+
+        return MegatronDriver(
+            model_path,
+            tp=t.tp,
+            pp=t.pp,
+            dp=t.dp,
+            threads=options.threads,
+            micro_batch_rows=t.micro_batch_rows,
+            **common,
+        )
+    from loong_train.backends.torch_backend import TorchBackend
+
+    return TorchBackend.from_pretrained(model_path, **common)
