@@ -37,7 +37,7 @@ import pytest
 import torch
 
 from loong_core.protocols import SamplingParams
-from loong_train.engines.embedded import EmbeddedEngine
+from loong_train.engines.embedded.engine import EmbeddedEngine
 from loong_train.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 
 VOCAB = 64

@@ -11,8 +11,8 @@ import random
 import torch
 
 from loong_core.protocols import SamplingParams
-from loong_train.engines.batching import BatchStats, Request, RunningBatch
-from loong_train.engines.embedded import EmbeddedEngine
+from loong_train.engines.embedded.batching import BatchStats, Request, RunningBatch
+from loong_train.engines.embedded.engine import EmbeddedEngine
 from loong_train.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 
 

@@ -10,7 +10,7 @@ import torch
 
 from loong_core.protocols import SamplingParams
 from loong_core.records import SpanSource
-from loong_train.engines.embedded import EmbeddedEngine
+from loong_train.engines.embedded.engine import EmbeddedEngine
 from loong_train.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 
 

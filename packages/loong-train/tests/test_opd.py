@@ -20,7 +20,7 @@ from loong_teacher import LocalTeacherConfig, TeacherManagerConfig, TokenizerMis
 from loong_train.algorithms import grpo_advantages, pack_batch
 from loong_train.config import OPDConfig, Recipe, load_recipe
 from loong_train.controller import trainer_options
-from loong_train.engines.embedded import EmbeddedEngine
+from loong_train.engines.embedded.engine import EmbeddedEngine
 from loong_train.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from loong_train.models.tokenizer import HFCodec, load_tokenizer
 from loong_train.pipeline import GroupSource

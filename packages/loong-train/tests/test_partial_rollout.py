@@ -1,4 +1,4 @@
-"""Partial rollouts (``loong_train.partial``): a weight update lands in a running rollout call.
+"""Partial rollouts (``loong_train.engines.embedded.host``): a weight update lands in a running rollout call.
 
 A real in-process worker generates on one thread while the update arrives through TransferMesh on
 another, as Ray's ``weights`` concurrency group delivers it. Every token's logprob is checked
@@ -23,8 +23,8 @@ from loong_core.telemetry import read_metrics
 from loong_core.window import StalenessWindow
 from loong_train import controller
 from loong_train.config import load_recipe
+from loong_train.engines.embedded.host import crossed_update
 from loong_train.models.qwen3 import Qwen3ForCausalLM
-from loong_train.partial import crossed_update
 from loong_train.pipeline import GroupSource, Pipeline
 from loong_train.rollout import RolloutWorker
 from loong_train.tiny import calc

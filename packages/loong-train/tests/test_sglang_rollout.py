@@ -22,8 +22,8 @@ import torch
 from loong_train.algorithms import grpo_advantages, pack_batch
 from loong_train.config import load_recipe, recipe_names
 from loong_train.controller import trainer_options
-from loong_train.engines.sglang_rollout import SGLangRolloutConfig
-from loong_train.engines.sglang_supervisor import SGLangServerError
+from loong_train.engines.sglang.rollout import SGLangRolloutConfig
+from loong_train.engines.sglang.supervisor import SGLangServerError
 from loong_train.pipeline import GroupSource
 from loong_train.rollout import RolloutWorker
 from loong_train.tiny import calc
@@ -64,6 +64,7 @@ def test_worker_generates_takes_weights_and_survives_a_server_restart(tiny_dir, 
         sampling={"temperature": 1.0, "max_new_tokens": 24},
         limits={"max_turns": 2, "max_model_tokens": 40},
         transport=transport,
+        engine="sglang",
         sglang=config,
         log_dir=str(tmp_path / "logs"),
     )
@@ -111,6 +112,7 @@ def test_a_server_the_supervisor_gave_up_on_fails_the_rollout_call(tiny_dir, tmp
         seed=0,
         sampling={"temperature": 1.0, "max_new_tokens": 8},
         limits={"max_turns": 1, "max_model_tokens": 8},
+        engine="sglang",
         sglang=config,
         log_dir=str(tmp_path),
     )

@@ -26,8 +26,8 @@ import uvicorn
 
 from loong_agentflow.sglang_client import SGLangClientConfig, SGLangEngine, SGLangError
 from loong_core.protocols import SamplingParams
-from loong_train.engines.embedded import EmbeddedEngine
-from loong_train.engines.sglang_server import build_app
+from loong_train.engines.embedded.engine import EmbeddedEngine
+from loong_train.engines.embedded.server import build_app
 from loong_train.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from loong_transfermesh.sglang import SGLangPusherConfig, SGLangUpdateError, SGLangWeightPusher
 

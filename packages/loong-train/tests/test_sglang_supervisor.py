@@ -20,7 +20,7 @@ import torch
 
 from loong_agentflow.sglang_client import SGLangClientConfig, SGLangEngine
 from loong_core.protocols import SamplingParams
-from loong_train.engines.sglang_supervisor import SGLangServerConfig, SGLangServerError, SGLangSupervisor
+from loong_train.engines.sglang.supervisor import SGLangServerConfig, SGLangServerError, SGLangSupervisor
 from loong_train.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 
 CFG = Qwen3Config(

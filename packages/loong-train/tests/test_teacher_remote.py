@@ -27,8 +27,8 @@ from loong_teacher import (
     TeacherManagerConfig,
     TeacherServerError,
 )
-from loong_train.engines.embedded import EmbeddedEngine
-from loong_train.engines.sglang_server import build_app
+from loong_train.engines.embedded.engine import EmbeddedEngine
+from loong_train.engines.embedded.server import build_app
 from loong_train.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 
 CFG = Qwen3Config(

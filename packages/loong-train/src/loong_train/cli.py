@@ -71,7 +71,7 @@ def exit_on_sigterm() -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve-sglang"]:
-        from loong_train.engines.sglang_server import main as serve_sglang
+        from loong_train.engines.embedded.server import main as serve_sglang
 
         return serve_sglang(argv[1:])
     args = _parser().parse_args(argv)

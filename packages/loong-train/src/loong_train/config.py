@@ -16,7 +16,7 @@ import msgspec
 
 from loong_core.config import ConfigError, load_config
 from loong_teacher import LocalTeacherConfig, TeacherManagerConfig
-from loong_train.engines.sglang_rollout import SGLangRolloutConfig
+from loong_train.engines.sglang.rollout import SGLangRolloutConfig
 from loong_train.tasks import task_problem
 from loong_transfermesh import TransportConfig
 
@@ -80,8 +80,8 @@ class RolloutConfig(_Section):
     """``max_restarts``: how often Ray restarts a rollout worker whose process died (its lost
     groups are issued again, see :mod:`loong_train.pipeline`); 0 = a dead worker ends the run.
     ``engine``: ``"embedded"`` (torch, in the worker) or ``"sglang"`` (a supervised server per
-    worker, configured by the ``[sglang]`` table: :mod:`loong_train.engines.sglang_rollout`).
-    ``partial``: what a weight update does to a running rollout call (:mod:`loong_train.partial`):
+    worker, configured by the ``[sglang]`` table: :mod:`loong_train.engines.sglang.rollout`).
+    ``partial``: what a weight update does to a running rollout call (:mod:`loong_train.engines.embedded.host`):
     ``"off"`` waits for the call to end (no generation sees two versions), ``"continue"`` pauses
     the engine between decode steps, swaps and goes on (tokens keep per-token versions),
     ``"restart"`` also reruns, from the prompt, episodes older than the window can still train

@@ -29,6 +29,7 @@ from loong_train import checkpoint
 from loong_train.backends.base import BackendOptions
 from loong_train.checkpoint import Checkpoint
 from loong_train.config import Recipe
+from loong_train.engines.base import engine_gpus
 from loong_train.pipeline import GroupSource, Pipeline
 from loong_train.rollout import RolloutWorker, agent_program
 from loong_train.run_dir import RunDir
@@ -121,8 +122,7 @@ def _start(
         "max_model_tokens": r.max_model_tokens,
         "timeout_s": r.episode_timeout_s,
     }
-    sglang = recipe.sglang if r.engine == "sglang" else None  # each worker runs a server, on its GPUs
-    gpus = sglang.gpus if sglang else 0
+    gpus = engine_gpus(r.engine, recipe.sglang)  # an sglang worker's server runs on its GPUs
     engine_path, version = (str(ckpt.path), ckpt.version) if ckpt else (model_path, 0)
     worker_actor = ray.remote(  # "weights": partial rollouts apply updates beside a running rollout
         num_cpus=recipe.threads, num_gpus=gpus, max_restarts=r.max_restarts, concurrency_groups={"weights": 1}
@@ -138,7 +138,8 @@ def _start(
             threads=recipe.threads,
             worker_id=i,
             agent=recipe.agent,
-            sglang=sglang,
+            engine=r.engine,
+            sglang=recipe.sglang,
             log_dir=str(log_dir),
             task=recipe.task,
         )

@@ -92,7 +92,7 @@ class Pipeline:
     Ray runs one caller's calls to an actor in order, so a rollout queued after a weight update
     runs on the new weights: ``queued_version`` is the version every call queued from now on
     will run at, and is what admission checks. With partial rollouts (``rollout.partial``, see
-    :mod:`loong_train.partial`) updates run on the workers' ``weights`` thread instead, so they
+    :mod:`loong_train.engines.embedded.host`) updates run on the workers' ``weights`` thread instead, so they
     land mid-call and never wait for rollouts; a rollout call then carries ``queued_version``
     and its worker waits until it holds that version before starting, so the bound holds alike.
     """

@@ -13,7 +13,7 @@ import importlib.util
 import os
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -32,11 +32,12 @@ from loong_core.config import ConfigError
 from loong_core.protocols import SamplingParams
 from loong_core.records import SpanSource, TokenSpan, Trajectory, WeightManifest
 from loong_train.config import AgentConfig
-from loong_train.engines.embedded import EmbeddedEngine
-from loong_train.engines.sglang_rollout import SGLangRollout, SGLangRolloutConfig
-from loong_train.models.qwen3 import Qwen3ForCausalLM
+from loong_train.engines.base import WorkerEngine, build_engine
+
+if TYPE_CHECKING:
+    from loong_train.engines.sglang.rollout import SGLangRolloutConfig
+from loong_train.engines.embedded.host import EngineHost
 from loong_train.models.tokenizer import HFCodec, end_of_turn_ids, load_tokenizer
-from loong_train.partial import EngineHost
 from loong_train.tasks import AgentCommand, Task, build_task
 from loong_transfermesh import ShmReceiver, TransferFailed, TransportConfig, open_receiver
 
@@ -60,7 +61,7 @@ class BlackBoxHost:
 
     def __init__(
         self,
-        engine: EmbeddedEngine,
+        engine: WorkerEngine,
         tokenizer: Any,
         agent: AgentConfig,
         sampling: SamplingParams,
@@ -135,6 +136,7 @@ class RolloutWorker:
         threads: int = 1,
         worker_id: int = 0,
         agent: AgentConfig | None = None,
+        engine: str = "embedded",
         sglang: SGLangRolloutConfig | None = None,
         log_dir: str = "",
         version: int = 0,
@@ -144,12 +146,14 @@ class RolloutWorker:
         self.worker_id, self._model_path = worker_id, model_path
         tokenizer = load_tokenizer(model_path)
         self.codec = HFCodec(tokenizer)
-        self.engine = (  # with ``sglang``: a supervised server of its own, logging into ``log_dir``
-            SGLangRollout(model_path, sglang, worker_id=worker_id, log_dir=log_dir, seed=seed)
-            if sglang is not None
-            else EmbeddedEngine(
-                Qwen3ForCausalLM.from_pretrained(model_path), seed=seed, pad_id=tokenizer.pad_token_id
-            )
+        self.engine = build_engine(  # a server logs into ``log_dir``
+            engine,
+            model_path,
+            seed=seed,
+            pad_id=tokenizer.pad_token_id,
+            worker_id=worker_id,
+            log_dir=log_dir,
+            sglang=sglang,
         )
         stop = end_of_turn_ids(tokenizer, model_path)
         self.sampling = SamplingParams(**sampling, stop_token_ids=stop)
@@ -162,10 +166,8 @@ class RolloutWorker:
             if agent.kind == "blackbox"
             else None
         )
-        self.host = (  # white-box episodes on the embedded engine: partial rollouts possible
-            EngineHost(self.engine)
-            if self.blackbox is None and isinstance(self.engine, EmbeddedEngine)
-            else None
+        self.host = (  # white-box episodes: updates may land mid-call (partial rollouts)
+            EngineHost(self.engine) if self.blackbox is None and self.engine.mid_call_updates else None
         )
         if version:  # resumed: ``model_path`` is a checkpoint of this version
             self.engine.set_version(version)
@@ -196,7 +198,7 @@ class RolloutWorker:
         self, specs: list[EpisodeSpec], min_version: int = 0, evaluation: bool = False
     ) -> dict[str, Any]:
         """Run episodes; returns their trajectories (black-box: every row of each episode) and the
-        call's wall-clock span. With partial rollouts (:mod:`loong_train.partial`) the episodes
+        call's wall-clock span. With partial rollouts (:mod:`loong_train.engines.embedded.host`) the episodes
         start once the engine holds ``min_version`` (its update may still be on the way), and an
         ``evaluation`` runs entirely at one version."""
         start = time.time()
@@ -210,8 +212,7 @@ class RolloutWorker:
             out = asyncio.run(
                 run_episodes(self.agent, specs, self.engine, self.codec, self.sampling, self.limits)
             )
-        if isinstance(self.engine, SGLangRollout):
-            self.engine.supervisor.check()  # a server given up on fails the call, not just its episodes
+        self.engine.check()  # a server given up on fails the call, not just its episodes
         end = time.time()
         return {
             "trajectories": out,
@@ -255,8 +256,7 @@ class RolloutWorker:
             self.blackbox.close()
         if self.host is not None:
             self.host.close()
-        if isinstance(self.engine, SGLangRollout):
-            self.engine.close()
+        self.engine.close()
 
     def model_path(self) -> str:
         return self._model_path

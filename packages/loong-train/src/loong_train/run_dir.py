@@ -40,7 +40,7 @@ from loong_core.config import dump_toml
 from loong_core.records import EpisodeStatus, Trajectory
 from loong_core.telemetry import MetricsWriter, TraceWriter
 from loong_train.config import Recipe
-from loong_train.partial import crossed_update
+from loong_train.engines.embedded.host import crossed_update
 from loong_train.pipeline import Pipeline, episode_seed
 from loong_train.plots import plot_domains, plot_run
 from loong_train.tasks import build_task

@@ -1,3 +1,7 @@
-"""Rollout engines: ``embedded`` (in-process torch, also served over SGLang's HTTP API by
-``sglang_server``) and ``sglang`` (a supervised SGLang server per worker: ``sglang_supervisor``,
-``sglang_rollout``)."""
+"""Rollout engines behind one seam (:mod:`base`: the ``WorkerEngine`` protocol and ``build_engine``):
+
+- :mod:`embedded`: in-process torch with continuous batching (``engine``, ``batching``), weight
+  updates between decode steps (``host``), and SGLang's HTTP API served over it (``server``, ``wire``:
+  ``loong-train serve-sglang``);
+- :mod:`sglang`: a supervised SGLang server per rollout worker (``supervisor``, ``rollout``).
+"""

@@ -21,7 +21,7 @@ from tqdm import tqdm
 from loong_agentflow import EpisodeLimits, EpisodeSpec, ToolAgent, run_episodes
 from loong_core.protocols import SamplingParams
 from loong_train.config import Recipe
-from loong_train.engines.embedded import EmbeddedEngine
+from loong_train.engines.embedded.engine import EmbeddedEngine
 from loong_train.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from loong_train.models.tokenizer import HFCodec, load_tokenizer
 from loong_train.tasks import build_task

@@ -44,7 +44,7 @@ from loong_agentflow import Agent, Episode, EpisodeLimits, EpisodeSpec, TextCode
 from loong_agentflow.agent import run_episode
 from loong_core.protocols import SamplingParams
 from loong_core.records import Trajectory
-from loong_train.engines.embedded import EmbeddedEngine
+from loong_train.engines.embedded.engine import EmbeddedEngine
 
 __all__ = ["EngineHost", "crossed_update"]
 

@@ -3,7 +3,7 @@
 A recipe with ``[rollout] engine = "sglang"`` gives each rollout worker an :class:`SGLangRollout`
 instead of the embedded engine:
 
-- the worker launches its own server through :class:`~loong_train.engines.sglang_supervisor.SGLangSupervisor`
+- the worker launches its own server through :class:`~loong_train.engines.sglang.supervisor.SGLangSupervisor`
   (health checks, restarts, ``<run>/logs/sglang-<worker>.log``), on port ``port_base + worker``;
 - episodes generate through :class:`loong_agentflow.SGLangEngine` (native ``/generate`` with token
   ids and logprobs; spans carry the server's ``weight_version``);
@@ -51,7 +51,7 @@ from loong_agentflow.sglang_client import SGLangClientConfig, SGLangEngine
 from loong_core.config import is_loopback
 from loong_core.protocols import SamplingParams
 from loong_core.records import TokenSpan
-from loong_train.engines.sglang_supervisor import (
+from loong_train.engines.sglang.supervisor import (
     SGLangServerConfig,
     SGLangSupervisor,
     sglang_launch_command,
@@ -76,7 +76,7 @@ class SGLangRolloutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkn
       (fractions share a GPU with other actors). ``tp_size``: SGLang's tensor parallelism
       (``gpus`` must cover it). ``mem_fraction_static``: SGLang's static memory share (0: its default).
     - ``startup_timeout_s``, ``health_interval_s``, ``health_failures``, ``max_restarts``: the
-      supervisor's policy (:class:`~loong_train.engines.sglang_supervisor.SGLangServerConfig`).
+      supervisor's policy (:class:`~loong_train.engines.sglang.supervisor.SGLangServerConfig`).
     - ``update_backend``: ``"gloo"`` (host memory; works everywhere) or ``"nccl"`` (the worker
       needs a GPU of its own). ``bucket_mb``: one broadcast's size bound.
     """
@@ -162,8 +162,11 @@ class SGLangRollout:
         engine.close()                                     # stops the server
 
     Generation runs on an event loop of its own, in a thread, so callers may use ``asyncio.run``
-    per call (the white-box runner) or a long-lived loop (the black-box proxy) alike.
+    per call (the white-box runner) or a long-lived loop (the black-box proxy) alike. Updates land
+    between rollout calls only (``mid_call_updates``).
     """
+
+    mid_call_updates = False
 
     def __init__(
         self, model_path: str, config: SGLangRolloutConfig, *, worker_id: int, log_dir: str, seed: int
@@ -192,6 +195,10 @@ class SGLangRollout:
         self.supervisor.check()
         call = asyncio.run_coroutine_threadsafe(self.client.generate(input_ids, sampling), self._loop)
         return await asyncio.wrap_future(call)
+
+    def check(self) -> None:
+        """Raise if the supervisor gave up on the server."""
+        self.supervisor.check()
 
     def pause(self) -> None:
         self.client.pause()

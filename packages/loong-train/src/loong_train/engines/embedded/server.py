@@ -90,8 +90,8 @@ from loong_core.sglang_api import (
     UpdateWeightsResponse,
     WeightVersionResponse,
 )
-from loong_train.engines.embedded import EmbeddedEngine
-from loong_train.engines.sglang_wire import (
+from loong_train.engines.embedded.engine import EmbeddedEngine
+from loong_train.engines.embedded.wire import (
     BadRequest,
     bad_request,
     decode_body,

@@ -2,7 +2,7 @@
 
 Requests arrive one by one from concurrent episodes (``await engine.generate(...)``) and join the
 running batch between decode steps; finished ones leave it at once, so a long-tailed batch does
-not hold the engine at low occupancy (``engines/batching.py`` has the cache layout and the exact
+not hold the engine at low occupancy (``engines/embedded/batching.py`` has the cache layout and the exact
 math: each row's logprobs equal its own unpadded computation). Each sampled token's logprob is
 ``log_softmax(logits / T)`` of the exact distribution sampled from.
 
@@ -42,7 +42,7 @@ import torch
 
 from loong_core.protocols import SamplingParams
 from loong_core.records import TokenSpan
-from loong_train.engines.batching import BatchStats, Request, RunningBatch
+from loong_train.engines.embedded.batching import BatchStats, Request, RunningBatch
 from loong_train.models.qwen3 import Qwen3ForCausalLM
 
 __all__ = ["EmbeddedEngine"]
@@ -52,7 +52,10 @@ class EmbeddedEngine:
     """In-process engine implementing ``loong_core.protocols.RolloutEngine``.
 
     ``stats`` counts sampling steps and tokens (``stats.mean_occupancy``: rows per step).
+    Weight updates may land between decode steps of a running call (``mid_call_updates``).
     """
+
+    mid_call_updates = True
 
     def __init__(
         self,
@@ -168,6 +171,12 @@ class EmbeddedEngine:
         logp = torch.log_softmax(self.model(ids).float(), dim=-1)[:, :-1]
         picked = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
         return [picked[i, : len(p) - 1].tolist() for i, p in enumerate(prompts)]
+
+    def check(self) -> None:
+        """Nothing to check: the engine runs in this process."""
+
+    def close(self) -> None:
+        """Nothing to stop."""
 
     def set_version(self, version: int) -> None:
         """Stamp everything generated from now on with ``version`` (after weights were copied in)."""

@@ -1,0 +1,82 @@
+"""The engine seam of a rollout worker: what it needs from an engine, and the factory that builds one.
+
+Every engine is a ``loong_core.protocols.RolloutEngine`` (``generate`` with logprobs and the
+weight version, ``pause``/``resume``) plus what a worker does around generation:
+
+- ``model``: the torch module whose parameters TransferMesh writes an update into (the embedded
+  engine's own model; for a server, a host copy that ``set_version`` then pushes into it);
+- ``set_version(v)``: the weights in ``model`` are now version ``v``: serve them;
+- ``mid_call_updates``: whether an update may land between decode steps of a running call
+  (:class:`~loong_train.partial.EngineHost`), or only between calls;
+- ``check()``: raise if the engine can no longer serve (a server its supervisor gave up on), so the
+  rollout call fails rather than only its episodes; ``close()``.
+
+:func:`build_engine` picks the engine by ``rollout.engine``: ``embedded``
+(:mod:`loong_train.engines.embedded.engine`) or ``sglang`` (:mod:`loong_train.engines.sglang.rollout`,
+imported only when chosen).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Protocol
+
+from loong_core.protocols import SamplingParams
+from loong_core.records import TokenSpan
+
+if TYPE_CHECKING:
+    from torch import nn
+
+    from loong_train.engines.sglang.rollout import SGLangRolloutConfig
+
+__all__ = ["WorkerEngine", "build_engine", "engine_gpus"]
+
+
+class WorkerEngine(Protocol):
+    model: nn.Module
+    mid_call_updates: bool
+
+    @property
+    def weight_version(self) -> int: ...
+
+    async def generate(self, input_ids: list[int], sampling: SamplingParams) -> TokenSpan: ...
+
+    def pause(self) -> None: ...
+
+    def resume(self) -> None: ...
+
+    def set_version(self, version: int) -> None: ...
+
+    def check(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def build_engine(
+    kind: str,
+    model_path: str,
+    *,
+    seed: int,
+    pad_id: int,
+    worker_id: int = 0,
+    log_dir: str = "",
+    sglang: SGLangRolloutConfig | None = None,
+) -> WorkerEngine:
+    """The engine ``kind`` names, serving the checkpoint at ``model_path``. ``sglang``: the
+    ``[sglang]`` table (each worker's server logs into ``log_dir``)."""
+    if kind == "sglang":
+        from loong_train.engines.sglang.rollout import SGLangRollout, SGLangRolloutConfig
+
+        return SGLangRollout(
+            model_path, sglang or SGLangRolloutConfig(), worker_id=worker_id, log_dir=log_dir, seed=seed
+        )
+    if kind != "embedded":
+        raise ValueError(f"unknown engine {kind!r} (expected 'embedded' or 'sglang')")
+    from loong_train.engines.embedded.engine import EmbeddedEngine
+    from loong_train.models.qwen3 import Qwen3ForCausalLM
+
+    return EmbeddedEngine(Qwen3ForCausalLM.from_pretrained(model_path), seed=seed, pad_id=pad_id)
+
+
+def engine_gpus(kind: str, sglang: SGLangRolloutConfig) -> float:
+    """GPUs Ray reserves for a rollout worker whose engine is ``kind`` (its server's, or none)."""
+    return sglang.gpus if kind == "sglang" else 0.0

@@ -1,0 +1,1 @@
+"""SGLang servers as rollout engines (see :mod:`loong_train.engines`)."""
