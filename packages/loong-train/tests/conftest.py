@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")  # as loong-train run: workers share this venv
+
 import pytest
 import torch
 

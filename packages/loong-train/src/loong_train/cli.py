@@ -68,6 +68,15 @@ def exit_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, handler)
 
 
+def local_ray_workers_share_this_interpreter() -> None:
+    """Ray workers of a local cluster run this interpreter and environment. Under ``uv run`` Ray
+    would otherwise start each worker with ``uv run`` on a packaged copy of the working directory,
+    building a second virtual environment (a page of raylet output and seconds of start-up); the
+    switch must be set before Ray is imported. A cluster joined with ``--address`` keeps Ray's
+    default, which replicates the driver's environment on other nodes."""
+    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve-sglang"]:
@@ -96,12 +105,14 @@ def main(argv: list[str] | None = None) -> int:
         build_tiny(args.out, recipe)
         print(warm_start(args.out, recipe) if recipe.warmstart.steps else "built (no warm start)")
         return 0
-    from loong_train.controller import run
-
     if args.resume and args.out and args.out.absolute() != args.resume.absolute():
         print("loong-train: --resume DIR continues in DIR; drop --out", file=sys.stderr)
         return 2
     exit_on_sigterm()
+    if not recipe.ray_address:
+        local_ray_workers_share_this_interpreter()
+    from loong_train.controller import run
+
     try:
         out = run(
             recipe, args.resume or args.out or Path("runs") / recipe.name, args.cache, args.resume is not None
