@@ -1,9 +1,10 @@
-"""Discrete-event simulation of Loong's asynchronous loop, driving the real ``StalenessWindow``.
+"""Discrete-event simulation of Loong's asynchronous loop, driving the real ``Scheduler``.
 
 How much faster than synchronous on-policy training (window K = 0) is the async loop at K = 1
 and 2 when rollouts have a long tail, and what limits it? Every admission, finish and batch
-decision is made by ``loong_core.window.StalenessWindow`` itself, called the way
-``loong_train.pipeline`` calls it; only time is simulated. Pure stdlib (matplotlib for --plot).
+decision is made by ``loong_train.scheduler.Scheduler``, the class ``loong_train.pipeline`` runs
+(with its ``StalenessWindow``); only time and the placement of groups on engines are simulated.
+Stdlib plus that scheduler (matplotlib for --plot).
 
 Model. Time is in units of the mean solo generation time of one GRPO group.
 
@@ -13,12 +14,13 @@ Model. Time is in units of the mean solo generation time of one GRPO group.
   lognormal (sigma), Pareto (alpha), exponential or constant distribution, optionally truncated
   at ``cap`` (max new tokens, episode timeout). The k-th group of a run gets the k-th draw, so
   all windows see the same workload (common random numbers).
-- Controller, after every event (simultaneous events first): if the trainer is idle and B groups
-  are buffered, ``take_batch()``; then, while some engine has a free slot (least loaded first),
-  the run still needs groups (``Pipeline.groups_needed``) and ``can_admit(engine version)``,
-  ``admit(new id, engine version)``. Engines run the trainer's version: ``advance()`` happens when the new weights
-  are published, and every rollout started from then on uses them (``Pipeline.queued_version``).
-  A generation keeps the version it started with (no partial rollout): ``finish(id, start)``.
+- Controller, after every event (simultaneous events first): if B groups are buffered,
+  ``Scheduler.take()`` (a batch unless a step is training); then, for each engine with a free
+  slot (least loaded first), ``Scheduler.admit(1, new id)`` (a group while the run still needs
+  groups and the window admits at the queued version). Engines run the trainer's version:
+  ``Scheduler.published(v)`` happens when the new weights are published, and every rollout
+  started from then on uses them. A generation keeps the version it started with (no partial
+  rollout): ``Scheduler.finish(id, start)``.
 - Trainer: a batch of B = E * batch_per_engine groups trains for step_time = step_ratio *
   batch_per_engine (step_ratio 1: one batch trains in one mean generation time), then the
   weights sync for ``sync_time`` (publish + apply; the trainer waits), then ``advance()``.
@@ -101,6 +103,7 @@ from random import Random
 from typing import Any
 
 from loong_core.window import StalenessWindow
+from loong_train.scheduler import Scheduler
 
 __all__ = ["SimConfig", "SimResult", "simulate", "sweep"]
 
@@ -211,14 +214,14 @@ class _Sim:
 
     def __init__(self, cfg: SimConfig) -> None:
         self.cfg = cfg
-        self.window = StalenessWindow(cfg.window, cfg.batch)
+        self.scheduler = Scheduler(StalenessWindow(cfg.window, cfg.batch), steps=cfg.steps)
+        self.window = self.scheduler.window
         self.draw = _sampler(cfg, Random(cfg.seed))  # same stream for every window: common numbers
         self.engines = [_Engine(i) for i in range(cfg.engines)]
         self.free = [(0, i) for i in range(cfg.engines)]  # (groups running, engine): least loaded
         self.events: list[tuple[float, int, int, int, int]] = []
         self.seq = 0
         self.now = 0.0
-        self.trainer_idle = True
         self.staleness: Counter[int] = Counter()
         self.admitted: list[str] = []
         self.trained: list[str] = []
@@ -247,9 +250,9 @@ class _Sim:
         elif kind == _TRAIN:
             self.push(self.now + self.cfg.sync_time, _SYNC)
         else:
-            if self.window.advance() == self.cfg.warmup:  # weights published: new rollouts use them
+            self.scheduler.published(version := self.window.version + 1)  # new rollouts use it
+            if version == self.cfg.warmup:
                 self.at_warmup = self.totals()
-            self.trainer_idle = True
 
     def on_generation(self, engine: _Engine, epoch: int) -> None:
         if epoch != engine.epoch:
@@ -257,7 +260,7 @@ class _Sim:
         engine.progress(self.now, self.cfg.slot_cost)
         for group in [g for g, end in engine.active.items() if end <= engine.work + 1e-9]:
             del engine.active[group]
-            self.window.finish(group, self.window.in_flight[group])  # no partial rollout
+            self.scheduler.finish(group, self.window.in_flight[group])  # no partial rollout
         if not engine.active:
             engine.busy += self.now - engine.busy_since
             if self.cfg.record:
@@ -266,15 +269,13 @@ class _Sim:
 
     def schedule(self) -> None:
         """What the controller does after each event: start a train step, then fill free slots."""
-        w = self.window
-        if self.trainer_idle and w.version < self.cfg.steps and w.stats.buffered >= w.batch_size:
-            self.start_train_step()  # (take_batch returns None with fewer than B buffered)
+        if self.window.stats.buffered >= self.window.batch_size:  # (else no batch: skip the O(live) take)
+            self.start_train_step()
         self.admit()
 
     def start_train_step(self) -> None:
-        if (batch := self.window.take_batch()) is None:
+        if (batch := self.scheduler.take()) is None:
             return
-        self.trainer_idle = False
         self.trained += batch
         self.staleness.update(self.window.last_batch_staleness)
         end = self.now + self.cfg.step_time
@@ -282,25 +283,18 @@ class _Sim:
         self.push(end, _TRAIN)
 
     def admit(self) -> None:
-        """Fill free slots, least loaded engine first, while the window admits and groups are needed."""
-        w, cfg = self.window, self.cfg
+        """Fill free slots, least loaded engine first, while the scheduler admits."""
         while self.free:
             n, i = self.free[0]
             engine = self.engines[i]
-            if n != len(engine.active) or n >= cfg.slots:
+            if n != len(engine.active) or n >= self.cfg.slots:
                 heapq.heappop(self.free)  # stale: the engine's group count changed since
                 continue
-            s = w.stats
-            occupancy = s.in_flight + s.buffered + s.taken
-            if s.trained + occupancy >= cfg.steps * cfg.batch:
-                return  # every group the run needs is issued
-            if occupancy >= w.capacity or not w.can_admit(w.version):  # (skip the O(live) call if full)
+            if not (groups := self.scheduler.admit(1, lambda: f"g{len(self.admitted)}")):
                 return
             heapq.heappop(self.free)
-            group = f"g{len(self.admitted)}"
-            w.admit(group, w.version)
-            self.admitted.append(group)
-            self.start_generation(engine, group)
+            self.admitted += groups
+            self.start_generation(engine, groups[0])
 
     def start_generation(self, engine: _Engine, group: str) -> None:
         engine.progress(self.now, self.cfg.slot_cost)

@@ -25,8 +25,9 @@ from loong_train import controller
 from loong_train.config import load_recipe
 from loong_train.engines.embedded.host import crossed_update
 from loong_train.models.qwen3 import Qwen3ForCausalLM
-from loong_train.pipeline import GroupSource, Pipeline
+from loong_train.pipeline import GroupSource
 from loong_train.rollout import RolloutWorker
+from loong_train.scheduler import Scheduler
 from loong_train.tiny import calc
 from loong_transfermesh import ShmSender, TransportConfig, remove_slots
 
@@ -177,22 +178,21 @@ def test_partial_rollouts_need_the_embedded_engine_and_a_whitebox_agent():
 
 
 @pytest.mark.parametrize("k", [1, 2])
-def test_no_in_flight_group_is_ever_below_the_restart_floor(recipe, k):
-    """Why ``restart`` is a guard: driving the window as the pipeline does (admission at the
-    newest version, finishes at random later versions, a take whenever possible), every in-flight
-    entry's admit version stays >= ``Pipeline.restart_floor()`` and nothing is evicted."""
+def test_no_in_flight_group_is_ever_below_the_restart_floor(k):
+    """Why ``restart`` is a guard: driving the scheduler as the pipeline does (admission at the
+    queued version, finishes at random later versions, a take whenever possible), every in-flight
+    entry's admit version stays >= ``Scheduler.restart_floor()`` and nothing is evicted."""
     rng = random.Random(k)
-    window = StalenessWindow(max_staleness=k, batch_size=2)
-    pipe = Pipeline(recipe, [], None, window, GroupSource(iter([]), 2), pids=[0])
-    ids, checked = (f"g{i}" for i in range(10**6)), 0
+    scheduler = Scheduler(StalenessWindow(max_staleness=k, batch_size=2), steps=50)
+    window, ids, checked = scheduler.window, (f"g{i}" for i in range(10**6)), 0
     while window.version < 50:
-        while rng.random() < 0.7 and window.can_admit(window.version):
-            window.admit(next(ids), window.version)
+        while rng.random() < 0.7 and scheduler.admit(1, lambda: next(ids)):
+            pass
         for entry, admitted in list(window.in_flight.items()):
             if rng.random() < 0.4:
-                window.finish(entry, rng.randint(admitted, window.version))
-        if window.take_batch() is not None:
-            window.advance()
-            assert all(a >= pipe.restart_floor() for a in window.in_flight.values())
+                assert scheduler.finish(entry, rng.randint(admitted, window.version))
+        if scheduler.take() is not None:
+            scheduler.published(window.version + 1)
+            assert all(a >= scheduler.restart_floor() for a in window.in_flight.values())
             checked += len(window.in_flight)
     assert checked > 20 and window.stats.evicted == 0

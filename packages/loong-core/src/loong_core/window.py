@@ -110,9 +110,10 @@ class StalenessWindow:
     def can_admit(self, engine_version: int) -> bool:
         """Whether an entry generated from weights ``engine_version`` may start now."""
         occupancy = len(self._in_flight) + len(self._buffered) + len(self._taken)
+        if occupancy >= self.capacity:  # O(1); the deadline check is O(live entries)
+            return False
         deadlines = [*self._live_deadlines(), engine_version + self.max_staleness]
-        next_take = self._version + bool(self._taken)
-        return occupancy < self.capacity and _fits(deadlines, next_take, self.batch_size)
+        return _fits(deadlines, self._version + bool(self._taken), self.batch_size)
 
     def admit(self, entry_id: str, engine_version: int) -> None:
         """Record ``entry_id`` as in flight; an id awaiting re-issue leaves that queue."""

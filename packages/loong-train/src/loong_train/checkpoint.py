@@ -47,10 +47,10 @@ import ray
 
 from loong_core.config import ConfigError
 from loong_core.records import Trajectory
-from loong_core.window import StalenessWindow
 from loong_train.config import Recipe
 from loong_train.pipeline import Pipeline
 from loong_train.run_dir import RunDir, RunDirState
+from loong_train.scheduler import Scheduler
 
 __all__ = ["RESUMABLE", "Checkpoint", "ControllerState", "latest", "maybe_save", "restore"]
 
@@ -171,11 +171,11 @@ def restore(pipe: Pipeline, ckpt: Checkpoint) -> None:
     position (the task stream advanced past the tasks drawn), the finished trajectories and the
     counters. (The trainer and the engines load theirs when created, see the controller.)"""
     s = ckpt.state
-    pipe.window = StalenessWindow.from_state(s.window)
+    state = {"window": s.window, "queued_version": s.version}
+    pipe.scheduler = Scheduler.from_state(state, steps=pipe.recipe.train.steps)
     pipe.source.count, pipe.source.issued = s.tasks_drawn, dict(s.issued)
     next(itertools.islice(pipe.source.tasks, s.tasks_drawn, s.tasks_drawn), None)  # skip them
     pipe.finished = dict(s.finished)
-    pipe.queued_version = s.version
     pipe.restarts, pipe.reissued = s.restarts, s.reissued
     log.info(
         "resumed from %s: step %d, %d groups to issue again", ckpt.path, s.version, len(pipe.window.reissue)

@@ -33,6 +33,7 @@ from loong_train.engines.base import engine_gpus
 from loong_train.pipeline import GroupSource, Pipeline
 from loong_train.rollout import RolloutWorker, agent_program
 from loong_train.run_dir import RunDir
+from loong_train.scheduler import Scheduler
 from loong_train.tasks import build_task
 from loong_train.tiny.teachers import prepare_teachers
 from loong_train.tiny.warmstart import prepare_model
@@ -67,8 +68,7 @@ def run(recipe: Recipe, out: Path, cache: Path, resume: bool = False) -> Path:
                     run_dir.on_rollout(result[1])
                 else:
                     metrics, manifest = result
-                    pipe.window.advance()
-                    pipe.sync_weights(manifest)
+                    pipe.sync_weights(manifest)  # the window advances to the new version
                     run_dir.on_train_step(pipe, metrics)
                     checkpoint.maybe_save(pipe, run_dir)
                     bar.update(1)
@@ -156,7 +156,7 @@ def _start(
         task.train_stream(recipe.seed + 2, held_out), r.group_size, seed=recipe.seed
     )  # warm start used seed + 1
     window = StalenessWindow(recipe.train.max_staleness, recipe.train.batch_groups)
-    pipe = Pipeline(recipe, workers, trainer, window, source, model_path)
+    pipe = Pipeline(recipe, workers, trainer, Scheduler(window, steps=recipe.train.steps), source, model_path)
     if ckpt:
         checkpoint.restore(pipe, ckpt)
     return pipe

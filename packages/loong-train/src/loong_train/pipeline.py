@@ -31,6 +31,7 @@ from loong_core.records import Trajectory, WeightManifest
 from loong_core.window import StalenessWindow
 from loong_train.algorithms import grpo_advantages, pack_batch
 from loong_train.config import Recipe
+from loong_train.scheduler import Scheduler
 
 __all__ = ["GroupSource", "Pipeline", "episode_seed"]
 
@@ -89,6 +90,10 @@ class GroupSource:
 class Pipeline:
     """In-flight work: rollout calls per worker, the one train step, pending weight applies.
 
+    What may run is the :class:`~loong_train.scheduler.Scheduler`'s decision (admission, taking
+    a batch, the version calls are queued at); this class only places its commands on workers,
+    executes them as Ray calls and reports their results back to it.
+
     Ray runs one caller's calls to an actor in order, so a rollout queued after a weight update
     runs on the new weights: ``queued_version`` is the version every call queued from now on
     will run at, and is what admission checks. With partial rollouts (``rollout.partial``, see
@@ -100,10 +105,9 @@ class Pipeline:
     recipe: Recipe
     workers: list[Any]
     trainer: Any
-    window: StalenessWindow
+    scheduler: Scheduler
     source: GroupSource
     model_path: str = ""
-    queued_version: int = 0
     rollouts: dict[Any, tuple[int, list[str]]] = field(default_factory=dict)
     train_ref: Any = None
     applies: dict[int, dict[int, Any]] = field(default_factory=dict)  # version -> worker -> apply
@@ -120,6 +124,14 @@ class Pipeline:
             self.pids = ray.get([w.pid.remote() for w in self.workers])
 
     @property
+    def window(self) -> StalenessWindow:
+        return self.scheduler.window
+
+    @property
+    def queued_version(self) -> int:
+        return self.scheduler.queued_version
+
+    @property
     def down(self) -> set[int]:
         """Workers whose process died, until a probe finds them back."""
         return set(self.probes.values())
@@ -127,13 +139,6 @@ class Pipeline:
     def live_worker(self) -> Any:
         """A worker to queue side work (evaluations) on: the first one not down."""
         return self.workers[min(set(range(len(self.workers))) - self.down, default=0)]
-
-    @property
-    def groups_needed(self) -> int:
-        """Groups still to admit so that exactly ``train.steps`` batches get trained."""
-        w = self.window
-        live = len(w.trained) + len(w.taken) + len(w.buffered) + len(w.in_flight)
-        return self.recipe.train.steps * self.recipe.train.batch_groups - live
 
     def admit(self) -> None:
         """Keep every worker's queue two calls deep (one running, one waiting), round-robin."""
@@ -143,16 +148,7 @@ class Pipeline:
             for w, worker in enumerate(self.workers):
                 if w in down or sum(1 for ww, _ in self.rollouts.values() if ww == w) >= depth:
                     continue
-                groups = []
-                while (
-                    len(groups) < per_call
-                    and self.groups_needed > 0
-                    and self.window.can_admit(self.queued_version)
-                ):
-                    reissue = self.window.reissue
-                    group_id = reissue[0] if reissue else self.source.next_group()
-                    self.window.admit(group_id, self.queued_version)
-                    groups.append(group_id)
+                groups = self.scheduler.admit(per_call, self.source.next_group)
                 if not groups:
                     return
                 specs = [s for g in groups for s in self.source.specs(g)]
@@ -194,16 +190,14 @@ class Pipeline:
         for group_id, trajs in by_group.items():
             versions = [t.oldest_version for t in trajs if t.oldest_version >= 0]
             oldest = min(versions) if versions else self.window.version
-            if oldest < self.window.in_flight[group_id]:  # a restarted worker not yet caught up
+            if self.scheduler.finish(group_id, oldest):
+                self.finished[group_id] = trajs
+            else:  # a restarted worker not yet caught up: the scheduler issues it again
                 self._lost(result["worker"], [group_id], f"ran at version {oldest}, admitted later")
-                continue
-            self.window.finish(group_id, oldest)
-            self.finished[group_id] = trajs
 
     def _lost(self, w: int, groups: list[str], why: object) -> None:
         """A rollout call's generations are lost: its groups wait in ``window.reissue``."""
-        for group_id in groups:
-            self.window.abort(group_id)
+        self.scheduler.abort(g for g in groups if g in self.window.in_flight)
         self.reissued += len(groups)
         reason = why if isinstance(why, str) else f"{type(why).__name__}: its process died"
         log.warning("rollout worker %d lost groups %s (%s); re-issuing them", w, ", ".join(groups), reason)
@@ -248,9 +242,7 @@ class Pipeline:
         controller never blocks on it); with ``zero_copy`` receivers the engines read v - 1's slot
         until they apply v, so it depends on v's applies instead.
         """
-        if self.train_ref is not None or self.window.version >= self.recipe.train.steps:
-            return None
-        if (groups := self.window.take_batch()) is None:
+        if (groups := self.scheduler.take()) is None:
             return None
         lag = 0 if self.recipe.transport.mode == "zero_copy" else 1
         slot_users = list(self.applies.get(self.window.version - lag, {}).values())
@@ -262,12 +254,14 @@ class Pipeline:
         return trajs
 
     def sync_weights(self, manifest: WeightManifest) -> None:
-        """Queue the update on every live worker; calls queued after it run on the new version."""
+        """The scheduler learns of the new version; the update is queued on every live worker, and
+        calls queued after it run on the new version."""
+        self.scheduler.published(manifest.version)
         down = self.down
         self.applies[manifest.version] = {
             w: self._apply(w, manifest) for w in range(len(self.workers)) if w not in down
         }
-        self.queued_version, self.latest = manifest.version, manifest
+        self.latest = manifest
 
     def queue_rollout(self, worker: Any, specs: list[EpisodeSpec], evaluation: bool = False) -> Any:
         """Queue a rollout call that runs at ``queued_version`` or newer (with partial rollouts the
@@ -276,23 +270,13 @@ class Pipeline:
         partial = self.recipe.rollout.partial != "off"
         return worker.rollout.remote(specs, self.queued_version if partial else 0, evaluation)
 
-    def restart_floor(self) -> int:
-        """The lowest oldest-token version the window can still train: ``take_batch`` trains at
-        its version t only entries with ``t - oldest <= max_staleness``, and the next take is at
-        ``version`` (``version + 1`` while a batch is taken), so an older episode could only be
-        evicted. Every in-flight entry was admitted at a version >= this floor (the window's
-        invariant F: live deadlines ``admit + max_staleness`` >= the next take), so restarts are
-        a guard that fires only for work admitted outside that rule."""
-        w = self.window
-        return w.version + bool(w.taken) - w.max_staleness
-
     def _apply(self, w: int, manifest: WeightManifest) -> Any:
         """Queue ``manifest`` on worker ``w``: behind its rollout calls, or with partial rollouts
         on its ``weights`` thread (``restart``: with the restart floor)."""
         worker, partial = self.workers[w], self.recipe.rollout.partial
         if partial == "off":
             return worker.apply_weights.remote(manifest)
-        floor = self.restart_floor() if partial == "restart" else -1
+        floor = self.scheduler.restart_floor() if partial == "restart" else -1
         return worker.apply_weights.options(concurrency_group="weights").remote(manifest, floor)
 
     def applied(self) -> list[dict[str, float]]:

@@ -2,15 +2,18 @@
 
 ``runs/<name>/``: ``config.toml`` (resolved recipe), ``metrics.jsonl`` (one object per train
 step), ``ledger.jsonl`` (per train step: its groups and sample ids, so anyone can check that no
-sample was lost or trained twice), ``trace.json`` (Perfetto: rollout, eval, train and sync spans
+sample was lost or trained twice), ``scheduler.jsonl`` (every call into the
+:class:`~loong_train.scheduler.Scheduler`, with its decision, in order: the run's scheduling,
+replayable with :func:`loong_train.scheduler.replay`), ``trace.json`` (Perfetto: rollout, eval, train and sync spans
 per actor), ``plots/*.png``, ``checkpoints/final`` (Hugging Face format) and ``checkpoints/step_<v>``
 (resumable, :mod:`loong_train.checkpoint`), ``summary.json``. Task sets with domains add
 held-out success per domain (``eval_reward/<domain>``, ``plots/eval_by_domain.png``).
 
 Resumed (``resume``, a :class:`RunDirState` from a checkpoint at step v): ``metrics.jsonl`` and
 ``ledger.jsonl`` keep their lines up to step v (lines of steps after it, written by a run that
-died later, are dropped) and go on from there; the previous ``trace.json`` is kept as
-``trace.1.json`` (``.2``, ... on later resumes); counters, clocks and eval results continue. An
+died later, are dropped) and go on from there; the previous ``trace.json`` and
+``scheduler.jsonl`` are kept as ``trace.1.json`` and ``scheduler.1.jsonl`` (``.2``, ... on later
+resumes); counters, clocks and eval results continue. An
 evaluation of version v that had not finished is queued again (the engines start at v); older
 unfinished ones are recorded lost.
 
@@ -104,10 +107,14 @@ class RunDir:
                 (path / name).unlink(missing_ok=True)  # a new run starts new logs
             else:
                 _keep_until(path / name, resume.step)
-        if resume is not None and (path / "trace.json").exists():
-            parts = 1 + sum(1 for _ in path.glob("trace.*.json"))
-            (path / "trace.json").rename(path / f"trace.{parts}.json")
+        if resume is None:
+            (path / "scheduler.jsonl").unlink(missing_ok=True)
+        for stem, suffix in (("trace", ".json"), ("scheduler", ".jsonl")):
+            if resume is not None and (path / f"{stem}{suffix}").exists():
+                parts = 1 + sum(1 for _ in path.glob(f"{stem}.*{suffix}"))
+                (path / f"{stem}{suffix}").rename(path / f"{stem}.{parts}{suffix}")
         self.metrics = MetricsWriter(path / "metrics.jsonl")
+        self.scheduling = MetricsWriter(path / "scheduler.jsonl")
         self.ledger = MetricsWriter(path / "ledger.jsonl")
         self.trace = TraceWriter(path / "trace.json")
         self.held_out = build_task(recipe.task).held_out(recipe.eval.num_tasks)
@@ -238,7 +245,14 @@ class RunDir:
         line |= self._unreported_eval()
         self.ledger.write({"step": version, **self.batch_ids})
         self.metrics.write(line)
+        self.write_scheduling(pipe)
         self.last = line
+
+    def write_scheduling(self, pipe: Pipeline) -> None:
+        """Append the scheduler's journal since the last call to ``scheduler.jsonl``."""
+        for entry in pipe.scheduler.journal:
+            self.scheduling.write(entry)
+        pipe.scheduler.journal.clear()
 
     def _trace_sync(self, pipe: Pipeline, m: dict[str, Any], version: int) -> None:
         """Train and push spans of this step; apply spans of every engine update that finished."""
@@ -311,6 +325,7 @@ class RunDir:
 
     def finish(self, pipe: Pipeline) -> None:
         pipe.drain()
+        self.write_scheduling(pipe)
         self._collect_evals(wait=True)
         final = self.path / "checkpoints" / "final"
         ray.get(pipe.trainer.save.remote(str(final)))
@@ -361,6 +376,7 @@ class RunDir:
         """Flush the metrics and trace files (idempotent; also runs when a run fails)."""
         self.metrics.close()
         self.ledger.close()
+        self.scheduling.close()
         self.trace.save()
 
 
