@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 
 import pytest
@@ -222,3 +223,38 @@ def test_run_executes_calls_concurrently() -> None:
     assert [(r.content, r.ok) for r in results] == [("left", True), ("right", True)]
     assert sorted(log[:2]) == ["start left", "start right"]
     assert sorted(log[2:]) == ["end left", "end right"]
+
+
+def test_inline_tools_run_on_the_event_loop_without_yielding() -> None:
+    """A sync tool runs in a worker thread unless it is ``inline``; calls to inline tools (and
+    parse failures) complete without the episode ever giving the event loop to another task."""
+    loop_thread, seen = threading.get_ident(), {}
+
+    def where(tag: str) -> str:
+        seen[tag] = threading.get_ident()
+        return tag
+
+    registry = ToolRegistry([Tool("inline", where, inline=True), Tool("threaded", where)])
+    parsed = parse_tool_calls(
+        '<tool_call>{"name": "inline", "arguments": {"tag": "a"}}</tool_call>'
+        '<tool_call>{"name": "inline", "arguments": 5}</tool_call>'
+        '<tool_call>{"name": "inline", "arguments": {"tag": "b"}}</tool_call>'
+    )
+
+    async def main() -> tuple[list[str], bool]:
+        other_ran = False
+
+        async def other() -> None:
+            nonlocal other_ran
+            other_ran = True
+
+        task = asyncio.create_task(other())  # would run at the episode's first suspension
+        results = await registry.run(parsed)
+        ran_before = other_ran
+        await task
+        await registry.call(ToolCall("threaded", {"tag": "t"}))
+        return [r.content for r in results], ran_before
+
+    contents, other_ran_first = asyncio.run(main())
+    assert contents == ["a", _NEEDS_OBJECT, "b"] and not other_ran_first
+    assert seen["a"] == seen["b"] == loop_thread != seen["t"]

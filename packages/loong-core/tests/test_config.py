@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 import msgspec
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from loong_core.config import ConfigError, apply_override, dump_toml, load_config
@@ -289,5 +289,6 @@ class Scalars(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
         labels=st.dictionaries(st.text(max_size=8), st.text(max_size=8), max_size=4),
     )
 )
+@example(Scalars(text="", number=0.0, count=0, flags=[], labels={"0\n": ""}))  # a key ending in a newline
 def test_dump_round_trip_property(value: Scalars) -> None:
     assert load_config(tomllib.loads(dump_toml(value)), Scalars) == value

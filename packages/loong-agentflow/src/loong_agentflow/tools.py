@@ -61,12 +61,20 @@ def parse_tool_calls(text: str) -> list[ToolCall | ToolResult]:
 
 @dataclass
 class Tool:
-    """An async (or sync) function exposed to the model under ``name``."""
+    """An async (or sync) function exposed to the model under ``name``.
+
+    A sync function runs in a worker thread under the registry's timeout, so a slow one cannot
+    stall other episodes. ``inline = True`` runs it on the event loop instead, with no thread hop
+    and no timeout: for fast, bounded, pure functions (a calculator), whose episodes then go on in
+    the same loop iteration, so when a batching engine admits their next requests does not depend
+    on thread scheduling (runs with a fixed seed reproduce bit for bit).
+    """
 
     name: str
     fn: Callable[..., Awaitable[str] | str]
     description: str = ""
     parameters: dict[str, Any] = field(default_factory=dict)
+    inline: bool = False
 
 
 class ToolRegistry:
@@ -85,6 +93,8 @@ class ToolRegistry:
         try:
             if asyncio.iscoroutinefunction(tool.fn):
                 out = await asyncio.wait_for(tool.fn(**call.arguments), self.timeout_s)
+            elif tool.inline:
+                out = tool.fn(**call.arguments)
             else:  # off the event loop, so a slow sync tool cannot stall other episodes
                 out = await asyncio.wait_for(asyncio.to_thread(tool.fn, **call.arguments), self.timeout_s)
             return ToolResult(call, str(out), ok=True)
@@ -94,9 +104,16 @@ class ToolRegistry:
             return ToolResult(call, f"error: {type(e).__name__}: {e}", ok=False)
 
     async def run(self, parsed: list[ToolCall | ToolResult]) -> list[ToolResult]:
-        """Run all parsed calls concurrently; parse failures pass through as results."""
+        """Run all parsed calls concurrently; parse failures pass through as results. When every
+        call is to an inline tool they run one after another without leaving the event loop."""
 
         async def one(item: ToolCall | ToolResult) -> ToolResult:
             return await self.call(item) if isinstance(item, ToolCall) else item
 
+        if all(isinstance(p, ToolResult) or self._inline(p) for p in parsed):
+            return [await one(p) for p in parsed]
         return list(await asyncio.gather(*(one(p) for p in parsed)))
+
+    def _inline(self, call: ToolCall) -> bool:
+        tool = self.tools.get(call.name)
+        return tool is None or (tool.inline and not asyncio.iscoroutinefunction(tool.fn))

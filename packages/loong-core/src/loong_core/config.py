@@ -243,7 +243,7 @@ def _struct_type(info: msgspec.inspect.Type | None) -> msgspec.inspect.StructTyp
 
 # --------------------------------------------------------------------------------------------- writing
 
-_BARE_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 _ESCAPES = {'"': '\\"', "\\": "\\\\", "\b": "\\b", "\t": "\\t", "\n": "\\n", "\f": "\\f", "\r": "\\r"}
 _DATETIME_TYPES = (datetime.datetime, datetime.date, datetime.time)
 
@@ -287,7 +287,7 @@ def _is_aot(value: Any) -> bool:
 
 
 def _key(key: str) -> str:
-    return key if _BARE_KEY.match(key) else _string(key)
+    return key if _BARE_KEY.fullmatch(key) else _string(key)  # fullmatch: "$" matches before a final "\n"
 
 
 def _inline(value: Any) -> str:

@@ -56,7 +56,9 @@ def calc(expr: str) -> str:
 
 
 def tool_registry() -> ToolRegistry:
-    return ToolRegistry([Tool("calc", calc, "Evaluate an integer arithmetic expression.")], timeout_s=5.0)
+    return ToolRegistry(
+        [Tool("calc", calc, "Evaluate an integer arithmetic expression.", inline=True)], timeout_s=5.0
+    )  # inline: bounded (64 characters, no powers) and pure
 
 
 def random_task(rng: random.Random, ops: str = "+-*") -> dict[str, Any]:
