@@ -79,6 +79,7 @@ the time of the take at version v. Hence, when the tail is bounded,
 
 Usage::
 
+    python tools/simulate.py --replay runs/NAME    # a real run's scheduling, decision by decision
     python tools/simulate.py [--engines 8,64,256,1024] [--windows 0,1,2] [--steps 200] [--seed 0]
         [--max-groups 20480] [--dist lognormal] [--sigma 1] [--cap 0] [--step-ratio 1]
         [--sync-time 0.05] [--slots 1] [--slot-cost 0.15] [--batch-per-engine 1]
@@ -94,6 +95,7 @@ from __future__ import annotations
 import argparse
 import heapq
 import json
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -103,7 +105,7 @@ from random import Random
 from typing import Any
 
 from loong_core.window import StalenessWindow
-from loong_train.scheduler import Scheduler
+from loong_train.scheduler import Scheduler, replay
 
 __all__ = ["SimConfig", "SimResult", "simulate", "sweep"]
 
@@ -405,7 +407,29 @@ def _ints(text: str) -> list[int]:
     return [int(x) for x in text.split(",") if x]
 
 
+def replay_run(run_dir: str | Path) -> bool:
+    """Drive this simulator's scheduler with the calls a real run recorded in its
+    ``scheduler.jsonl`` (``loong-train run`` writes it): True when it makes every decision the
+    run's pipeline made. The window's size and the step count come from the run's config."""
+    import tomllib
+
+    run_dir = Path(run_dir)
+    config = tomllib.loads((run_dir / "config.toml").read_text())
+    train = config.get("train", {})
+    journal = [json.loads(line) for line in (run_dir / "scheduler.jsonl").read_text().splitlines()]
+    window = StalenessWindow(train.get("max_staleness", 1), train.get("batch_groups", 16))
+    return replay(journal, window, steps=train.get("steps", 100)) == journal
+
+
 def main(argv: list[str] | None = None) -> None:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["--replay"]:
+        same = replay_run(argv[1])
+        print(
+            f"{argv[1]}: the simulator's scheduler {'repeats every' if same else 'DIFFERS from the'} decision"
+        )
+        raise SystemExit(0 if same else 1)
     d = SimConfig()
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--engines", type=_ints, default=[8, 64, 256, 1024])

@@ -119,3 +119,24 @@ def test_resume_keeps_the_staleness_bound(tmp_path, cluster):
         checkpoint.latest(out, _recipe("train.max_staleness=1", "train.steps=9", "train.batch_groups=3"))
     with pytest.raises(ConfigError, match="nothing to train"):
         checkpoint.latest(out, _recipe("train.max_staleness=1", "train.steps=5"))
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_megatron_run_resumes_like_the_uninterrupted_one(tmp_path, cluster):
+    """``--resume`` with ``train.backend = "megatron"`` (one rank, gloo on CPU): 2 steps, then a
+    resume to 3, equal the uninterrupted 3-step run (metrics, ledger, final weights)."""
+    cache, megatron = tmp_path / "cache", ["train.backend=megatron", "train.max_staleness=0"]
+    full = run(_recipe(*megatron, "train.steps=3"), tmp_path / "full", cache)
+    split = run(_recipe(*megatron, "train.steps=2"), tmp_path / "split", cache)
+    assert (split / "checkpoints" / "step_2" / "optimizer.tp0.pp0.pt").exists()
+    run(_recipe(*megatron, "train.steps=3"), split, cache, resume=True)
+    a, b = read_metrics(full / "metrics.jsonl"), read_metrics(split / "metrics.jsonl")
+    assert [r["step"] for r in b] == [1, 2, 3]
+    for ra, rb in zip(a, b, strict=True):
+        for key in COMPARED:
+            assert ra[key] == pytest.approx(rb[key], abs=1e-6), (ra["step"], key)
+    assert _ledger(full) == _ledger(split)
+    wa = load_file(full / "checkpoints" / "final" / "model.safetensors")
+    wb = load_file(split / "checkpoints" / "final" / "model.safetensors")
+    assert wa.keys() == wb.keys() and all(wa[k].equal(wb[k]) for k in wa)

@@ -11,7 +11,8 @@ one, right after step v's weights were published:
 - ``controller_state.msgpack`` (:class:`ControllerState`): the recipe, the window
   (``StalenessWindow.state_dict``), the data position (tasks drawn; the prompts of groups issued
   but not trained), the finished trajectories not yet trained, the fault counters and the run
-  directory's bookkeeping (:class:`~loong_train.run_dir.RunDirState`).
+  directory's bookkeeping (:class:`~loong_train.run_dir.RunDirState`) and the evaluations'
+  (:class:`~loong_train.evaluator.EvaluatorState`: results, lost and pending ones).
 
 It is written into ``.step_<v>.tmp`` and renamed when complete, so a crash while writing leaves
 the previous checkpoint whole. The newest ``train.keep_checkpoints`` are kept, and so is the one
@@ -48,6 +49,7 @@ import ray
 from loong_core.config import ConfigError
 from loong_core.records import Trajectory
 from loong_train.config import Recipe
+from loong_train.evaluator import Evaluator, EvaluatorState
 from loong_train.pipeline import Pipeline
 from loong_train.run_dir import RunDir, RunDirState
 from loong_train.scheduler import Scheduler
@@ -87,6 +89,7 @@ class ControllerState(msgspec.Struct, kw_only=True):
     restarts: int
     reissued: int
     run_dir: RunDirState
+    evaluator: EvaluatorState
 
 
 @dataclass(frozen=True)
@@ -99,16 +102,16 @@ class Checkpoint:
         return self.state.version
 
 
-def maybe_save(pipe: Pipeline, run_dir: RunDir) -> Path | None:
+def maybe_save(pipe: Pipeline, run_dir: RunDir, evaluator: Evaluator) -> Path | None:
     """Checkpoint after a train step when ``train.checkpoint_every`` divides the version, and
     after the last step."""
     t, v = pipe.recipe.train, pipe.window.version
     if not (v == t.steps or (t.checkpoint_every and v % t.checkpoint_every == 0)):
         return None
-    return save(pipe, run_dir)
+    return save(pipe, run_dir, evaluator)
 
 
-def save(pipe: Pipeline, run_dir: RunDir) -> Path:
+def save(pipe: Pipeline, run_dir: RunDir, evaluator: Evaluator) -> Path:
     """Write ``checkpoints/step_<v>`` atomically (the trainer is idle: no step was started yet)."""
     v, root = pipe.window.version, run_dir.path / "checkpoints"
     tmp, final = root / f".step_{v}.tmp", root / f"step_{v}"
@@ -128,6 +131,7 @@ def save(pipe: Pipeline, run_dir: RunDir) -> Path:
         restarts=pipe.restarts,
         reissued=pipe.reissued,
         run_dir=run_dir.state(v),
+        evaluator=evaluator.state(),
     )
     (tmp / STATE).write_bytes(msgspec.msgpack.encode(state))
     shutil.rmtree(final, ignore_errors=True)  # from a run that died after writing it

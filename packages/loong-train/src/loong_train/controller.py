@@ -30,6 +30,7 @@ from loong_train.backends.base import BackendOptions
 from loong_train.checkpoint import Checkpoint
 from loong_train.config import Recipe
 from loong_train.engines.base import engine_gpus
+from loong_train.evaluator import Evaluator
 from loong_train.pipeline import GroupSource, Pipeline
 from loong_train.rollout import RolloutWorker, agent_program
 from loong_train.run_dir import RunDir
@@ -53,12 +54,14 @@ def run(recipe: Recipe, out: Path, cache: Path, resume: bool = False) -> Path:
     model_path = str(prepare_model(recipe, cache))
     recipe = prepare_teachers(recipe, cache, Path(model_path))  # OPD recipes: build their teachers
     ckpt = checkpoint.latest(out, recipe) if resume else None
-    run_dir = RunDir(out, recipe, ckpt.state.run_dir if ckpt else None)
+    evaluator = _evaluator(recipe, ckpt)
+    run_dir = RunDir(out, recipe, evaluator, ckpt.state.run_dir if ckpt else None)
     started_ray = not ray.is_initialized()
     transport = msgspec.structs.replace(recipe.transport, name=run_dir.name)
     pipe = _start(recipe, model_path, transport, run_dir.path / "logs", ckpt)
     try:
-        run_dir.begin(pipe)
+        run_dir.begin()
+        evaluator.begin(pipe)
         bar = tqdm(total=recipe.train.steps, initial=pipe.window.version, desc=recipe.name, unit="step")
         while pipe.window.version < recipe.train.steps:
             pipe.admit()
@@ -66,16 +69,23 @@ def run(recipe: Recipe, out: Path, cache: Path, resume: bool = False) -> Path:
                 if kind == "rollout":
                     pipe.on_rollout(*result)
                     run_dir.on_rollout(result[1])
+                elif kind == "applied":
+                    run_dir.on_applied(result)
                 else:
                     metrics, manifest = result
                     pipe.sync_weights(manifest)  # the window advances to the new version
+                    evaluator.after_step(pipe, pipe.window.version)
+                    _collect(evaluator, run_dir, wait=pipe.window.version == recipe.train.steps)
                     run_dir.on_train_step(pipe, metrics)
-                    checkpoint.maybe_save(pipe, run_dir)
+                    checkpoint.maybe_save(pipe, run_dir, evaluator)
                     bar.update(1)
                     bar.set_postfix(run_dir.postfix())
             if (trajs := pipe.start_train_step()) is not None:
                 run_dir.on_batch(pipe, trajs)
         bar.close()
+        pipe.drain()
+        _collect(evaluator, run_dir, wait=True)
+        pipe.save_final(run_dir.path / "checkpoints" / "final")
         run_dir.finish(pipe)
     finally:
         run_dir.close()
@@ -84,6 +94,24 @@ def run(recipe: Recipe, out: Path, cache: Path, resume: bool = False) -> Path:
         if started_ray:
             ray.shutdown()
     return run_dir.path
+
+
+def _evaluator(recipe: Recipe, ckpt: Checkpoint | None) -> Evaluator:
+    held_out = build_task(recipe.task).held_out(recipe.eval.num_tasks)
+    return Evaluator(
+        held_out,
+        seed=recipe.seed,
+        every=recipe.eval.every,
+        last=recipe.train.steps,
+        resume=ckpt.state.evaluator if ckpt else None,
+        resumed_at=ckpt.version if ckpt else 0,
+    )
+
+
+def _collect(evaluator: Evaluator, run_dir: RunDir, wait: bool) -> None:
+    """Hand the evaluations that finished to the run directory (``wait``: all queued ones)."""
+    for result in evaluator.collect(wait):
+        run_dir.on_eval(result)
 
 
 def trainer_options(recipe: Recipe) -> dict[str, Any]:

@@ -20,8 +20,10 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -155,7 +157,8 @@ class Pipeline:
                 self.rollouts[self.queue_rollout(worker, specs)] = (w, groups)
 
     def wait(self) -> list[tuple[str, Any]]:
-        """Block until some rollout or the train step finishes; returns (kind, result) events.
+        """Block until some rollout or the train step finishes; returns (kind, result) events:
+        ``rollout``, ``train``, and ``applied`` for every weight update that finished meanwhile.
         Lost rollouts and worker probes are handled here and return no event."""
         refs = [*self.rollouts, *self.probes] + ([self.train_ref] if self.train_ref is not None else [])
         if not refs:
@@ -179,7 +182,7 @@ class Pipeline:
                     continue
                 self._seen(w, result["pid"])
                 events.append(("rollout", (groups, result)))
-        return events
+        return events + [("applied", a) for a in self.applied()]
 
     def on_rollout(self, groups: list[str], result: dict[str, Any]) -> None:
         trajectories: list[Trajectory] = result["trajectories"]
@@ -297,6 +300,14 @@ class Pipeline:
                         self.restarted += done[-1]["restarted"]
                 del self.applies[version]
         return done
+
+    def save_final(self, path: Path) -> None:
+        """The trained policy as a Hugging Face directory (weights, config, tokenizer); the trainer
+        stops after writing it."""
+        ray.get(self.trainer.save.remote(str(path)))
+        ray.get(self.trainer.close.remote())
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            shutil.copy(Path(self.model_path) / name, path / name)
 
     def shutdown(self) -> None:
         """End the run's actors, so a cluster that outlives the run (``--address``, tests) gets

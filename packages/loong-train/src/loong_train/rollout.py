@@ -32,11 +32,10 @@ from loong_core.config import ConfigError
 from loong_core.protocols import SamplingParams
 from loong_core.records import SpanSource, TokenSpan, Trajectory, WeightManifest
 from loong_train.config import AgentConfig
-from loong_train.engines.base import WorkerEngine, build_engine
+from loong_train.engines.base import WorkerEngine, build_engine, build_host
 
 if TYPE_CHECKING:
     from loong_train.engines.sglang.rollout import SGLangRolloutConfig
-from loong_train.engines.embedded.host import EngineHost
 from loong_train.models.tokenizer import HFCodec, end_of_turn_ids, load_tokenizer
 from loong_train.tasks import AgentCommand, Task, build_task
 from loong_transfermesh import ShmReceiver, TransferFailed, TransportConfig, open_receiver
@@ -167,7 +166,7 @@ class RolloutWorker:
             else None
         )
         self.host = (  # white-box episodes: updates may land mid-call (partial rollouts)
-            EngineHost(self.engine) if self.blackbox is None and self.engine.mid_call_updates else None
+            build_host(self.engine) if self.blackbox is None else None
         )
         if version:  # resumed: ``model_path`` is a checkpoint of this version
             self.engine.set_version(version)
@@ -226,7 +225,7 @@ class RolloutWorker:
     def apply_weights(self, manifest: WeightManifest, restart_below: int = -1) -> dict[str, float]:
         """Receive an update through TransferMesh. Called like a rollout, Ray runs it between
         rollout calls: no generation sees mixed weights. Called in the ``weights`` concurrency
-        group (partial rollouts) it lands mid-call: :meth:`EngineHost.swap` pauses the engine for
+        group (partial rollouts) it lands mid-call: :meth:`~loong_train.engines.embedded.host.EngineHost.swap` pauses the engine for
         the copy, and episodes that started below ``restart_below`` run again. A worker that
         already holds this version or a newer one (a restarted worker that caught up) skips it."""
         start, restarted = time.time(), 0

@@ -13,12 +13,8 @@ Resumed (``resume``, a :class:`RunDirState` from a checkpoint at step v): ``metr
 ``ledger.jsonl`` keep their lines up to step v (lines of steps after it, written by a run that
 died later, are dropped) and go on from there; the previous ``trace.json`` and
 ``scheduler.jsonl`` are kept as ``trace.1.json`` and ``scheduler.1.jsonl`` (``.2``, ... on later
-resumes); counters, clocks and eval results continue. An
-evaluation of version v that had not finished is queued again (the engines start at v); older
-unfinished ones are recorded lost.
-
-An evaluation whose worker died is recorded as missing (logged, ``lost_evals`` in the summary),
-not re-run: a later run would evaluate other weights than the version it names.
+resumes); counters and clocks continue. Which versions are evaluated, and what happens to an
+evaluation that was lost or unfinished at a checkpoint: :mod:`loong_train.evaluator`.
 
 Busy fractions are cumulative: busy seconds of the trainer (or the mean rollout worker) over
 the wall time since the run started, so they read as the run's utilization so far.
@@ -29,24 +25,21 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import msgspec
-import ray
 
-from loong_agentflow import EpisodeSpec
 from loong_core.config import dump_toml
 from loong_core.records import EpisodeStatus, Trajectory
 from loong_core.telemetry import MetricsWriter, TraceWriter
 from loong_train.config import Recipe
 from loong_train.engines.embedded.host import crossed_update
-from loong_train.pipeline import Pipeline, episode_seed
+from loong_train.evaluator import EvalResult, Evaluator
+from loong_train.pipeline import Pipeline
 from loong_train.plots import plot_domains, plot_run
-from loong_train.tasks import build_task
 from loong_train.tiny.teachers import teacher_success
 
 __all__ = ["RunDir", "RunDirState"]
@@ -86,18 +79,17 @@ class RunDirState(msgspec.Struct, kw_only=True):
     trainer_busy: float
     rollout_busy: float
     apply_s: float
-    eval_results: dict[int, float]
-    eval_by_domain: dict[int, dict[str, float]]
     reported_evals: list[int]
-    lost_evals: list[int]
-    pending_evals: list[int]  # queued, not finished at the checkpoint
 
 
 class RunDir:
-    """Writes config, metrics, trace, plots and the final checkpoint of one run."""
+    """Writes config, metrics, ledger, scheduling, trace, summary and plots of one run, from the
+    events the controller hands it; eval results are the ``evaluator``'s."""
 
-    def __init__(self, path: Path, recipe: Recipe, resume: RunDirState | None = None) -> None:
-        self.path, self.recipe, self.resumed = path, recipe, resume
+    def __init__(
+        self, path: Path, recipe: Recipe, evaluator: Evaluator, resume: RunDirState | None = None
+    ) -> None:
+        self.path, self.recipe, self.evaluator, self.resumed = path, recipe, evaluator, resume
         (path / "plots").mkdir(parents=True, exist_ok=True)
         (path / "checkpoints").mkdir(exist_ok=True)
         (path / "config.toml").write_text(dump_toml(recipe))
@@ -117,11 +109,6 @@ class RunDir:
         self.scheduling = MetricsWriter(path / "scheduler.jsonl")
         self.ledger = MetricsWriter(path / "ledger.jsonl")
         self.trace = TraceWriter(path / "trace.json")
-        self.held_out = build_task(recipe.task).held_out(recipe.eval.num_tasks)
-        self.evals: dict[int, Any] = {}
-        self.eval_results: dict[int, float] = {}
-        self.eval_by_domain: dict[int, dict[str, float]] = {}  # tasks tagged with a domain only
-        self.lost_evals: set[int] = set()  # their worker died
         self.reported_evals: set[int] = set()
         self.start = self.last_step_end = time.time()
         self.rollout_busy = self.trainer_busy = 0.0
@@ -133,29 +120,16 @@ class RunDir:
         if resume is not None:
             self.trained_samples, self.apply_s = resume.trained_samples, resume.apply_s
             self.trainer_busy, self.rollout_busy = resume.trainer_busy, resume.rollout_busy
-            self.eval_results, self.eval_by_domain = dict(resume.eval_results), dict(resume.eval_by_domain)
-            self.reported_evals, self.lost_evals = set(resume.reported_evals), set(resume.lost_evals)
+            self.reported_evals = set(resume.reported_evals)
 
-    def begin(self, pipe: Pipeline) -> None:
-        """Start the clocks and evaluate the initial policy (version 0) on held-out tasks; resumed:
-        continue the clocks and queue the checkpoint version's evaluation again if it was pending."""
+    def begin(self) -> None:
+        """Start the clocks (resumed: continue them)."""
         self.start = self.last_step_end = time.time()
-        if (r := self.resumed) is None:
-            self.evaluate(pipe, version=0)
-            return
-        self.start -= r.elapsed_s
-        for v in r.pending_evals:
-            if v == r.step:
-                self.evaluate(pipe, v)
-            else:
-                self.lost_evals.add(v)
-                log.warning(
-                    "evaluation of version %d lost: unfinished at the checkpoint of step %d", v, r.step
-                )
+        if self.resumed is not None:
+            self.start -= self.resumed.elapsed_s
 
     def state(self, step: int) -> RunDirState:
         """What a checkpoint at ``step`` keeps (see :mod:`loong_train.checkpoint`)."""
-        done = self.eval_results.keys() | self.lost_evals
         return RunDirState(
             step=step,
             elapsed_s=time.time() - self.start,
@@ -163,21 +137,8 @@ class RunDir:
             trainer_busy=self.trainer_busy,
             rollout_busy=self.rollout_busy,
             apply_s=self.apply_s,
-            eval_results=dict(self.eval_results),
-            eval_by_domain=dict(self.eval_by_domain),
             reported_evals=sorted(self.reported_evals),
-            lost_evals=sorted(self.lost_evals),
-            pending_evals=sorted(v for v in self.evals if v not in done),
         )
-
-    def evaluate(self, pipe: Pipeline, version: int) -> None:
-        """Queue a held-out evaluation on a live worker behind the weight update to ``version``."""
-        ids = [f"eval-v{version}-{i}" for i in range(len(self.held_out))]
-        specs = [
-            EpisodeSpec(i, i, t, dict(t.get("tags", {})), episode_seed(self.recipe.seed, i))
-            for i, t in zip(ids, self.held_out, strict=True)
-        ]
-        self.evals[version] = pipe.queue_rollout(pipe.live_worker(), specs, evaluation=True)
 
     def on_rollout(self, result: dict[str, Any]) -> None:
         self.rollout_busy += result["end"] - result["start"]
@@ -239,9 +200,6 @@ class RunDir:
             "restarted_episodes": pipe.restarted,
         }
         self.last_step_end = now
-        if version % self.recipe.eval.every == 0 or version == self.recipe.train.steps:
-            self.evaluate(pipe, version)
-        self._collect_evals(wait=version == self.recipe.train.steps)
         line |= self._unreported_eval()
         self.ledger.write({"step": version, **self.batch_ids})
         self.metrics.write(line)
@@ -266,73 +224,50 @@ class RunDir:
             self.trace.span(
                 "teacher_score", "teacher", "trainer", "train", m["train_start"], m["teacher_end"], {}
             )
-        for a in pipe.applied():
-            self.apply_s = a["apply_s"]
-            self.trace.span(
-                "apply_weights",
-                "sync",
-                f"rollout-worker-{a['worker']}",
-                "engine",
-                a["start"],
-                a["end"],
-                {"version": a["version"]},
-            )
 
-    def _collect_evals(self, wait: bool) -> None:
-        pending = [v for v in self.evals if v not in self.eval_results and v not in self.lost_evals]
-        refs = [self.evals[v] for v in pending]
-        ready = set(ray.wait(refs, num_returns=len(refs), timeout=None if wait else 0)[0]) if refs else set()
-        for v in pending:
-            if self.evals[v] in ready:
-                try:
-                    result = ray.get(self.evals[v])
-                except ray.exceptions.RayActorError as e:
-                    self.lost_evals.add(v)
-                    log.warning("evaluation of version %d lost: its worker died (%s)", v, type(e).__name__)
-                    continue
-                trajs = result["trajectories"]
-                self.eval_results[v] = sum(t.reward for t in trajs) / len(trajs)
-                self.eval_by_domain[v] = _by_domain(trajs)
-                self.rollout_busy += result["end"] - result["start"]
-                self.trace.span(
-                    "eval",
-                    "eval",
-                    f"rollout-worker-{result['worker']}",
-                    "engine",
-                    result["start"],
-                    result["end"],
-                    {"version": v, "reward": self.eval_results[v]},
-                )
+    def on_applied(self, a: dict[str, Any]) -> None:
+        """An engine finished applying a weight update."""
+        self.apply_s = a["apply_s"]
+        self.trace.span(
+            "apply_weights",
+            "sync",
+            f"rollout-worker-{a['worker']}",
+            "engine",
+            a["start"],
+            a["end"],
+            {"version": a["version"]},
+        )
+
+    def on_eval(self, r: EvalResult) -> None:
+        """An evaluation finished (its result is the evaluator's)."""
+        self.rollout_busy += r.end - r.start
+        span = {"version": r.version, "reward": r.reward}
+        self.trace.span("eval", "eval", f"rollout-worker-{r.worker}", "engine", r.start, r.end, span)
 
     def _unreported_eval(self) -> dict[str, Any]:
         """The newest finished evaluation not yet written to metrics (earlier ones go to summary)."""
-        fresh = [v for v in self.eval_results if v not in self.reported_evals]
+        e = self.evaluator
+        fresh = [v for v in e.results if v not in self.reported_evals]
         if not fresh:
             return {}
         self.reported_evals.update(fresh)
         v = max(fresh)
-        by_domain = {f"eval_reward/{d}": x for d, x in self.eval_by_domain[v].items()}
-        return {"eval_reward_mean": self.eval_results[v], "eval_policy_version": v, **by_domain}
+        by_domain = {f"eval_reward/{d}": x for d, x in e.by_domain[v].items()}
+        return {"eval_reward_mean": e.results[v], "eval_policy_version": v, **by_domain}
 
     def postfix(self) -> dict[str, str]:
         out = {
             "reward": f"{self.last.get('reward_mean', 0):.2f}",
             "stale": str(self.last.get("staleness_max", 0)),
         }
-        if self.eval_results:
-            out["eval"] = f"{self.eval_results[max(self.eval_results)]:.2f}"
+        if results := self.evaluator.results:
+            out["eval"] = f"{results[max(results)]:.2f}"
         return out
 
     def finish(self, pipe: Pipeline) -> None:
-        pipe.drain()
+        """The run is over (drained, evaluations collected): the summary, the plots, the files closed."""
         self.write_scheduling(pipe)
-        self._collect_evals(wait=True)
-        final = self.path / "checkpoints" / "final"
-        ray.get(pipe.trainer.save.remote(str(final)))
-        ray.get(pipe.trainer.close.remote())
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(Path(pipe.model_path) / name, final / name)
-        evals = dict(sorted(self.eval_results.items()))
+        evals = dict(sorted(self.evaluator.results.items()))
         summary = {
             "eval_reward_by_version": evals,
             "first_eval": evals[min(evals)] if evals else None,
@@ -342,9 +277,9 @@ class RunDir:
             "worker_restarts": pipe.restarts,
             "reissued_groups": pipe.reissued,
         }
-        if self.lost_evals:
-            summary["lost_evals"] = sorted(self.lost_evals)
-        if any(self.eval_by_domain.values()):
+        if self.evaluator.lost:
+            summary["lost_evals"] = sorted(self.evaluator.lost)
+        if any(self.evaluator.by_domain.values()):
             summary |= self._domain_summary()
         (self.path / "summary.json").write_text(json.dumps(summary, indent=2))
         self.close()
@@ -356,14 +291,15 @@ class RunDir:
     def _domain_summary(self) -> dict[str, Any]:
         """Per-domain eval success by version, the run's label, and (OPD recipes) each domain's
         teacher with its held-out success on that domain."""
-        domains = sorted({d for by in self.eval_by_domain.values() for d in by})
+        by_version = self.evaluator.by_domain
+        domains = sorted({d for by in by_version.values() for d in by})
         o = self.recipe.opd
         routes = {tag: t.name for t in (o.teachers.teachers if o.teachers else []) for tag in t.tags}
         levels = teacher_success(self.recipe)
         return {
             "label": "on-policy distillation" if o.enabled else "RL only (task reward)",
             "eval_reward_by_domain": {
-                d: {v: by[d] for v, by in sorted(self.eval_by_domain.items()) if d in by} for d in domains
+                d: {v: by[d] for v, by in sorted(by_version.items()) if d in by} for d in domains
             },
             "teacher_by_domain": {
                 d: {"teacher": routes[d], "held_out_success": levels[routes[d]][d]}
@@ -394,12 +330,3 @@ def _keep_until(path: Path, step: int) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(keep))
     tmp.replace(path)
-
-
-def _by_domain(trajs: list[Trajectory]) -> dict[str, float]:
-    """Mean reward per ``domain`` tag; empty when no trajectory carries one."""
-    rewards: dict[str, list[float]] = {}
-    for t in trajs:
-        if "domain" in t.tags:
-            rewards.setdefault(t.tags["domain"], []).append(t.reward)
-    return {d: sum(r) / len(r) for d, r in sorted(rewards.items())}

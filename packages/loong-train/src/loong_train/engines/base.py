@@ -26,9 +26,10 @@ from loong_core.records import TokenSpan
 if TYPE_CHECKING:
     from torch import nn
 
+    from loong_train.engines.embedded.host import EngineHost
     from loong_train.engines.sglang.rollout import SGLangRolloutConfig
 
-__all__ = ["WorkerEngine", "build_engine", "engine_gpus"]
+__all__ = ["WorkerEngine", "build_engine", "build_host", "engine_gpus"]
 
 
 class WorkerEngine(Protocol):
@@ -80,3 +81,14 @@ def build_engine(
 def engine_gpus(kind: str, sglang: SGLangRolloutConfig) -> float:
     """GPUs Ray reserves for a rollout worker whose engine is ``kind`` (its server's, or none)."""
     return sglang.gpus if kind == "sglang" else 0.0
+
+
+def build_host(engine: WorkerEngine) -> EngineHost | None:
+    """For an engine whose updates may land mid-call, the host that runs white-box rollouts on
+    it and swaps weights between decode steps (:mod:`loong_train.engines.embedded.host`); None
+    for an engine updated between calls only."""
+    if not engine.mid_call_updates:
+        return None
+    from loong_train.engines.embedded.host import EngineHost
+
+    return EngineHost(engine)
