@@ -1,11 +1,14 @@
-"""Shared fixtures: one tiny model + tokenizer directory built once per session."""
+"""Shared fixtures (one tiny model + tokenizer directory per session, a shared warm-start cache);
+makes the shared helpers (``train_testkit``) importable under pytest's importlib mode."""
 
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
 
-os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")  # as loong-train run: workers share this venv
+os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
+sys.path.insert(0, str(Path(__file__).parent))  # as loong-train run: workers share this venv
 
 import pytest
 import torch

@@ -4,26 +4,23 @@ proximal forward equals the trainer's own, and the KL reference is the frozen in
 import copy
 
 import torch
+from train_testkit import tiny_qwen3
 
 from loong_core.records import TrainBatch
 from loong_train.backends.torch_backend import TorchBackend, token_logprobs
 from loong_train.config import LossConfig
-from loong_train.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 
 
 def _model(seed=0):
-    cfg = Qwen3Config(
+    return tiny_qwen3(
+        seed,
+        std=0.02,
         vocab_size=37,
-        hidden_size=32,
-        intermediate_size=64,
         num_hidden_layers=1,
         num_attention_heads=2,
         num_key_value_heads=1,
         head_dim=16,
     )
-    model = Qwen3ForCausalLM(cfg)
-    model.init_weights(seed)
-    return model
 
 
 def _batch():

@@ -9,26 +9,15 @@ import copy
 import random
 
 import torch
+from train_testkit import tiny_qwen3
 
 from loong_core.protocols import SamplingParams
 from loong_train.engines.embedded.batching import BatchStats, Request, RunningBatch
 from loong_train.engines.embedded.engine import EmbeddedEngine
-from loong_train.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 
 
 def _model(seed=0):
-    cfg = Qwen3Config(
-        vocab_size=40,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-    )
-    model = Qwen3ForCausalLM(cfg)
-    model.init_weights(seed, std=0.3)
-    return model
+    return tiny_qwen3(seed, vocab_size=40)
 
 
 def _forward_logprobs(model, prompt, tokens, temperature=1.0):

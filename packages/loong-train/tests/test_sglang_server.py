@@ -23,29 +23,21 @@ import msgspec
 import pytest
 import torch
 import uvicorn
+from train_testkit import tiny_config, tiny_qwen3
 
 from loong_agentflow.sglang_client import SGLangClientConfig, SGLangEngine, SGLangError
 from loong_core.protocols import SamplingParams
 from loong_train.engines.embedded.engine import EmbeddedEngine
 from loong_train.engines.embedded.server import build_app
-from loong_train.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from loong_train.models.qwen3 import Qwen3ForCausalLM
 from loong_transfermesh.sglang import SGLangPusherConfig, SGLangUpdateError, SGLangWeightPusher
 
-CFG = Qwen3Config(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-)
+CFG = tiny_config()
 PROMPT = [3, 14, 15, 9, 26, 5]
 
 
 def _model(seed: int) -> Qwen3ForCausalLM:
-    model = Qwen3ForCausalLM(CFG)
-    model.init_weights(seed, std=0.3)
+    model = tiny_qwen3(seed)
     return model.eval()
 
 

@@ -17,21 +17,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from train_testkit import tiny_config, tiny_qwen3
 
 from loong_agentflow.sglang_client import SGLangClientConfig, SGLangEngine
 from loong_core.protocols import SamplingParams
 from loong_train.engines.sglang.supervisor import SGLangServerConfig, SGLangServerError, SGLangSupervisor
-from loong_train.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from loong_train.models.qwen3 import Qwen3ForCausalLM
 
-CFG = Qwen3Config(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-)
+CFG = tiny_config()
 PROMPT = [3, 14, 15, 9, 26, 5]
 SERVE = [sys.executable, "-m", "loong_train.cli", "serve-sglang"]
 FAST = {"health_interval_s": 0.2, "health_timeout_s": 2.0, "restart_backoff_s": 0.05, "stop_grace_s": 5.0}
@@ -40,8 +33,7 @@ FAST = {"health_interval_s": 0.2, "health_timeout_s": 2.0, "restart_backoff_s": 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("supervised-tiny")
-    model = Qwen3ForCausalLM(CFG)
-    model.init_weights(0, std=0.3)
+    model = tiny_qwen3(0)
     model.save_pretrained(path)
     return path
 

@@ -17,6 +17,7 @@ import time
 import pytest
 import torch
 import uvicorn
+from train_testkit import tiny_config, tiny_qwen3
 
 from loong_teacher import (
     LocalTeacherConfig,
@@ -29,24 +30,15 @@ from loong_teacher import (
 )
 from loong_train.engines.embedded.engine import EmbeddedEngine
 from loong_train.engines.embedded.server import build_app
-from loong_train.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from loong_train.models.qwen3 import Qwen3ForCausalLM
 
-CFG = Qwen3Config(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=64,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=8,
-)
+CFG = tiny_config()
 
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
     path = tmp_path_factory.mktemp("teacher-remote")
-    model = Qwen3ForCausalLM(CFG)
-    model.init_weights(0, std=0.3)
+    model = tiny_qwen3(0)
     model.save_pretrained(path)
     return path
 
