@@ -50,6 +50,7 @@ from loong_core.config import ConfigError
 from loong_core.records import Trajectory
 from loong_train.config import Recipe
 from loong_train.evaluator import Evaluator, EvaluatorState
+from loong_train.models.tokenizer import copy_model_files
 from loong_train.pipeline import Pipeline
 from loong_train.run_dir import RunDir, RunDirState
 from loong_train.scheduler import Scheduler
@@ -118,9 +119,7 @@ def save(pipe: Pipeline, run_dir: RunDir, evaluator: Evaluator) -> Path:
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     ray.get(pipe.trainer.save_checkpoint.remote(str(tmp)))
-    for f in Path(pipe.model_path).iterdir():  # the tokenizer, so the directory loads as a model
-        if f.is_file() and f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
-            shutil.copy(f, tmp / f.name)
+    copy_model_files(pipe.model_path, tmp)  # the tokenizer, so the directory loads as a model
     state = ControllerState(
         version=v,
         recipe=msgspec.to_builtins(pipe.recipe),
@@ -153,7 +152,13 @@ def latest(run_path: Path, recipe: Recipe) -> Checkpoint:
             "train.checkpoint_every steps and after the last step)"
         )
     path = found[-1][1]
-    state = msgspec.msgpack.decode((path / STATE).read_bytes(), type=ControllerState)
+    try:
+        state = msgspec.msgpack.decode((path / STATE).read_bytes(), type=ControllerState)
+    except msgspec.ValidationError as e:
+        raise ConfigError(
+            f"--resume {run_path}: {path / STATE} is not a checkpoint this version of Loong reads ({e}); "
+            "start a new run"
+        ) from e
     old, new = _flat(state.recipe), _flat(msgspec.to_builtins(recipe))
     changed = sorted(k for k in old.keys() | new.keys() if old.get(k) != new.get(k))
     refused = [k for k in changed if not k.startswith(RESUMABLE)]

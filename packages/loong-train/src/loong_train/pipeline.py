@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,6 +32,7 @@ from loong_core.records import Trajectory, WeightManifest
 from loong_core.window import StalenessWindow
 from loong_train.algorithms import grpo_advantages, pack_batch
 from loong_train.config import Recipe
+from loong_train.models.tokenizer import copy_model_files
 from loong_train.scheduler import Scheduler
 
 __all__ = ["GroupSource", "Pipeline", "episode_seed"]
@@ -182,7 +182,7 @@ class Pipeline:
                     continue
                 self._seen(w, result["pid"])
                 events.append(("rollout", (groups, result)))
-        return events + [("applied", a) for a in self.applied()]
+        return [("applied", a) for a in self.applied()] + events  # a step's line sees them
 
     def on_rollout(self, groups: list[str], result: dict[str, Any]) -> None:
         trajectories: list[Trajectory] = result["trajectories"]
@@ -196,11 +196,14 @@ class Pipeline:
             if self.scheduler.finish(group_id, oldest):
                 self.finished[group_id] = trajs
             else:  # a restarted worker not yet caught up: the scheduler issues it again
-                self._lost(result["worker"], [group_id], f"ran at version {oldest}, admitted later")
+                self.reissued += 1
+                log.warning(
+                    "group %s ran at version %d, below its admission: re-issuing it", group_id, oldest
+                )
 
     def _lost(self, w: int, groups: list[str], why: object) -> None:
         """A rollout call's generations are lost: its groups wait in ``window.reissue``."""
-        self.scheduler.abort(g for g in groups if g in self.window.in_flight)
+        self.scheduler.abort(groups)
         self.reissued += len(groups)
         reason = why if isinstance(why, str) else f"{type(why).__name__}: its process died"
         log.warning("rollout worker %d lost groups %s (%s); re-issuing them", w, ", ".join(groups), reason)
@@ -306,8 +309,7 @@ class Pipeline:
         stops after writing it."""
         ray.get(self.trainer.save.remote(str(path)))
         ray.get(self.trainer.close.remote())
-        for name in ("tokenizer.json", "tokenizer_config.json"):
-            shutil.copy(Path(self.model_path) / name, path / name)
+        copy_model_files(self.model_path, path)
 
     def shutdown(self) -> None:
         """End the run's actors, so a cluster that outlives the run (``--address``, tests) gets

@@ -114,8 +114,8 @@ def agent_program(agent: AgentConfig, task: Task, limits: EpisodeLimits) -> Agen
 
 
 class RolloutWorker:
-    """Runs tool-agent episodes (white-box, or black-box through a :class:`BlackBoxHost`) on an
-    embedded engine; receives weights by manifest.
+    """Runs the task's episodes (white-box, or black-box through a :class:`BlackBoxHost`) on the
+    engine ``build_engine`` makes; receives weights by manifest.
 
     Restarts: the controller creates workers as Ray actors with ``max_restarts``; when a worker's
     process dies, Ray runs this constructor again, which reloads ``model_path`` and then catches

@@ -126,7 +126,7 @@ def replay(journal: Iterable[dict[str, Any]], window: StalenessWindow, *, steps:
         call = entry["call"]
         if call == "admit":
             recorded = iter(entry["out"])
-            scheduler.admit(entry["room"], lambda recorded=recorded: next(recorded))
+            scheduler.admit(entry["room"], lambda recorded=recorded: next(recorded, "<not recorded>"))
         elif call == "finish":
             scheduler.finish(entry["group"], entry["oldest"])
         elif call == "abort":

@@ -7,7 +7,7 @@ weight version, ``pause``/``resume``) plus what a worker does around generation:
   engine's own model; for a server, a host copy that ``set_version`` then pushes into it);
 - ``set_version(v)``: the weights in ``model`` are now version ``v``: serve them;
 - ``mid_call_updates``: whether an update may land between decode steps of a running call
-  (:class:`~loong_train.partial.EngineHost`), or only between calls;
+  (:class:`~loong_train.engines.embedded.host.EngineHost`), or only between calls;
 - ``check()``: raise if the engine can no longer serve (a server its supervisor gave up on), so the
   rollout call fails rather than only its episodes; ``close()``.
 

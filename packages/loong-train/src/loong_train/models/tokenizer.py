@@ -3,10 +3,30 @@
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
-__all__ = ["HFCodec", "end_of_turn_ids", "load_tokenizer"]
+__all__ = ["HFCodec", "copy_model_files", "end_of_turn_ids", "load_tokenizer"]
+
+_MODEL_FILES = (
+    "tokenizer",
+    "special_tokens",
+    "vocab",
+    "merges",
+    "added_tokens",
+    "chat_template",
+    "generation_config",
+)
+
+
+def copy_model_files(src: str | Path, dst: str | Path) -> None:
+    """Copy what a checkpoint needs besides weights and ``config.json`` from the model directory
+    ``src``: tokenizer files, chat template and ``generation_config.json`` (end-of-turn ids,
+    preferred sampling), so ``dst`` loads and generates as the model it was trained from."""
+    for f in Path(src).iterdir():
+        if f.is_file() and f.name.startswith(_MODEL_FILES):
+            shutil.copy(f, Path(dst) / f.name)
 
 
 def load_tokenizer(path: str | Path) -> Any:

@@ -20,7 +20,7 @@ The restart happens inside the worker, not as ``window.abort`` plus a re-issue: 
 in its call and its window entry (admitted at a version <= the restarted tokens' versions) stays
 valid, with no round trip through the controller and no second admission. The pipeline sets
 ``restart_below`` to the lowest version the window can still train, see
-:meth:`loong_train.pipeline.Pipeline.restart_floor`.
+:meth:`loong_train.scheduler.Scheduler.restart_floor`.
 
 An episode's start version (the engine's version when its task was created) is a lower bound
 on its oldest token's version, so a restart decision never keeps an episode that is too old.
