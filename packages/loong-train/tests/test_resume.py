@@ -67,6 +67,17 @@ def _ledger(out):
     return [json.loads(line) for line in (out / "ledger.jsonl").read_text().splitlines()]
 
 
+def _assert_same_run(a, b, full, split):
+    """Metrics ``a`` and ``b`` (every non-timing key), ledgers and final weights of two runs agree."""
+    for ra, rb in zip(a, b, strict=True):
+        for key in COMPARED:
+            assert ra[key] == pytest.approx(rb[key], abs=1e-6), (ra["step"], key)
+    assert _ledger(full) == _ledger(split)
+    wa = load_file(full / "checkpoints" / "final" / "model.safetensors")
+    wb = load_file(split / "checkpoints" / "final" / "model.safetensors")
+    assert wa.keys() == wb.keys() and all(wa[k].equal(wb[k]) for k in wa)
+
+
 @pytest.mark.integration
 def test_resumed_run_equals_the_uninterrupted_run(tmp_path, cluster):
     cache = tmp_path / "cache"
@@ -79,13 +90,7 @@ def test_resumed_run_equals_the_uninterrupted_run(tmp_path, cluster):
     a, b = read_metrics(full / "metrics.jsonl"), read_metrics(split / "metrics.jsonl")
     assert [r["step"] for r in b] == [1, 2, 3, 4]
     assert all(r["grad_norm"] > 0 for r in a) and a[-1]["kl"] != 0  # the weights moved
-    for ra, rb in zip(a, b, strict=True):
-        for key in COMPARED:
-            assert ra[key] == pytest.approx(rb[key], abs=1e-6), (ra["step"], key)
-    assert _ledger(full) == _ledger(split)
-    wa = load_file(full / "checkpoints" / "final" / "model.safetensors")
-    wb = load_file(split / "checkpoints" / "final" / "model.safetensors")
-    assert wa.keys() == wb.keys() and all(wa[k].equal(wb[k]) for k in wa)
+    _assert_same_run(a, b, full, split)
     evals = [json.loads((d / "summary.json").read_text())["eval_reward_by_version"] for d in (full, split)]
     assert evals[0] == evals[1] and set(evals[0]) == {"0", "2", "4"}
     assert sorted(p.name for p in (split / "checkpoints").iterdir()) == ["final", "step_2", "step_4"]
@@ -133,10 +138,4 @@ def test_megatron_run_resumes_like_the_uninterrupted_one(tmp_path, cluster):
     run(_recipe(*megatron, "train.steps=3"), split, cache, resume=True)
     a, b = read_metrics(full / "metrics.jsonl"), read_metrics(split / "metrics.jsonl")
     assert [r["step"] for r in b] == [1, 2, 3]
-    for ra, rb in zip(a, b, strict=True):
-        for key in COMPARED:
-            assert ra[key] == pytest.approx(rb[key], abs=1e-6), (ra["step"], key)
-    assert _ledger(full) == _ledger(split)
-    wa = load_file(full / "checkpoints" / "final" / "model.safetensors")
-    wb = load_file(split / "checkpoints" / "final" / "model.safetensors")
-    assert wa.keys() == wb.keys() and all(wa[k].equal(wb[k]) for k in wa)
+    _assert_same_run(a, b, full, split)

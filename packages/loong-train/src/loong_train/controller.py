@@ -35,7 +35,7 @@ from loong_train.pipeline import GroupSource, Pipeline
 from loong_train.rollout import RolloutWorker, agent_program
 from loong_train.run_dir import RunDir
 from loong_train.scheduler import Scheduler
-from loong_train.tasks import build_task
+from loong_train.tasks import Item, Task, build_task
 from loong_train.tiny.teachers import prepare_teachers
 from loong_train.tiny.warmstart import prepare_model
 from loong_train.trainer import TrainerWorker
@@ -50,15 +50,19 @@ def run(recipe: Recipe, out: Path, cache: Path, resume: bool = False) -> Path:
     """Train ``recipe``; writes the run directory ``out`` and returns it. ``resume``: continue the
     run in ``out`` from its newest checkpoint (:mod:`loong_train.checkpoint`)."""
     out, cache = out.absolute(), cache.absolute()  # Ray actors may run in another working directory
-    _preflight(recipe)
+    task = _preflight(recipe)
+    held_out = task.held_out(recipe.eval.num_tasks)
     model_path = str(prepare_model(recipe, cache))
     recipe = prepare_teachers(recipe, cache, Path(model_path))  # OPD recipes: build their teachers
     ckpt = checkpoint.latest(out, recipe) if resume else None
-    evaluator = _evaluator(recipe, ckpt)
+    evaluator = _evaluator(recipe, held_out, ckpt)
     run_dir = RunDir(out, recipe, evaluator, ckpt.state.run_dir if ckpt else None)
     started_ray = not ray.is_initialized()
     transport = msgspec.structs.replace(recipe.transport, name=run_dir.name)
-    pipe = _start(recipe, model_path, transport, run_dir.path / "logs", ckpt)
+    source = GroupSource(  # the warm start used seed + 1
+        task.train_stream(recipe.seed + 2, held_out), recipe.rollout.group_size, seed=recipe.seed
+    )
+    pipe = _start(recipe, model_path, transport, run_dir.path / "logs", ckpt, source)
     try:
         run_dir.begin()
         evaluator.begin(pipe)
@@ -96,8 +100,7 @@ def run(recipe: Recipe, out: Path, cache: Path, resume: bool = False) -> Path:
     return run_dir.path
 
 
-def _evaluator(recipe: Recipe, ckpt: Checkpoint | None) -> Evaluator:
-    held_out = build_task(recipe.task).held_out(recipe.eval.num_tasks)
+def _evaluator(recipe: Recipe, held_out: list[Item], ckpt: Checkpoint | None) -> Evaluator:
     return Evaluator(
         held_out,
         seed=recipe.seed,
@@ -122,16 +125,23 @@ def trainer_options(recipe: Recipe) -> dict[str, Any]:
     return {"options": options, "seed": recipe.seed, "opd": recipe.opd}
 
 
-def _preflight(recipe: Recipe) -> None:
-    """Fail before any work on what the workers would fail on: the task, the agent program."""
+def _preflight(recipe: Recipe) -> Task:
+    """The recipe's task, after failing before any work on what the workers would fail on: the
+    task, the agent program."""
     task = build_task(recipe.task)
     if recipe.agent.kind == "blackbox":
         r = recipe.rollout
         agent_program(recipe.agent, task, EpisodeLimits(r.max_turns, r.max_model_tokens, r.episode_timeout_s))
+    return task
 
 
 def _start(
-    recipe: Recipe, model_path: str, transport: TransportConfig, log_dir: Path, ckpt: Checkpoint | None
+    recipe: Recipe,
+    model_path: str,
+    transport: TransportConfig,
+    log_dir: Path,
+    ckpt: Checkpoint | None,
+    source: GroupSource,
 ) -> Pipeline:
     """Ray, the rollout workers and the trainer; resumed, all three start from ``ckpt``. Each actor
     reserves ``threads`` CPUs (its torch threads) and its GPUs, so Ray places them by resources."""
@@ -178,11 +188,6 @@ def _start(
     trainer = trainer_actor.remote(model_path, transport=transport, **trainer_options(recipe))
     if ckpt:
         ray.get(trainer.load_checkpoint.remote(str(ckpt.path)))
-    task = build_task(recipe.task)
-    held_out = task.held_out(recipe.eval.num_tasks)
-    source = GroupSource(
-        task.train_stream(recipe.seed + 2, held_out), r.group_size, seed=recipe.seed
-    )  # warm start used seed + 1
     window = StalenessWindow(recipe.train.max_staleness, recipe.train.batch_groups)
     pipe = Pipeline(recipe, workers, trainer, Scheduler(window, steps=recipe.train.steps), source, model_path)
     if ckpt:
