@@ -35,7 +35,7 @@ status=${PIPESTATUS[0]}
 uv run loong-train build-tiny tiny-calc-agent --out "$work/tiny" \
   --set warmstart.steps=0 --set model.head_dim=64 >"$work/build.log" 2>&1 || echo "build-tiny failed: $work/build.log"
 STEPS=3
-COMMON=(--set "model.path=$work/tiny" --set train.backend=megatron --set "train.steps=$STEPS"
+COMMON=(--set "model.path=$work/tiny" --set train.backend.type=megatron --set "train.steps=$STEPS"
   --set train.batch_groups=2 --set rollout.group_size=4 --set rollout.max_new_tokens=32
   --set rollout.max_model_tokens=64 --set eval.every=100 --set eval.num_tasks=4)
 
@@ -57,12 +57,12 @@ run_case() {
 }
 
 if nvidia-smi >/dev/null 2>&1; then
-  run_case megatron-gpu+embedded --set train.gpus=1
+  run_case megatron-gpu+embedded --set train.backend.gpus=1
   if [ -n "$SGLANG_PYTHON" ]; then
     # colocated on one GPU: Ray gives the trainer and the SGLang worker half of it each
-    run_case megatron-gpu+sglang-gpu --set train.gpus=0.5 --set rollout.engine=sglang \
-      --set sglang.launcher=sglang --set "sglang.python=$SGLANG_PYTHON" --set sglang.gpus=0.5 \
-      --set sglang.mem_fraction_static=0.3 --set 'sglang.args=["--disable-cuda-graph", "--dtype", "bfloat16"]'
+    run_case megatron-gpu+sglang-gpu --set train.backend.gpus=0.5 --set rollout.engine.type=sglang \
+      --set rollout.engine.launcher=sglang --set "rollout.engine.python=$SGLANG_PYTHON" --set rollout.engine.gpus=0.5 \
+      --set rollout.engine.mem_fraction_static=0.3 --set 'rollout.engine.args=["--disable-cuda-graph", "--dtype", "bfloat16"]'
   else
     printf 'run::%s\t0\t%s\n' megatron-gpu+sglang-gpu "skipped: no SGLang (set SGLANG_PYTHON)" >>"$runs"
   fi

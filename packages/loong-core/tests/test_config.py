@@ -292,3 +292,36 @@ class Scalars(msgspec.Struct, forbid_unknown_fields=True, kw_only=True):
 @example(Scalars(text="", number=0.0, count=0, flags=[], labels={"0\n": ""}))  # a key ending in a newline
 def test_dump_round_trip_property(value: Scalars) -> None:
     assert load_config(tomllib.loads(dump_toml(value)), Scalars) == value
+
+
+class _Small(
+    msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True, tag_field="type", tag="small"
+):
+    size: int = 1
+
+
+class _Large(
+    msgspec.Struct, kw_only=True, frozen=True, forbid_unknown_fields=True, tag_field="type", tag="large"
+):
+    size: int = 8
+    shards: int = 2
+
+
+class _Picks(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    engine: _Small | _Large = _Small()
+
+
+@pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ({"engine": {"type": "huge"}}, "config key 'engine.type': invalid value 'huge' (expected one of: 'small', 'large')"),
+        ({"engine": {"size": 2}}, "missing required config key 'engine.type' (expected one of: 'small', 'large')"),
+        ({"engine": {"type": "small", "shards": 4}}, "unknown config key 'engine.shards' (type 'large' has it, this is 'small'; known keys in [engine]: size, type)"),
+        ({"engine": {"type": "large", "shard": 4}}, "unknown config key 'engine.shard' (did you mean 'shards'? known keys in [engine]: shards, size, type)"),
+    ],
+)  # fmt: skip
+def test_a_tagged_union_table_names_its_types_and_the_keys_of_the_chosen_one(data, message):
+    with pytest.raises(ConfigError) as err:
+        load_config(data, _Picks)
+    assert str(err.value) == message
+    assert load_config({"engine": {"type": "large", "shards": 4}}, _Picks).engine == _Large(shards=4)

@@ -246,9 +246,14 @@ def test_config_from_toml_picks_the_backend_by_type(ckpts, tmp_path):
     )
     assert config.teachers[1].tokenizer_mapping == TokenizerMapping(accept=frozenset({"chat_template"}))
     bad = {"teachers": [{"name": "a", "type": "local", "url": "http://x"}]}
-    with pytest.raises(ConfigError, match=r"unknown config key 'teachers\[0\]\.url'"):
+    with pytest.raises(
+        ConfigError, match=r"unknown config key 'teachers\[0\]\.url' \(type 'sglang' has it, this is 'local'"
+    ):
         load_config(bad, TeacherManagerConfig)
-    with pytest.raises(ConfigError, match=r"'teachers\[0\]\.type': Invalid value 'remote'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"'teachers\[0\]\.type': invalid value 'remote' \(expected one of: 'local', 'sglang'\)",
+    ):
         load_config({"teachers": [{"name": "a", "type": "remote", "url": "http://x"}]}, TeacherManagerConfig)
     with pytest.raises(ValueError, match="routed to both"):
         TeacherManagerConfig(

@@ -6,8 +6,8 @@ import math
 import torch
 
 from loong_core.records import EpisodeStatus, SpanSource, TokenSpan, Trajectory
-from loong_train.algorithms import grpo_advantages, pack_batch, policy_loss
-from loong_train.config import LossConfig
+from loong_train.algo.config import LossConfig
+from loong_train.algo.losses import grpo_advantages, pack_batch, policy_loss
 
 
 def _traj(group, reward, status=EpisodeStatus.OK, n_model=2, version=0):

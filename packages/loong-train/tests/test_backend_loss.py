@@ -7,8 +7,8 @@ import torch
 from train_testkit import tiny_qwen3
 
 from loong_core.records import TrainBatch
+from loong_train.algo.config import LossConfig
 from loong_train.backends.torch_backend import TorchBackend, token_logprobs
-from loong_train.config import LossConfig
 
 
 def _model(seed=0):

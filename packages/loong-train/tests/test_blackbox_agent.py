@@ -28,16 +28,17 @@ import torch
 from loong_agentflow import EpisodeSpec
 from loong_core.records import EpisodeStatus, SpanSource, TokenSpan, Trajectory
 from loong_core.telemetry import read_metrics
-from loong_train.algorithms import grpo_advantages, pack_batch
+from loong_train.algo.losses import grpo_advantages, pack_batch
 from loong_train.backends.torch_backend import token_logprobs
 from loong_train.cli import main as cli
-from loong_train.config import AgentConfig, load_recipe
+from loong_train.config import load_recipe
 from loong_train.models.qwen3 import Qwen3ForCausalLM
 from loong_train.models.tokenizer import load_tokenizer
-from loong_train.rollout import RolloutWorker
 from loong_train.tiny import calc
 from loong_train.tiny.calc_agent import run_tool
 from loong_train.tiny.warmstart import sft_loss
+from loong_train.workers.agent import BlackboxAgentConfig, WhiteboxAgentConfig
+from loong_train.workers.rollout import RolloutWorker
 
 CHAT_AGENT = [sys.executable, str(Path(__file__).parent / "agents" / "chat_agent.py")]
 SAMPLING = {"temperature": 0.7, "top_p": 1.0, "max_new_tokens": 12}
@@ -74,16 +75,16 @@ def test_rows_of_one_episode_count_once_in_its_group():
     assert batch.advantages == [0.0, 1.0, 1.0, 0.0, 1.0, 1.0, 0.0, -1.0, -1.0]
 
 
-def test_agent_kind_defaults_to_whitebox_and_blackbox_needs_openai(monkeypatch, capsys):
-    assert load_recipe("tiny-calc-agent").agent == AgentConfig(kind="whitebox")
-    assert load_recipe("tiny-calc-agent", ["agent.kind=blackbox"]).agent.kind == "blackbox"
+def test_agent_type_defaults_to_whitebox_and_blackbox_needs_openai(monkeypatch, capsys):
+    assert load_recipe("tiny-calc-agent").agent == WhiteboxAgentConfig()
+    assert load_recipe("tiny-calc-agent", ["agent.type=blackbox"]).agent.type == "blackbox"
     real = importlib.util.find_spec
     monkeypatch.setattr(
         importlib.util, "find_spec", lambda name, *a: None if name == "openai" else real(name, *a)
     )
-    assert cli(["run", "tiny-calc-agent", "--set", "agent.kind=blackbox"]) == 2  # before any warm start
+    assert cli(["run", "tiny-calc-agent", "--set", "agent.type=blackbox"]) == 2  # before any warm start
     assert "needs openai, not installed" in capsys.readouterr().err
-    own = load_recipe("tiny-calc-agent", ["agent.kind=blackbox", 'agent.command=["./my-agent"]'])
+    own = load_recipe("tiny-calc-agent", ["agent.type=blackbox", 'agent.command=["./my-agent"]'])
     assert own.agent.command == ["./my-agent"]  # an agent of one's own needs no openai here
 
 
@@ -95,7 +96,7 @@ def test_calc_agent_tool_results_and_errors():
 
 
 def _worker(tiny_dir: Path, command: list[str], max_new_tokens: int = 12) -> RolloutWorker:
-    agent = AgentConfig(kind="blackbox", command=command, max_concurrency=4)
+    agent = BlackboxAgentConfig(command=command, max_concurrency=4)
     sampling = {**SAMPLING, "max_new_tokens": max_new_tokens}
     return RolloutWorker(str(tiny_dir), seed=5, sampling=sampling, limits=LIMITS, agent=agent)
 
@@ -243,7 +244,7 @@ SMALL = [
     "rollout.max_model_tokens=24",
     "eval.every=3",
     "eval.num_tasks=4",
-    "agent.kind=blackbox",
+    "agent.type=blackbox",
 ]
 
 

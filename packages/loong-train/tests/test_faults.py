@@ -79,7 +79,7 @@ def test_a_restarted_worker_takes_the_newest_published_weights(tiny_dir):
     import torch
 
     from loong_train.models.qwen3 import Qwen3ForCausalLM
-    from loong_train.rollout import RolloutWorker
+    from loong_train.workers.rollout import RolloutWorker
     from loong_transfermesh import TransportConfig, open_sender
 
     transport = TransportConfig(name=f"catch-up-test-{os.getpid()}", mode="zero_copy")

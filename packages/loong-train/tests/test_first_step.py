@@ -7,12 +7,12 @@ left-padded against a KV cache, the trainer runs right-padded full sequences).
 
 import pytest
 
-from loong_train.algorithms import grpo_advantages, pack_batch
+from loong_train.algo.losses import grpo_advantages, pack_batch
 from loong_train.controller import trainer_options
 from loong_train.pipeline import GroupSource
-from loong_train.rollout import RolloutWorker
 from loong_train.tiny import calc
-from loong_train.trainer import TrainerWorker
+from loong_train.workers.rollout import RolloutWorker
+from loong_train.workers.trainer import TrainerWorker
 from loong_transfermesh import TransportConfig
 
 

@@ -5,7 +5,8 @@ import tomllib
 import pytest
 
 from loong_core.config import ConfigError, dump_toml, load_config
-from loong_train.config import LossConfig, Recipe, load_recipe
+from loong_train.algo.config import LossConfig
+from loong_train.config import Recipe, load_recipe
 
 
 def test_shipped_recipe_uses_the_default_loss():

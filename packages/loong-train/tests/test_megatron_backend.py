@@ -29,9 +29,9 @@ import pytest
 import torch
 
 from loong_core.records import TrainBatch
+from loong_train.algo.config import LossConfig
 from loong_train.backends.megatron.weights import hf_to_megatron
 from loong_train.backends.torch_backend import TorchBackend
-from loong_train.config import LossConfig
 from loong_train.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from loong_transfermesh import MegatronLayout, megatron_to_hf
 
@@ -234,16 +234,22 @@ def _check(name: str, meg: dict, root: Path) -> None:
 
 def test_recipe_selects_the_megatron_backend_and_explains_a_missing_install(monkeypatch):
     from loong_core.config import ConfigError
-    from loong_train import config
+    from loong_train.backends import config
     from loong_train.config import load_recipe
 
-    train = load_recipe("tiny-calc-agent", ["train.backend=megatron", "train.tp=2", "train.pp=2"]).train
-    assert (train.backend, train.tp, train.pp) == ("megatron", 2, 2)
-    with pytest.raises(ConfigError, match="need backend = 'megatron'"):
-        load_recipe("tiny-calc-agent", ["train.tp=2"])
+    sets = ["train.backend.type=megatron", "train.backend.tp=2", "train.backend.pp=2"]
+    backend = load_recipe("tiny-calc-agent", sets).train.backend
+    assert backend == config.MegatronBackendConfig(tp=2, pp=2)
+    with pytest.raises(
+        ConfigError, match=r"unknown config key 'train\.backend\.tp' \(type 'megatron' has it"
+    ):
+        load_recipe("tiny-calc-agent", ["train.backend.type=torch", "train.backend.tp=2"])
+    with pytest.raises(ConfigError, match=r"missing required config key 'train\.backend\.type'"):
+        load_recipe("tiny-calc-agent", ["train.backend.tp=2"])
     monkeypatch.setattr(config, "_have_megatron_core", lambda: False)
+    recipe = load_recipe("tiny-calc-agent", ["train.backend.type=megatron"])  # validates without it
     with pytest.raises(ConfigError, match=r"loong-train\[megatron\]"):
-        load_recipe("tiny-calc-agent", ["train.backend=megatron"])
+        config.require_installed(recipe.train.backend)  # what the build and the preflight call
 
 
 @pytest.mark.slow
@@ -254,12 +260,12 @@ def test_trainer_worker_drives_a_two_rank_megatron_backend(tmp_path):
     match the torch backend (the CPU comparison above, through the trainer)."""
     from loong_train.config import load_recipe
     from loong_train.controller import trainer_options
-    from loong_train.trainer import TrainerWorker
+    from loong_train.workers.trainer import TrainerWorker
     from loong_transfermesh import TransportConfig
 
     model = _model(tied=False)
     model.save_pretrained(tmp_path)
-    sets = ["train.backend=megatron", "train.tp=2", "train.warmup_steps=0", f"train.lr={LR}"]
+    sets = ["train.backend.type=megatron", "train.backend.tp=2", "train.warmup_steps=0", f"train.lr={LR}"]
     recipe = load_recipe("tiny-calc-agent", [*sets, "rollout.temperature=0.9"])
     trainer = TrainerWorker(
         str(tmp_path), transport=TransportConfig(name="megatron-trainer-test"), **trainer_options(recipe)
@@ -345,11 +351,11 @@ def test_megatron_checkpoint_resumes_the_next_step_exactly(tmp_path):
     schedule), loss and bit-identical weights (Adam's moments came back on every rank)."""
     from loong_train.config import load_recipe
     from loong_train.controller import trainer_options
-    from loong_train.trainer import TrainerWorker
+    from loong_train.workers.trainer import TrainerWorker
     from loong_transfermesh import TransportConfig
 
     _model(tied=False).save_pretrained(tmp_path / "init")
-    sets = ["train.backend=megatron", "train.tp=2", "train.warmup_steps=3", f"train.lr={LR}"]
+    sets = ["train.backend.type=megatron", "train.backend.tp=2", "train.warmup_steps=3", f"train.lr={LR}"]
     recipe = load_recipe("tiny-calc-agent", sets)
     batch, ckpt = _batch(), str(tmp_path / "ckpt")
 

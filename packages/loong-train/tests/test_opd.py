@@ -17,8 +17,9 @@ from loong_core.protocols import SamplingParams
 from loong_core.records import TrainBatch
 from loong_core.telemetry import read_metrics
 from loong_teacher import LocalTeacherConfig, TeacherManagerConfig, TokenizerMismatch
-from loong_train.algorithms import grpo_advantages, pack_batch
-from loong_train.config import OPDConfig, Recipe, load_recipe
+from loong_train.algo.config import OPDConfig
+from loong_train.algo.losses import grpo_advantages, pack_batch
+from loong_train.config import Recipe, load_recipe
 from loong_train.controller import trainer_options
 from loong_train.engines.embedded.engine import EmbeddedEngine
 from loong_train.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
@@ -27,7 +28,7 @@ from loong_train.pipeline import GroupSource
 from loong_train.tasks import build_task
 from loong_train.tiny import calc
 from loong_train.tiny.tokenizer import build_tokenizer
-from loong_train.trainer import TrainerWorker
+from loong_train.workers.trainer import TrainerWorker
 from loong_transfermesh import TransportConfig
 
 TEACHERS = {"add-teacher": (1, 1.0), "mul-teacher": (2, 0.5)}  # name: (init seed, coefficient)

@@ -26,9 +26,9 @@ from loong_train.config import load_recipe
 from loong_train.engines.embedded.host import crossed_update
 from loong_train.models.qwen3 import Qwen3ForCausalLM
 from loong_train.pipeline import GroupSource
-from loong_train.rollout import RolloutWorker
 from loong_train.scheduler import Scheduler
 from loong_train.tiny import calc
+from loong_train.workers.rollout import RolloutWorker
 from loong_transfermesh import ShmSender, TransportConfig, remove_slots
 
 TOKENS = 96  # per episode; no stop token, so every episode is long
@@ -155,7 +155,7 @@ def test_pipeline_with_partial_continue_keeps_the_window_bound(tmp_path, monkeyp
         "rollout.group_size=2",
         "rollout.max_new_tokens=48",
         "rollout.max_model_tokens=96",
-        "rollout.partial=continue",
+        "rollout.engine.partial=continue",
         "eval.every=5",
         "eval.num_tasks=4",
     ]
@@ -172,9 +172,13 @@ def test_pipeline_with_partial_continue_keeps_the_window_bound(tmp_path, monkeyp
 
 
 def test_partial_rollouts_need_the_embedded_engine_and_a_whitebox_agent():
-    assert load_recipe("tiny-calc-agent", ["rollout.partial=restart"]).rollout.partial == "restart"
-    with pytest.raises(ValueError, match=r"rollout\.partial = 'continue' needs"):
-        load_recipe("tiny-calc-agent", ["rollout.partial=continue", "agent.kind=blackbox"])
+    assert (
+        load_recipe("tiny-calc-agent", ["rollout.engine.partial=restart"]).rollout.engine.partial == "restart"
+    )
+    with pytest.raises(
+        ValueError, match=r"rollout\.engine\.partial = 'continue' needs agent\.type = 'whitebox'"
+    ):
+        load_recipe("tiny-calc-agent", ["rollout.engine.partial=continue", "agent.type=blackbox"])
 
 
 @pytest.mark.parametrize("k", [1, 2])

@@ -8,8 +8,8 @@ import random
 import pytest
 import torch
 
-from loong_train.algorithms import kl_estimate, policy_loss
-from loong_train.config import LossConfig
+from loong_train.algo.config import LossConfig
+from loong_train.algo.losses import kl_estimate, policy_loss
 
 LN = math.log
 

@@ -17,9 +17,9 @@ from safetensors.torch import load_file
 
 from loong_core.config import ConfigError
 from loong_core.telemetry import read_metrics
-from loong_train import checkpoint
 from loong_train.config import load_recipe
 from loong_train.controller import run
+from loong_train.run import checkpoint
 
 SMALL = [
     "warmstart.steps=0",
@@ -131,7 +131,7 @@ def test_resume_keeps_the_staleness_bound(tmp_path, cluster):
 def test_megatron_run_resumes_like_the_uninterrupted_one(tmp_path, cluster):
     """``--resume`` with ``train.backend = "megatron"`` (one rank, gloo on CPU): 2 steps, then a
     resume to 3, equal the uninterrupted 3-step run (metrics, ledger, final weights)."""
-    cache, megatron = tmp_path / "cache", ["train.backend=megatron", "train.max_staleness=0"]
+    cache, megatron = tmp_path / "cache", ["train.backend.type=megatron", "train.max_staleness=0"]
     full = run(_recipe(*megatron, "train.steps=3"), tmp_path / "full", cache)
     split = run(_recipe(*megatron, "train.steps=2"), tmp_path / "split", cache)
     assert (split / "checkpoints" / "step_2" / "optimizer.tp0.pp0.pt").exists()

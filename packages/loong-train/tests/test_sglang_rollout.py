@@ -19,15 +19,16 @@ import httpx
 import pytest
 import torch
 
-from loong_train.algorithms import grpo_advantages, pack_batch
+from loong_train.algo.losses import grpo_advantages, pack_batch
+from loong_train.backends.config import MegatronBackendConfig
 from loong_train.config import load_recipe, recipe_names
 from loong_train.controller import trainer_options
-from loong_train.engines.sglang.rollout import SGLangRolloutConfig
+from loong_train.engines.config import SGLangEngineConfig
 from loong_train.engines.sglang.supervisor import SGLangServerError
 from loong_train.pipeline import GroupSource
-from loong_train.rollout import RolloutWorker
 from loong_train.tiny import calc
-from loong_train.trainer import TrainerWorker
+from loong_train.workers.rollout import RolloutWorker
+from loong_train.workers.trainer import TrainerWorker
 from loong_transfermesh import TransportConfig
 
 PROBE = "model.layers.0.mlp.up_proj.weight"
@@ -57,15 +58,14 @@ def _rollout(worker: RolloutWorker, seed: int, groups: int = 1):
 @pytest.mark.integration
 def test_worker_generates_takes_weights_and_survives_a_server_restart(tiny_dir, recipe, tmp_path):
     transport = TransportConfig(name=f"sglang-rollout-{os.getpid()}")
-    config = SGLangRolloutConfig(launcher="loong", port_base=_port(), health_interval_s=0.3)
+    config = SGLangEngineConfig(launcher="loong", port_base=_port(), health_interval_s=0.3)
     worker = RolloutWorker(
         str(tiny_dir),
         seed=0,
         sampling={"temperature": 1.0, "max_new_tokens": 24},
         limits={"max_turns": 2, "max_model_tokens": 40},
         transport=transport,
-        engine="sglang",
-        sglang=config,
+        engine=config,
         log_dir=str(tmp_path / "logs"),
     )
     trainer = TrainerWorker(str(tiny_dir), transport=transport, **trainer_options(recipe))
@@ -106,14 +106,13 @@ def test_worker_generates_takes_weights_and_survives_a_server_restart(tiny_dir, 
 
 @pytest.mark.integration
 def test_a_server_the_supervisor_gave_up_on_fails_the_rollout_call(tiny_dir, tmp_path):
-    config = SGLangRolloutConfig(port_base=_port(), health_interval_s=0.2, max_restarts=0)
+    config = SGLangEngineConfig(port_base=_port(), health_interval_s=0.2, max_restarts=0)
     worker = RolloutWorker(
         str(tiny_dir),
         seed=0,
         sampling={"temperature": 1.0, "max_new_tokens": 8},
         limits={"max_turns": 1, "max_model_tokens": 8},
-        engine="sglang",
-        sglang=config,
+        engine=config,
         log_dir=str(tmp_path),
     )
     supervisor = worker.engine.supervisor
@@ -148,11 +147,11 @@ def _healthy_at_version(url: str, version: str) -> bool:
 )
 def test_sglang_table_errors_name_the_problem(table, problem):
     with pytest.raises(ValueError, match=problem):
-        SGLangRolloutConfig(**table)
+        SGLangEngineConfig(**table)
 
 
 def test_sglang_launcher_flags():
-    config = SGLangRolloutConfig(
+    config = SGLangEngineConfig(
         launcher="sglang", python="/opt/sglang/bin/python", gpus=2, tp_size=2, mem_fraction_static=0.7,
         port_base=31000, args=["--context-length", "4096"],
     )  # fmt: skip
@@ -179,14 +178,15 @@ GPU_TOTALS = {  # GPUs each shipped GPU recipe asks Ray for, as docs/gpu.md stat
 def test_every_shipped_recipe_loads_and_gpu_recipes_reserve_what_docs_say():
     for name in recipe_names():
         recipe = load_recipe(name)
-        t, s = recipe.train, recipe.sglang
+        b, s = recipe.train.backend, recipe.rollout.engine
         if name.startswith("tiny-"):  # the CPU recipes stay on the embedded engine and CPU
-            assert recipe.rollout.engine == "embedded" and t.gpus == 0 and t.backend == "torch"
+            assert s.type == "embedded" and b.type == "torch" and b.gpus == 0
             continue
-        assert recipe.rollout.engine == "sglang" and s.launcher == "sglang" and t.backend == "megatron"
-        total = t.gpus + recipe.rollout.workers * s.gpus
+        assert isinstance(s, SGLangEngineConfig) and s.launcher == "sglang"
+        assert isinstance(b, MegatronBackendConfig)
+        total = b.gpus + recipe.rollout.workers * s.gpus
         assert total == GPU_TOTALS[name], name
-        assert t.gpus == t.tp * t.pp * t.dp or (t.gpus < 1 and t.tp * t.pp * t.dp == 1), name
+        assert b.gpus == b.tp * b.pp * b.dp or (b.gpus < 1 and b.tp * b.pp * b.dp == 1), name
         assert s.gpus >= s.tp_size or (s.gpus < 1 and s.tp_size == 1), name
     assert set(GPU_TOTALS) < set(recipe_names())
 
@@ -198,8 +198,8 @@ def test_a_ray_run_with_an_sglang_engine_trains_and_logs_the_server(tiny_dir, tm
     from loong_core.telemetry import read_metrics
     from loong_train.controller import run
 
-    sets = [f"model.path={tiny_dir}", "rollout.engine=sglang",
-            f"sglang.port_base={_port()}", "train.steps=3", "train.batch_groups=2",
+    sets = [f"model.path={tiny_dir}", "rollout.engine.type=sglang",
+            f"rollout.engine.port_base={_port()}", "train.steps=3", "train.batch_groups=2",
             "rollout.group_size=4", "rollout.max_new_tokens=16", "rollout.max_model_tokens=32",
             "eval.every=100", "eval.num_tasks=4"]  # fmt: skip
     out = run(load_recipe("tiny-calc-agent", sets), tmp_path / "run", tmp_path / "cache")

@@ -122,6 +122,7 @@ _EXPECTED = re.compile(r"^Expected `(?P<exp>[^`]+)`(?P<extra>[^,]*?)(?:, got `(?
 _UNKNOWN = re.compile(r"^Object contains unknown field `(?P<key>[^`]+)`$")
 _MISSING = re.compile(r"^Object missing required field `(?P<key>[^`]+)`$")
 _BAD_ENUM = re.compile(r"^Invalid enum value (?P<value>.+)$")
+_BAD_TAG = re.compile(r"^Invalid value (?P<value>.+)$")
 _TOML_NAMES = {"object": "table", "null": "nothing", "array": "array"}
 
 
@@ -133,14 +134,17 @@ def _explain(exc: msgspec.ValidationError, data: Any, kind: type) -> str:
     if isinstance(exc.__cause__, ValueError | TypeError):  # raised by a __post_init__
         return f"invalid config{_table_label(path, ' ')}: {exc.__cause__}"
     if m := _UNKNOWN.match(msg):
-        return _unknown_key(path, m["key"], kind)
+        return _unknown_key(path, m["key"], kind, data)
     if m := _MISSING.match(msg):
-        return f"missing required config key '{_dotted([*path, m['key']])}'"
+        tags = _tags(_type_at(kind, path, data), m["key"])
+        return f"missing required config key '{_dotted([*path, m['key']])}'{tags}"
     where = f"config key '{_dotted(path)}'" if path else "config"
     if m := _EXPECTED.match(msg):
         return f"{where}: expected {_expected(m)}{_got(m['got'], data, path)}"
     if m := _BAD_ENUM.match(msg):
         return f"{where}: invalid value {m['value']}{_choices(_type_at(kind, path))}"
+    if (m := _BAD_TAG.match(msg)) and path and (tags := _tags(_type_at(kind, path[:-1], data), path[-1])):
+        return f"{where}: invalid value {m['value']}{tags}"
     return f"{where}: {msg.replace('`', '')}"
 
 
@@ -191,16 +195,33 @@ def _value_at(data: Any, path: Sequence[Segment]) -> Any:
     return data
 
 
-def _unknown_key(path: Sequence[Segment], key: str, kind: type) -> str:
-    struct = _struct_type(_type_at(kind, path))
+def _unknown_key(path: Sequence[Segment], key: str, kind: type, data: Any) -> str:
+    info = _type_at(kind, path, data)
+    struct = _struct_type(info, _value_at(data, path))
     msg = f"unknown config key '{_dotted([*path, key])}'"
     if struct is None:
         return msg
-    known = sorted(f.encode_name for f in struct.fields)
+    known = sorted([f.encode_name for f in struct.fields] + ([struct.tag_field] if struct.tag_field else []))
     close = difflib.get_close_matches(key, known, n=1)
     hint = f"did you mean '{close[0]}'? " if close else ""
+    owners = [  # in a union of tagged Structs: the types that do have the key
+        repr(o.tag)
+        for o in _options(info, None)
+        if isinstance(o, msgspec.inspect.StructType)
+        and o is not struct
+        and key in {f.encode_name for f in o.fields}
+    ]
+    if owners:
+        hint = f"{struct.tag_field} {' or '.join(owners)} has it, this is {struct.tag!r}; "
     table = f"in {_table_label(path)}" if path else "at top level"
     return f"{msg} ({hint}known keys {table}: {', '.join(known)})"
+
+
+def _tags(info: msgspec.inspect.Type | None, field: Segment) -> str:
+    """``" (expected one of: 'a', 'b')"`` when ``info`` is a union of Structs tagged by ``field``."""
+    options = info.types if isinstance(info, msgspec.inspect.UnionType) else (info,)
+    tags = [o.tag for o in options if isinstance(o, msgspec.inspect.StructType) and o.tag_field == field]
+    return f" (expected one of: {', '.join(repr(t) for t in tags)})" if tags else ""
 
 
 def _choices(info: msgspec.inspect.Type | None) -> str:
@@ -213,17 +234,18 @@ def _choices(info: msgspec.inspect.Type | None) -> str:
     return f" (expected one of: {', '.join(repr(v) for v in values)})"
 
 
-def _type_at(kind: type, path: Sequence[Segment]) -> msgspec.inspect.Type | None:
-    """The msgspec type description found by following ``path`` from the Struct ``kind``."""
+def _type_at(kind: type, path: Sequence[Segment], data: Any = None) -> msgspec.inspect.Type | None:
+    """The msgspec type description found by following ``path`` from the Struct ``kind``; in a
+    union of tagged Structs, the member whose tag ``data`` holds at that point."""
     info: msgspec.inspect.Type | None = msgspec.inspect.type_info(kind)
-    for seg in path:
-        info = _child_type(info, seg)
+    for depth, seg in enumerate(path):
+        info = _child_type(info, seg, _value_at(data, path[:depth]))
     return info
 
 
-def _child_type(info: msgspec.inspect.Type | None, seg: Segment) -> msgspec.inspect.Type | None:
+def _child_type(info: msgspec.inspect.Type | None, seg: Segment, value: Any) -> msgspec.inspect.Type | None:
     i = msgspec.inspect
-    options = info.types if isinstance(info, i.UnionType) else (info,)
+    options = _options(info, value)
     for option in options:
         if isinstance(seg, str) and seg != "..." and isinstance(option, i.StructType):
             return next((f.type for f in option.fields if f.encode_name == seg), None)
@@ -236,9 +258,23 @@ def _child_type(info: msgspec.inspect.Type | None, seg: Segment) -> msgspec.insp
     return None
 
 
-def _struct_type(info: msgspec.inspect.Type | None) -> msgspec.inspect.StructType | None:
-    options = info.types if isinstance(info, msgspec.inspect.UnionType) else (info,)
-    return next((o for o in options if isinstance(o, msgspec.inspect.StructType)), None)
+def _struct_type(info: msgspec.inspect.Type | None, value: Any) -> msgspec.inspect.StructType | None:
+    return next((o for o in _options(info, value) if isinstance(o, msgspec.inspect.StructType)), None)
+
+
+def _options(info: msgspec.inspect.Type | None, value: Any) -> tuple[msgspec.inspect.Type | None, ...]:
+    """The members of a union ``info`` (first the tagged Struct whose tag ``value`` names)."""
+    if not isinstance(info, msgspec.inspect.UnionType):
+        return (info,)
+    tagged = [
+        o
+        for o in info.types
+        if isinstance(o, msgspec.inspect.StructType)
+        and o.tag_field is not None
+        and isinstance(value, dict)
+        and value.get(o.tag_field) == o.tag
+    ]
+    return (*tagged, *(o for o in info.types if o not in tagged))
 
 
 # --------------------------------------------------------------------------------------------- writing

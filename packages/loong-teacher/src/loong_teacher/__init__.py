@@ -1,29 +1,36 @@
 """Loong Teacher: the memory-budgeted multi-teacher Teacher Manager (local Hugging Face and remote
 SGLang teachers), on-policy distillation signals, and the student/teacher tokenizer check."""
 
-from loong_teacher.compat import TokenizerMapping, TokenizerMismatch, check_tokenizers
-from loong_teacher.local import LocalTeacher, LocalTeacherConfig
-from loong_teacher.losses import (
-    generalized_jsd,
-    importance_weights,
-    kl_divergence,
-    masked_mean,
-    mopd_advantage,
-    opd_policy_loss,
-    reverse_kl_advantage,
-    topk_forward_kl,
-    topk_tail_logprobs,
+from loong_core.lazy import lazy_exports
+
+__getattr__, __dir__ = lazy_exports(  # the configs import no torch; the rest loads it on first use
+    __name__,
+    {
+        "loong_teacher.compat": ["TokenizerMapping", "TokenizerMismatch", "check_tokenizers"],
+        "loong_teacher.config": [
+            "LocalTeacherConfig",
+            "SGLangTeacherConfig",
+            "TeacherConfig",
+            "TeacherManagerConfig",
+        ],
+        "loong_teacher.local": ["LocalTeacher"],
+        "loong_teacher.losses": [
+            "generalized_jsd",
+            "importance_weights",
+            "kl_divergence",
+            "masked_mean",
+            "mopd_advantage",
+            "opd_policy_loss",
+            "reverse_kl_advantage",
+            "topk_forward_kl",
+            "topk_tail_logprobs",
+        ],
+        "loong_teacher.manager": ["TeacherManager", "TeacherRoutingError", "TeacherScores"],
+        "loong_teacher.remote": ["SGLangTeacher", "TeacherServerError"],
+        "loong_teacher.residency": ["TeacherBudgetError"],
+        "loong_teacher.teacher": ["RowScores", "ScoreRequest", "Teacher"],
+    },
 )
-from loong_teacher.manager import (
-    TeacherConfig,
-    TeacherManager,
-    TeacherManagerConfig,
-    TeacherRoutingError,
-    TeacherScores,
-)
-from loong_teacher.remote import SGLangTeacher, SGLangTeacherConfig, TeacherServerError
-from loong_teacher.residency import TeacherBudgetError
-from loong_teacher.teacher import RowScores, ScoreRequest, Teacher
 
 __all__ = [
     # the Teacher Manager: routing, memory budget, scoring

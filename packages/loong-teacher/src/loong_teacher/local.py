@@ -35,14 +35,15 @@ import struct
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import nn
 
-from loong_teacher.teacher import RowScores, TeacherConfigBase
+from loong_teacher.config import LocalTeacherConfig
+from loong_teacher.teacher import RowScores
 
-__all__ = ["LocalTeacher", "LocalTeacherConfig", "hf_causal_lm", "score_rows"]
+__all__ = ["LocalTeacher", "hf_causal_lm", "score_rows"]
 
 _ALIGN = 64
 _CHUNK = 32 << 20
@@ -53,22 +54,6 @@ _DTYPES = {
     "BOOL": torch.bool,
 }  # fmt: skip
 Build = Callable[[dict[str, Any]], nn.Module]
-
-
-class LocalTeacherConfig(TeacherConfigBase, tag="local", tag_field="type"):
-    """``type = "local"``: ``path`` to a Hugging Face checkpoint directory; ``device`` (``cpu``,
-    ``cuda``, ``cuda:1``); ``dtype`` every floating tensor is cast to; ``max_batch_tokens``: padded
-    tokens per forward pass."""
-
-    path: str
-    device: str = "cpu"
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    max_batch_tokens: int = 8192
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if self.max_batch_tokens < 1:
-            raise ValueError(f"teacher {self.name!r}: max_batch_tokens must be >= 1")
 
 
 def hf_causal_lm(config: dict[str, Any]) -> nn.Module:

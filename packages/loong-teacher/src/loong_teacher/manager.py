@@ -42,48 +42,20 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-import msgspec
 import torch
 
 from loong_teacher.compat import TokenizerMapping
-from loong_teacher.local import Build, LocalTeacher, LocalTeacherConfig
-from loong_teacher.remote import SGLangTeacher, SGLangTeacherConfig
+from loong_teacher.config import LocalTeacherConfig, TeacherConfig, TeacherManagerConfig
+from loong_teacher.local import Build, LocalTeacher
+from loong_teacher.remote import SGLangTeacher
 from loong_teacher.residency import Residency
 from loong_teacher.teacher import RowScores, Scorable, Teacher
 
-__all__ = ["TeacherConfig", "TeacherManager", "TeacherManagerConfig", "TeacherRoutingError", "TeacherScores"]
-
-TeacherConfig = LocalTeacherConfig | SGLangTeacherConfig
+__all__ = ["TeacherManager", "TeacherRoutingError", "TeacherScores"]
 
 
 class TeacherRoutingError(ValueError):
     """A sample's tags name no teacher and there is no default teacher."""
-
-
-class TeacherManagerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """``teachers`` (each with a ``type``); ``route_tag``: the sample tag whose value picks a teacher;
-    ``default``: the teacher of samples no teacher claims (``""``: such a sample is an error);
-    ``budget_bytes``: resident local teachers' bytes (``None``: no limit); ``top_k``: top-k to return."""
-
-    teachers: list[TeacherConfig]
-    route_tag: str = "domain"
-    default: str = ""
-    budget_bytes: int | None = None
-    top_k: int = 0
-
-    def __post_init__(self) -> None:
-        names = [t.name for t in self.teachers]
-        if not names or len(set(names)) != len(names):
-            raise ValueError(f"teachers need unique names and at least one teacher, got {names}")
-        if self.default and self.default not in names:
-            raise ValueError(f"default teacher {self.default!r} is not one of {names}")
-        claimed: dict[str, str] = {}
-        for t in self.teachers:
-            for tag in t.tags:
-                if claimed.setdefault(tag, t.name) != t.name:
-                    raise ValueError(f"tag {tag!r} is routed to both {claimed[tag]!r} and {t.name!r}")
-        if self.top_k < 0 or (self.budget_bytes is not None and self.budget_bytes <= 0):
-            raise ValueError("top_k must be >= 0 and budget_bytes > 0")
 
 
 @dataclass(frozen=True)

@@ -31,10 +31,11 @@ import msgspec
 import torch
 
 from loong_core.sglang_api import GenerateRequest, GenerateResponse, MetaInfo, SGLangSamplingParams
+from loong_teacher.config import SGLangTeacherConfig
 from loong_teacher.losses import _log1mexp
-from loong_teacher.teacher import RowScores, TeacherConfigBase
+from loong_teacher.teacher import RowScores
 
-__all__ = ["SGLangTeacher", "SGLangTeacherConfig", "TeacherServerError"]
+__all__ = ["SGLangTeacher", "TeacherServerError"]
 
 _RETRY_STATUS = {502, 503, 504}
 _JSON = {"content-type": "application/json"}
@@ -42,31 +43,6 @@ _JSON = {"content-type": "application/json"}
 
 class TeacherServerError(RuntimeError):
     """The teacher server answered with an error, stayed unreachable, or answered out of line."""
-
-
-class SGLangTeacherConfig(TeacherConfigBase, tag="sglang", tag_field="type"):
-    """``type = "sglang"``: ``url`` of the server; ``batch_size`` rows per request; ``timeout_s`` per
-    request; ``retries`` after a transient failure, waiting ``backoff_s`` doubling each time."""
-
-    url: str
-    api_key: str | None = None
-    batch_size: int = 32
-    max_concurrency: int = 4
-    timeout_s: float = 120.0
-    connect_timeout_s: float = 10.0
-    retries: int = 3
-    backoff_s: float = 0.5
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        if not self.url.startswith(("http://", "https://")):
-            raise ValueError(
-                f"teacher {self.name!r}: url must start with http:// or https://, got {self.url!r}"
-            )
-        if self.batch_size < 1 or self.max_concurrency < 1 or self.retries < 0 or self.timeout_s <= 0:
-            raise ValueError(
-                f"teacher {self.name!r}: batch_size and max_concurrency must be >= 1, retries >= 0, timeout_s > 0"
-            )
 
 
 class SGLangTeacher:

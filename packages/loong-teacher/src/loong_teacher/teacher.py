@@ -25,31 +25,7 @@ from typing import Protocol, runtime_checkable
 import msgspec
 import torch
 
-from loong_teacher.compat import TokenizerMapping
-
-__all__ = ["RowScores", "Scorable", "ScoreRequest", "Teacher", "TeacherConfigBase"]
-
-
-class TeacherConfigBase(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Fields every teacher has, whatever its backend.
-
-    - ``name``: unique among the manager's teachers (metrics and ``TeacherScores.teacher`` use it).
-    - ``tags``: values of the samples' routing tag (``TeacherManagerConfig.route_tag``) sent here.
-    - ``coefficient``: this teacher's KL coefficient (lambda of the reverse-KL advantage).
-    - ``tokenizer_mapping``: a reviewed student/teacher tokenizer difference (see :mod:`loong_teacher.compat`);
-      student ids are translated before scoring and top-k ids translated back.
-    """
-
-    name: str
-    tags: list[str] = []
-    coefficient: float = 1.0
-    tokenizer_mapping: TokenizerMapping | None = None
-
-    def __post_init__(self) -> None:
-        if not self.name:
-            raise ValueError("a teacher needs a non-empty name")
-        if self.coefficient < 0:
-            raise ValueError(f"teacher {self.name!r}: coefficient must be >= 0, got {self.coefficient}")
+__all__ = ["RowScores", "Scorable", "ScoreRequest", "Teacher"]
 
 
 class ScoreRequest(msgspec.Struct, frozen=True, kw_only=True):

@@ -2,32 +2,44 @@
 
 Recipes that ship with Loong live in ``loong_train/recipes/<name>.toml`` and are addressed by
 name; any other TOML path works too. ``--set key=value`` overrides a dotted key.
+
+The :class:`Recipe` composes the tables; each component's table sits next to the component and
+every backend choice is a table with a ``type``:
+
+- ``[rollout.engine]``: :mod:`loong_train.engines.config` (``embedded``, ``sglang``);
+- ``[train.backend]``: :mod:`loong_train.backends.config` (``torch``, ``megatron``);
+- ``[agent]``: :mod:`loong_train.workers.agent` (``whitebox``, ``blackbox``);
+- ``[transport]``: :class:`loong_transfermesh.TransportConfig` (``shm``, ...);
+- ``[loss]``, ``[opd]``: :mod:`loong_train.algo.config`.
+
+Loading a recipe imports no torch. A key from an older layout is an error naming its new place
+(:data:`RENAMED`).
 """
 
 from __future__ import annotations
 
-import importlib.util
-import math
+import tomllib
 from importlib import resources
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import msgspec
 
-from loong_core.config import ConfigError, load_config
-from loong_teacher import LocalTeacherConfig, TeacherManagerConfig
-from loong_train.engines.sglang.rollout import SGLangRolloutConfig
+from loong_core.config import ConfigError, apply_override, load_config
+from loong_train.algo.config import LossConfig, OPDConfig
+from loong_train.backends.config import BackendConfig, TorchBackendConfig
+from loong_train.engines.config import EmbeddedEngineConfig, EngineConfig
 from loong_train.tasks import task_problem
-from loong_transfermesh import TransportConfig
+from loong_train.workers.agent import AgentConfig, WhiteboxAgentConfig
+from loong_transfermesh.config import TransportConfig
 
 __all__ = [
-    "AgentConfig",
-    "LossConfig",
+    "RENAMED",
+    "EvalConfig",
+    "LogConfig",
     "ModelConfig",
-    "OPDConfig",
     "Recipe",
     "RolloutConfig",
-    "TeacherBuild",
     "TrainConfig",
     "WarmstartConfig",
     "load_recipe",
@@ -77,19 +89,14 @@ class WarmstartConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    """``max_restarts``: how often Ray restarts a rollout worker whose process died (its lost
-    groups are issued again, see :mod:`loong_train.pipeline`); 0 = a dead worker ends the run.
-    ``engine``: ``"embedded"`` (torch, in the worker) or ``"sglang"`` (a supervised server per
-    worker, configured by the ``[sglang]`` table: :mod:`loong_train.engines.sglang.rollout`).
-    ``partial``: what a weight update does to a running rollout call (:mod:`loong_train.engines.embedded.host`):
-    ``"off"`` waits for the call to end (no generation sees two versions), ``"continue"`` pauses
-    the engine between decode steps, swaps and goes on (tokens keep per-token versions),
-    ``"restart"`` also reruns, from the prompt, episodes older than the window can still train
-    (embedded engine, white-box agent)."""
+    """The ``[rollout]`` table: rollout workers, sampling and episode limits.
+
+    ``engine``: the ``[rollout.engine]`` table (:mod:`loong_train.engines.config`).
+    ``max_restarts``: how often Ray restarts a rollout worker whose process died (its lost
+    groups are issued again, see :mod:`loong_train.pipeline`); 0 = a dead worker ends the run."""
 
     workers: int = 1
-    engine: Literal["embedded", "sglang"] = "embedded"
-    partial: Literal["off", "continue", "restart"] = "off"
+    engine: EngineConfig = EmbeddedEngineConfig()
     max_restarts: int = 3
     group_size: int = 8
     temperature: float = 1.0
@@ -111,14 +118,11 @@ class RolloutConfig(_Section):
 
 
 class TrainConfig(_Section):
-    """``backend``: ``"torch"`` (one process, CPU or one GPU) or ``"megatron"`` (megatron-core
-    with ``tp``-way tensor, ``pp``-way pipeline and ``dp``-way data parallelism over
-    ``tp * pp * dp`` processes, batches split into micro-batches of ``micro_batch_rows`` rows,
-    0 = one micro-batch per data-parallel rank; needs the ``loong-train[megatron]`` extra).
-    ``gpus``: GPUs Ray reserves for the trainer actor (0: CPU; Megatron on GPU: ``tp * pp * dp``,
-    its ranks use the reserved GPUs in order; a fraction shares one GPU with a rollout worker).
+    """The ``[train]`` table: steps, batches, the staleness bound, the optimizer, checkpoints.
+
+    ``backend``: the ``[train.backend]`` table (:mod:`loong_train.backends.config`).
     ``checkpoint_every``: write a resumable checkpoint every that many steps (0: only after the
-    last step); the newest ``keep_checkpoints`` are kept (:mod:`loong_train.checkpoint`)."""
+    last step); the newest ``keep_checkpoints`` are kept (:mod:`loong_train.run.checkpoint`)."""
 
     steps: int = 100
     batch_groups: int = 16
@@ -127,114 +131,19 @@ class TrainConfig(_Section):
     warmup_steps: int = 10
     weight_decay: float = 0.0
     grad_clip: float = 1.0
-    backend: Literal["torch", "megatron"] = "torch"
-    tp: int = 1
-    pp: int = 1
-    dp: int = 1
-    micro_batch_rows: int = 0
-    gpus: float = 0.0
+    backend: BackendConfig = TorchBackendConfig()
     checkpoint_every: int = 0
     keep_checkpoints: int = 2
 
     def __post_init__(self) -> None:
         _at_least(self, checkpoint_every=0, keep_checkpoints=1)
-        _at_least(
-            self,
-            steps=1,
-            batch_groups=1,
-            max_staleness=0,
-            warmup_steps=0,
-            tp=1,
-            pp=1,
-            dp=1,
-            micro_batch_rows=0,
-        )
-        if self.backend == "torch" and (self.tp * self.pp * self.dp > 1 or self.micro_batch_rows):
-            raise ValueError("tp, pp, dp and micro_batch_rows need backend = 'megatron'")
-        if self.backend == "torch" and self.gpus:
-            raise ValueError("gpus needs backend = 'megatron' (the torch backend trains on CPU)")
-        if self.gpus < 0 or (self.gpus > 1 and self.gpus % 1):
-            raise ValueError(f"gpus must be a fraction of one GPU or a whole number, got {self.gpus}")
-        if self.backend == "megatron" and not _have_megatron_core():
-            raise ValueError(
-                "backend = 'megatron' needs megatron-core, which is not installed "
-                "(install the extra: pip install 'loong-train[megatron]')"
-            )
-
-
-def _have_megatron_core() -> bool:
-    try:
-        return importlib.util.find_spec("megatron.core") is not None
-    except ModuleNotFoundError:  # no ``megatron`` package at all
-        return False
-
-
-AggMode = Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"]
-
-
-class LossConfig(_Section):
-    """The ``[loss]`` table: advantages, policy loss, KL penalty, train-inference corrections.
-
-    The formulas are in :mod:`loong_train.algorithms`. The defaults are GRPO with std scaling and
-    PPO clipping against the behaviour (rollout) logprobs, averaged over all loss tokens; every
-    other term is off: its cap or bound is the identity (``inf``, ``0``) or its coefficient is 0.
-
-    - ``scale_adv_by_std``: divide group-centred rewards by the group std (false: Dr. GRPO).
-    - ``clip_eps`` (eps), ``dual_clip`` (c > 1, e.g. 3.0; ``inf`` = off).
-    - ``agg_mode``: verl's ``loss_agg_mode`` names; ``norm_length`` is Dr. GRPO's constant
-      divisor, required by ``"seq-mean-token-sum-norm"`` (e.g. ``rollout.max_model_tokens``).
-    - ``kl_coef`` (beta, 0 = off; a frozen copy of the initial model is the reference) and
-      ``kl_estimator``.
-    - ``decoupled``: AReaL's decoupled PPO (clip against the proximal policy, IS-weight by
-      proximal / behaviour); ``tis_cap`` (C) truncates that weight and needs ``decoupled``.
-    - ``mis_low``/``mis_high``: masked IS band for the proximal / behaviour ratio, per token
-      or per sequence (``mis_level``); ``0``/``inf`` = off.
-    """
-
-    scale_adv_by_std: bool = True
-    clip_eps: float = 0.2
-    dual_clip: float = math.inf
-    agg_mode: AggMode = "token-mean"
-    norm_length: int = 0
-    kl_coef: float = 0.0
-    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
-    decoupled: bool = False
-    tis_cap: float = math.inf
-    mis_low: float = 0.0
-    mis_high: float = math.inf
-    mis_level: Literal["token", "sequence"] = "token"
-
-    def __post_init__(self) -> None:
-        if problems := _loss_problems(self):
-            raise ValueError("; ".join(problems))
-
-
-def _loss_problems(c: LossConfig) -> list[str]:
-    checks = [
-        (0 < c.clip_eps < 1, f"clip_eps must be in (0, 1), got {c.clip_eps}"),
-        (c.dual_clip > 1, f"dual_clip must be > 1 (e.g. 3.0; inf = off), got {c.dual_clip}"),
-        (
-            c.norm_length > 0 or c.agg_mode != "seq-mean-token-sum-norm",
-            f"norm_length must be > 0 with agg_mode = 'seq-mean-token-sum-norm' "
-            f"(the constant each sequence's token sum is divided by), got {c.norm_length}",
-        ),
-        (c.kl_coef >= 0, f"kl_coef must be >= 0 (0 = off), got {c.kl_coef}"),
-        (c.tis_cap > 0, f"tis_cap must be > 0 (inf = off), got {c.tis_cap}"),
-        (
-            c.decoupled or c.tis_cap == math.inf,
-            "tis_cap needs decoupled = true: the truncated weight min(exp(p - b), C) is applied "
-            "on top of a PPO ratio taken against the proximal logprobs p",
-        ),
-        (
-            0 <= c.mis_low < 1 < c.mis_high,
-            f"mis_low and mis_high must satisfy 0 <= mis_low < 1 < mis_high (off: 0 and inf), "
-            f"got {c.mis_low} and {c.mis_high}",
-        ),
-    ]
-    return [msg for ok, msg in checks if not ok]
+        _at_least(self, steps=1, batch_groups=1, max_staleness=0, warmup_steps=0)
 
 
 class EvalConfig(_Section):
+    """The ``[eval]`` table: ``num_tasks`` held-out items, evaluated at version 0, every
+    ``every`` steps and after the last (:mod:`loong_train.evaluator`)."""
+
     every: int = 10
     num_tasks: int = 128
 
@@ -242,88 +151,18 @@ class EvalConfig(_Section):
         _at_least(self, every=1, num_tasks=1)
 
 
-class AgentConfig(_Section):
-    """The ``[agent]`` table: how rollout workers run the task's agent.
+class LogConfig(_Section):
+    """The ``[log]`` table: where step records go besides ``metrics.jsonl`` (:mod:`loong_train.run.loggers`).
 
-    - ``kind = "whitebox"``: :class:`~loong_agentflow.ToolAgent` episodes in process (token buffer).
-    - ``kind = "blackbox"``: each worker hosts an AgentFlow proxy (OpenAI API on 127.0.0.1) over its
-      engine and runs every episode as a subprocess of ``command`` (the contract of
-      :mod:`loong_agentflow.blackbox`; ``LOONG_MAX_TURNS`` holds ``rollout.max_turns``), at most
-      ``max_concurrency`` at a time per worker. An empty ``command`` is the task's own agent
-      program (``Task.agent_command``; the calc tasks': :mod:`loong_train.tiny.calc_agent`, an
-      ``openai``-SDK program run by this interpreter).
-    - ``preload``: modules a Python ``command`` imports; episodes are then forked from a warm
-      process that imported them once (:mod:`loong_agentflow.forkserver`), instead of paying an
-      interpreter start and the imports (about a second for ``openai``) per episode. Unset: the
-      task's agent preloads what it declares (the calc agent: ``openai``), another ``command`` runs
-      as plain subprocesses; ``[]`` turns forking off.
+    - ``loggers``: any of ``"tensorboard"`` (event files in ``<run>/tensorboard``; the
+      ``loong-train[tensorboard]`` extra) and ``"wandb"`` (Weights & Biases; ``loong-train[wandb]``).
+    - ``wandb_project``; ``wandb_mode``: ``"offline"`` (the default: the run is written under
+      ``<run>/wandb``, to upload later with ``wandb sync``) or ``"online"``.
     """
 
-    kind: Literal["whitebox", "blackbox"] = "whitebox"
-    command: list[str] = []
-    max_concurrency: int = 16
-    preload: list[str] | None = None
-
-    def __post_init__(self) -> None:
-        _at_least(self, max_concurrency=1)
-
-
-class TeacherBuild(_Section):
-    """One ``[[opd.build]]`` entry: how a tiny recipe makes the local teacher ``teacher`` (whose
-    ``path`` is empty): supervised training on ``task`` (a one-domain task set), started from the
-    student's warm-started checkpoint, with these settings over the recipe's ``[warmstart]``
-    (stopping at the first probe whose sampled success reaches ``target_success``). Cached."""
-
-    teacher: str
-    task: str
-    steps: int = 1000
-    lr: float = 1e-3
-    label_smoothing: float = 0.0
-    target_success: float = 0.9
-
-
-class OPDConfig(_Section):
-    """The ``[opd]`` table: on-policy distillation; formulas and metrics in :mod:`loong_train.opd`.
-
-    - ``enabled``: score every batch with the teachers before the loss (false: the task reward
-      alone, the same run otherwise; teachers are still built, so both runs can be compared).
-    - ``mode``: ``"teacher_only"`` (A_t = -lambda (logp_student - logp_teacher)) or ``"mixed"``
-      (plus ``task_coef`` times the GRPO advantage of the row).
-    - ``teachers``: a ``loong_teacher.TeacherManagerConfig`` (routing tag, default teacher, memory
-      budget, and the teachers with their coefficients lambda).
-    - ``build``: how to make local teachers whose ``path`` is empty (see :class:`TeacherBuild`).
-    - ``baseline_run``: a run directory (e.g. the same recipe with ``opd.enabled=false``) whose
-      per-domain eval success is plotted beside this run's; skipped until it has a summary.
-    """
-
-    enabled: bool = False
-    mode: Literal["teacher_only", "mixed"] = "teacher_only"
-    task_coef: float = 1.0
-    teachers: TeacherManagerConfig | None = None
-    build: list[TeacherBuild] = []
-    baseline_run: str = ""
-
-    def __post_init__(self) -> None:
-        if problems := _opd_problems(self):
-            raise ValueError("; ".join(problems))
-
-
-def _opd_problems(c: OPDConfig) -> list[str]:
-    teachers = c.teachers.teachers if c.teachers is not None else []
-    names = [t.name for t in teachers]
-    unbuilt = [t.name for t in teachers if isinstance(t, LocalTeacherConfig) and not t.path]
-    built = [b.teacher for b in c.build]
-    checks = [
-        (not c.enabled or teachers, "enabled = true needs [opd.teachers] with at least one teacher"),
-        (c.task_coef >= 0, f"task_coef must be >= 0, got {c.task_coef}"),
-        (set(built) <= set(names), f"build names teachers {sorted(set(built) - set(names))} not in {names}"),
-        (
-            set(unbuilt) <= set(built),
-            f"local teachers {sorted(set(unbuilt) - set(built))} need a path or a build",
-        ),
-        *((not task_problem(b.task), f"build: {task_problem(b.task)}") for b in c.build),
-    ]
-    return [msg for ok, msg in checks if not ok]
+    loggers: list[Literal["tensorboard", "wandb"]] = []
+    wandb_project: str = "loong"
+    wandb_mode: Literal["offline", "online"] = "offline"
 
 
 class Recipe(_Section):
@@ -338,9 +177,9 @@ class Recipe(_Section):
     loss: LossConfig = LossConfig()
     eval: EvalConfig = EvalConfig()
     opd: OPDConfig = OPDConfig()
-    agent: AgentConfig = AgentConfig()
-    sglang: SGLangRolloutConfig = SGLangRolloutConfig()
+    agent: AgentConfig = WhiteboxAgentConfig()
     transport: TransportConfig = TransportConfig()
+    log: LogConfig = LogConfig()
     ray_address: str = ""
 
     def __post_init__(self) -> None:
@@ -351,12 +190,44 @@ class Recipe(_Section):
                 f"transport.type {self.transport.type!r}: loong-train drives 'shm' (trainer and "
                 "engines on one host) for now"
             )
-        r, kind = self.rollout, self.agent.kind
-        if r.partial != "off" and (r.engine != "embedded" or kind != "whitebox"):
+        engine, agent = self.rollout.engine, self.agent
+        if isinstance(engine, EmbeddedEngineConfig) and engine.partial != "off" and agent.type != "whitebox":
             raise ValueError(
-                f"rollout.partial = {r.partial!r} needs rollout.engine = 'embedded' and "
-                f"agent.kind = 'whitebox', got {r.engine!r} and {kind!r}"
+                f"rollout.engine.partial = {engine.partial!r} needs agent.type = 'whitebox' "
+                f"(updates land between a white-box agent's decode steps), got {agent.type!r}"
             )
+
+
+_MEGATRON_KEYS = ("tp", "pp", "dp", "micro_batch_rows", "gpus")
+RENAMED: dict[str, str] = {
+    "sglang": "the [rollout.engine] table, with type = 'sglang'",
+    "rollout.partial": "rollout.engine.partial (an embedded-engine setting)",
+    "agent.kind": "agent.type",
+    **{f"train.{k}": f"train.backend.{k}, with train.backend.type = 'megatron'" for k in _MEGATRON_KEYS},
+}
+"""Keys of the earlier recipe layout and where they live now; a recipe using one is refused."""
+_NOW_TABLES = ("rollout.engine", "train.backend")
+
+
+def _renamed_keys(data: dict[str, Any]) -> list[str]:
+    """What is wrong with the keys of ``data`` (a parsed recipe) that moved, naming their new place."""
+    problems = [f"config key '{old}' moved to {new}" for old, new in RENAMED.items() if _lookup(data, old)]
+    for table in _NOW_TABLES:
+        if isinstance(value := _lookup(data, table), str):
+            problems.append(
+                f"config key '{table}' is now a table: write {table}.type = {value!r} "
+                f"(in TOML: [{table}] type = {value!r}; on the command line: --set {table}.type={value})"
+            )
+    return problems
+
+
+def _lookup(data: dict[str, Any], dotted: str) -> Any:
+    node: Any = data
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return None
+        node = node[part]
+    return node
 
 
 def recipe_names() -> list[str]:
@@ -379,4 +250,13 @@ def load_recipe(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) 
         )
     elif not path.exists():
         raise ConfigError(f"recipe file {path} does not exist")
-    return load_config(path, Recipe, overrides)
+    try:
+        with path.open("rb") as f:
+            data = tomllib.load(f)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"could not parse {path}: {exc}") from exc
+    for override in overrides:
+        apply_override(data, override)
+    if problems := _renamed_keys(data):
+        raise ConfigError(f"{path.name}: " + "; ".join(problems))
+    return load_config(data, Recipe)

@@ -8,7 +8,7 @@ The driver is the loop of DESIGN.md section 5:
    ``max_staleness`` versions, and admission keeps at most ``(max_staleness + 1) * batch``
    groups in flight (``max_staleness = 0`` is synchronous on-policy training, same code);
 4. after each train step the version advances and TransferMesh carries the weights to every
-   engine, queued behind the work already admitted at the old version (``rollout.partial``:
+   engine, queued behind the work already admitted at the old version (``rollout.engine.partial``:
    landing mid-generation instead, the running requests continuing under the new version);
 5. everything that matters is measured every step.
 """
@@ -25,20 +25,21 @@ from tqdm import tqdm
 
 from loong_agentflow import EpisodeLimits
 from loong_core.window import StalenessWindow
-from loong_train import checkpoint
 from loong_train.backends.base import BackendOptions
-from loong_train.checkpoint import Checkpoint
+from loong_train.backends.config import require_installed
 from loong_train.config import Recipe
-from loong_train.engines.base import engine_gpus
 from loong_train.evaluator import Evaluator
 from loong_train.pipeline import GroupSource, Pipeline
-from loong_train.rollout import RolloutWorker, agent_program
-from loong_train.run_dir import RunDir
+from loong_train.run import checkpoint
+from loong_train.run.checkpoint import Checkpoint
+from loong_train.run.writer import RunDir
 from loong_train.scheduler import Scheduler
 from loong_train.tasks import Item, Task, build_task
 from loong_train.tiny.teachers import prepare_teachers
 from loong_train.tiny.warmstart import prepare_model
-from loong_train.trainer import TrainerWorker
+from loong_train.workers.agent import BlackboxAgentConfig, agent_program
+from loong_train.workers.rollout import RolloutWorker
+from loong_train.workers.trainer import TrainerWorker
 from loong_transfermesh import TransportConfig, remove_slots
 
 __all__ = ["run", "trainer_options"]
@@ -48,7 +49,7 @@ log = logging.getLogger("loong.controller")
 
 def run(recipe: Recipe, out: Path, cache: Path, resume: bool = False) -> Path:
     """Train ``recipe``; writes the run directory ``out`` and returns it. ``resume``: continue the
-    run in ``out`` from its newest checkpoint (:mod:`loong_train.checkpoint`)."""
+    run in ``out`` from its newest checkpoint (:mod:`loong_train.run.checkpoint`)."""
     out, cache = out.absolute(), cache.absolute()  # Ray actors may run in another working directory
     task = _preflight(recipe)
     held_out = task.held_out(recipe.eval.num_tasks)
@@ -119,17 +120,26 @@ def _collect(evaluator: Evaluator, run_dir: RunDir, wait: bool) -> None:
 
 def trainer_options(recipe: Recipe) -> dict[str, Any]:
     """The trainer's share of ``recipe`` (``TrainerWorker``'s keyword arguments)."""
+    t = recipe.train
     options = BackendOptions(
-        train=recipe.train, loss=recipe.loss, temperature=recipe.rollout.temperature, threads=recipe.threads
+        backend=t.backend,
+        lr=t.lr,
+        warmup_steps=t.warmup_steps,
+        weight_decay=t.weight_decay,
+        grad_clip=t.grad_clip,
+        loss=recipe.loss,
+        temperature=recipe.rollout.temperature,
+        threads=recipe.threads,
     )
     return {"options": options, "seed": recipe.seed, "opd": recipe.opd}
 
 
 def _preflight(recipe: Recipe) -> Task:
     """The recipe's task, after failing before any work on what the workers would fail on: the
-    task, the agent program."""
+    task, the train backend's extra, the agent program."""
     task = build_task(recipe.task)
-    if recipe.agent.kind == "blackbox":
+    require_installed(recipe.train.backend)
+    if isinstance(recipe.agent, BlackboxAgentConfig):
         r = recipe.rollout
         agent_program(recipe.agent, task, EpisodeLimits(r.max_turns, r.max_model_tokens, r.episode_timeout_s))
     return task
@@ -160,7 +170,7 @@ def _start(
         "max_model_tokens": r.max_model_tokens,
         "timeout_s": r.episode_timeout_s,
     }
-    gpus = engine_gpus(r.engine, recipe.sglang)  # an sglang worker's server runs on its GPUs
+    gpus = r.engine.gpus  # an sglang worker's server runs on its GPUs
     engine_path, version = (str(ckpt.path), ckpt.version) if ckpt else (model_path, 0)
     worker_actor = ray.remote(  # "weights": partial rollouts apply updates beside a running rollout
         num_cpus=recipe.threads, num_gpus=gpus, max_restarts=r.max_restarts, concurrency_groups={"weights": 1}
@@ -177,13 +187,12 @@ def _start(
             worker_id=i,
             agent=recipe.agent,
             engine=r.engine,
-            sglang=recipe.sglang,
             log_dir=str(log_dir),
             task=recipe.task,
         )
         for i in range(r.workers)
     ]
-    trainer_actor = ray.remote(num_cpus=recipe.threads, num_gpus=recipe.train.gpus)(TrainerWorker)
+    trainer_actor = ray.remote(num_cpus=recipe.threads, num_gpus=recipe.train.backend.gpus)(TrainerWorker)
     # from the initial model, which stays the KL reference when resumed
     trainer = trainer_actor.remote(model_path, transport=transport, **trainer_options(recipe))
     if ckpt:

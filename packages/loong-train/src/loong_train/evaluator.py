@@ -31,7 +31,7 @@ log = logging.getLogger("loong.evaluator")
 
 
 class EvaluatorState(msgspec.Struct, kw_only=True):
-    """What a checkpoint keeps of the evaluations (see :mod:`loong_train.checkpoint`)."""
+    """What a checkpoint keeps of the evaluations (see :mod:`loong_train.run.checkpoint`)."""
 
     results: dict[int, float]
     by_domain: dict[int, dict[str, float]]

@@ -30,7 +30,7 @@ import ray
 from loong_agentflow import EpisodeSpec
 from loong_core.records import Trajectory, WeightManifest
 from loong_core.window import StalenessWindow
-from loong_train.algorithms import grpo_advantages, pack_batch
+from loong_train.algo.losses import grpo_advantages, pack_batch
 from loong_train.config import Recipe
 from loong_train.models.tokenizer import copy_model_files
 from loong_train.scheduler import Scheduler
@@ -98,7 +98,7 @@ class Pipeline:
 
     Ray runs one caller's calls to an actor in order, so a rollout queued after a weight update
     runs on the new weights: ``queued_version`` is the version every call queued from now on
-    will run at, and is what admission checks. With partial rollouts (``rollout.partial``, see
+    will run at, and is what admission checks. With partial rollouts (``rollout.engine.partial``, see
     :mod:`loong_train.engines.embedded.host`) updates run on the workers' ``weights`` thread instead, so they
     land mid-call and never wait for rollouts; a rollout call then carries ``queued_version``
     and its worker waits until it holds that version before starting, so the bound holds alike.
@@ -119,7 +119,7 @@ class Pipeline:
     probes: dict[Any, int] = field(default_factory=dict)  # pid() call -> worker, while it is down
     restarts: int = 0
     reissued: int = 0  # groups whose generation was lost and issued again
-    restarted: int = 0  # episodes a weight update restarted (rollout.partial = "restart")
+    restarted: int = 0  # episodes a weight update restarted (rollout.engine.partial = "restart")
 
     def __post_init__(self) -> None:
         if not self.pids:
@@ -273,13 +273,13 @@ class Pipeline:
         """Queue a rollout call that runs at ``queued_version`` or newer (with partial rollouts the
         worker waits for that version itself; without, Ray's call order ensures it). An
         evaluation runs entirely at one version (updates wait for it)."""
-        partial = self.recipe.rollout.partial != "off"
+        partial = self.recipe.rollout.engine.partial != "off"
         return worker.rollout.remote(specs, self.queued_version if partial else 0, evaluation)
 
     def _apply(self, w: int, manifest: WeightManifest) -> Any:
         """Queue ``manifest`` on worker ``w``: behind its rollout calls, or with partial rollouts
         on its ``weights`` thread (``restart``: with the restart floor)."""
-        worker, partial = self.workers[w], self.recipe.rollout.partial
+        worker, partial = self.workers[w], self.recipe.rollout.engine.partial
         if partial == "off":
             return worker.apply_weights.remote(manifest)
         floor = self.scheduler.restart_floor() if partial == "restart" else -1

@@ -1,16 +1,23 @@
 """Loong TransferMesh: move trainer weights into inference engines, bucketed and versioned."""
 
-from loong_transfermesh.layout import MegatronLayout, megatron_to_hf
-from loong_transfermesh.manifest import ManifestMismatch, TransferFailed, build_manifest, check_against
-from loong_transfermesh.sglang import SGLangPusherConfig, SGLangUpdateError, SGLangWeightPusher
-from loong_transfermesh.shm import ShmReceiver, ShmSender, remove_slots
-from loong_transfermesh.tcp import TcpReceiver, TcpSender
-from loong_transfermesh.transport import (
-    TransportConfig,
-    WeightReceiver,
-    WeightSender,
-    open_receiver,
-    open_sender,
+from loong_core.lazy import lazy_exports
+
+__getattr__, __dir__ = lazy_exports(  # the configs import no torch; the transports load it on first use
+    __name__,
+    {
+        "loong_transfermesh.config": ["SGLangPusherConfig", "TransportConfig"],
+        "loong_transfermesh.layout": ["MegatronLayout", "megatron_to_hf"],
+        "loong_transfermesh.manifest": [
+            "ManifestMismatch",
+            "TransferFailed",
+            "build_manifest",
+            "check_against",
+        ],
+        "loong_transfermesh.sglang": ["SGLangUpdateError", "SGLangWeightPusher"],
+        "loong_transfermesh.shm": ["ShmReceiver", "ShmSender", "remove_slots"],
+        "loong_transfermesh.tcp": ["TcpReceiver", "TcpSender"],
+        "loong_transfermesh.transport": ["WeightReceiver", "WeightSender", "open_receiver", "open_sender"],
+    },
 )
 
 __all__ = [

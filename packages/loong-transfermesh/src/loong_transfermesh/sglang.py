@@ -62,9 +62,9 @@ from loong_core.sglang_api import (
     UpdateWeightsResponse,
     WeightVersionResponse,
 )
+from loong_transfermesh.config import SGLangPusherConfig
 
 __all__ = [
-    "SGLangPusherConfig",
     "SGLangUpdateError",
     "SGLangWeightPusher",
     "bucket_dtype",
@@ -81,47 +81,6 @@ _JSON = {"content-type": "application/json"}
 
 class SGLangUpdateError(RuntimeError):
     """A server refused or failed a weight-update call; the message is the server's."""
-
-
-class SGLangPusherConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Where the servers are and how to reach them.
-
-    ``urls``: base URLs of the servers (``http://host:port``). ``ranks_per_engine``: each server's
-    tensor-parallel size. ``master_address``/``master_port``: the trainer's rendezvous, reachable
-    from every server. ``bucket_bytes``: upper bound of one broadcast (a larger tensor goes alone).
-    ``pause_mode``: SGLang's ``/pause_generation`` mode (``in_place`` keeps requests running
-    across the update, ``retract`` re-prefills them, ``abort`` returns them early).
-    ``load_format``: ``flattened_bucket`` (one broadcast per bucket) or ``direct`` (one broadcast
-    per tensor, in ``names`` order: for SGLang versions without flattened buckets).
-    ``flush_cache``: after the last bucket, ask each server to drop its KV/prefix cache
-    (``POST /flush_cache``; skipped by servers that still hold requests, see the module docstring).
-    """
-
-    urls: list[str]
-    master_address: str = "127.0.0.1"
-    master_port: int = 29600
-    backend: str = "gloo"
-    group_name: str = "weight_update_group"
-    ranks_per_engine: int = 1
-    bucket_bytes: int = 512 << 20
-    api_key: str | None = None
-    timeout_s: float = 600.0
-    pause: bool = True
-    pause_mode: str = "in_place"
-    flush_cache: bool = True
-    load_format: str = "flattened_bucket"
-
-    def __post_init__(self) -> None:
-        if not self.urls:
-            raise ValueError("urls must name at least one server")
-        if self.backend not in ("gloo", "nccl"):
-            raise ValueError(f"backend must be 'gloo' or 'nccl', got {self.backend!r}")
-        if self.pause_mode not in ("abort", "retract", "in_place"):
-            raise ValueError(f"pause_mode must be abort, retract or in_place, got {self.pause_mode!r}")
-        if self.load_format not in ("flattened_bucket", "direct"):
-            raise ValueError(f"load_format must be flattened_bucket or direct, got {self.load_format!r}")
-        if self.ranks_per_engine < 1 or self.bucket_bytes < 1:
-            raise ValueError("ranks_per_engine and bucket_bytes must be >= 1")
 
 
 def join_weight_update_group(

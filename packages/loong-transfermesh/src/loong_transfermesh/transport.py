@@ -14,14 +14,14 @@ without GPUs), ``nccl`` (GPU broadcast of flat buckets through cupy, extra ``[nc
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Literal, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
-import msgspec
 import torch
 
 from loong_core.records import WeightManifest
+from loong_transfermesh.config import TransportConfig
 
-__all__ = ["TransportConfig", "WeightReceiver", "WeightSender", "open_receiver", "open_sender"]
+__all__ = ["WeightReceiver", "WeightSender", "open_receiver", "open_sender"]
 
 
 @runtime_checkable
@@ -42,46 +42,6 @@ class WeightReceiver(Protocol):
     def apply(self, targets: Mapping[str, torch.Tensor], version: int | None = None) -> int: ...
 
     def close(self) -> None: ...
-
-
-class TransportConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """How weights travel (the ``[transport]`` table of a recipe).
-
-    - ``type``: ``shm``, ``tcp``, ``nccl`` or ``cuda_ipc``.
-    - ``name``: the shared-memory name (``shm``), or the channel name for GPU transports.
-    - ``bucket_mb``: bucket size; tensors are packed into buckets of at most this many MiB.
-    - ``checksum``: compute and verify a sum64 checksum per bucket; unset means the transport's
-      default (``tcp``: on; ``shm``: off, as sender and receivers share the same memory).
-    - ``mode``: receivers ``copy`` into their tensors, or make them ``zero_copy`` views of the
-      transport's buffers (``shm``: the shared slot; ``tcp``: the receive buffer).
-    - ``address``: ``tcp`` sender's ``host:port`` (port 0 picks a free one); loopback by default.
-    - ``key``: shared secret receivers present; required when the address is not loopback.
-    - ``timeout_s``: how long a receiver waits for an update before reporting it failed.
-    - ``delta``: ``tcp`` only: send zstd-compressed XOR deltas against each receiver's previous
-      version, for slow links (extra ``[delta]``).
-    """
-
-    type: Literal["shm", "tcp", "nccl", "cuda_ipc"] = "shm"
-    name: str = "loong"
-    bucket_mb: float = 64.0
-    checksum: bool | None = None
-    mode: Literal["copy", "zero_copy"] = "copy"
-    address: str = "127.0.0.1:0"
-    key: str = ""
-    timeout_s: float = 60.0
-    delta: bool = False
-
-    def __post_init__(self) -> None:
-        if self.bucket_mb <= 0:
-            raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
-        if self.delta and self.type != "tcp":
-            raise ValueError(f"delta works with type 'tcp', not {self.type!r}")
-
-    @property
-    def bucket_bytes(self) -> int:
-        return max(64, int(self.bucket_mb * (1 << 20)))
 
 
 def open_sender(config: TransportConfig) -> WeightSender:

@@ -1,6 +1,6 @@
 """The train-backend seam: what the trainer needs from a backend, and the factory that builds one.
 
-Lifecycle (what :class:`~loong_train.trainer.TrainerWorker` does)::
+Lifecycle (what :class:`~loong_train.workers.trainer.TrainerWorker` does)::
 
     backend = build_backend(model_path, BackendOptions(...))
     lp = backend.logprobs(batch)            # [rows, max_len], column 0 is 0
@@ -24,7 +24,13 @@ import msgspec
 import torch
 
 from loong_core.records import TrainBatch
-from loong_train.config import LossConfig, TrainConfig
+from loong_train.algo.config import LossConfig
+from loong_train.backends.config import (
+    BackendConfig,
+    MegatronBackendConfig,
+    TorchBackendConfig,
+    require_installed,
+)
 
 __all__ = ["BackendOptions", "TrainBackend", "build_backend"]
 
@@ -60,36 +66,41 @@ class TrainBackend(Protocol):
 
 
 class BackendOptions(msgspec.Struct, frozen=True, kw_only=True):
-    """What a backend is built with: the recipe's ``[train]`` and ``[loss]`` tables, the rollout
-    temperature (logprobs are of ``logits / temperature``, as the engines sample) and its threads."""
+    """What a backend is built with: its ``[train.backend]`` table, the optimizer settings of
+    ``[train]``, the ``[loss]`` table, the rollout temperature (logprobs are of
+    ``logits / temperature``, as the engines sample) and its threads."""
 
-    train: TrainConfig
-    loss: LossConfig
+    backend: BackendConfig = TorchBackendConfig()
+    lr: float = 1e-4
+    warmup_steps: int = 10
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    loss: LossConfig = LossConfig()
     temperature: float = 1.0
     threads: int = 1
 
 
 def build_backend(model_path: str, options: BackendOptions) -> TrainBackend:
-    """The backend ``options.train.backend`` names, loaded from the checkpoint at ``model_path``."""
-    t = options.train
+    """The backend ``options.backend.type`` names, loaded from the checkpoint at ``model_path``."""
+    require_installed(options.backend)
     common = {
-        "lr": t.lr,
-        "warmup_steps": t.warmup_steps,
-        "weight_decay": t.weight_decay,
-        "grad_clip": t.grad_clip,
+        "lr": options.lr,
+        "warmup_steps": options.warmup_steps,
+        "weight_decay": options.weight_decay,
+        "grad_clip": options.grad_clip,
         "loss": options.loss,
         "temperature": options.temperature,
     }
-    if t.backend == "megatron":  # megatron-core is imported only here
+    if isinstance(b := options.backend, MegatronBackendConfig):  # megatron-core is imported only here
         from loong_train.backends.megatron.driver import MegatronDriver
 
         return MegatronDriver(
             model_path,
-            tp=t.tp,
-            pp=t.pp,
-            dp=t.dp,
+            tp=b.tp,
+            pp=b.pp,
+            dp=b.dp,
             threads=options.threads,
-            micro_batch_rows=t.micro_batch_rows,
+            micro_batch_rows=b.micro_batch_rows,
             **common,
         )
     from loong_train.backends.torch_backend import TorchBackend

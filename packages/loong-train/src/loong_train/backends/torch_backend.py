@@ -1,6 +1,6 @@
 """The torch train backend: recompute logprobs, take PPO/GRPO steps, export HF-named weights.
 
-The loss is :func:`loong_train.algorithms.policy_loss` under a :class:`LossConfig`. Two of its
+The loss is :func:`loong_train.algo.losses.policy_loss` under a :class:`LossConfig`. Two of its
 options need extra no-grad forwards before the update: decoupled PPO recomputes the proximal
 logprobs with the current weights, and a KL penalty scores the batch with a frozen copy of the
 initial model (the reference policy, kept only when ``kl_coef > 0``).
@@ -19,8 +19,8 @@ from typing import Any
 import torch
 
 from loong_core.records import TrainBatch
-from loong_train.algorithms import policy_loss
-from loong_train.config import LossConfig
+from loong_train.algo.config import LossConfig
+from loong_train.algo.losses import policy_loss
 from loong_train.models.qwen3 import Qwen3ForCausalLM
 
 __all__ = ["TorchBackend", "token_logprobs"]

@@ -11,9 +11,9 @@ weight version, ``pause``/``resume``) plus what a worker does around generation:
 - ``check()``: raise if the engine can no longer serve (a server its supervisor gave up on), so the
   rollout call fails rather than only its episodes; ``close()``.
 
-:func:`build_engine` picks the engine by ``rollout.engine``: ``embedded``
-(:mod:`loong_train.engines.embedded.engine`) or ``sglang`` (:mod:`loong_train.engines.sglang.rollout`,
-imported only when chosen).
+:func:`build_engine` picks the engine by ``[rollout.engine] type`` (:mod:`loong_train.engines.config`):
+``embedded`` (:mod:`loong_train.engines.embedded.engine`) or ``sglang``
+(:mod:`loong_train.engines.sglang.rollout`, imported only when chosen).
 """
 
 from __future__ import annotations
@@ -22,14 +22,14 @@ from typing import TYPE_CHECKING, Protocol
 
 from loong_core.protocols import SamplingParams
 from loong_core.records import TokenSpan
+from loong_train.engines.config import EngineConfig, SGLangEngineConfig
 
 if TYPE_CHECKING:
     from torch import nn
 
     from loong_train.engines.embedded.host import EngineHost
-    from loong_train.engines.sglang.rollout import SGLangRolloutConfig
 
-__all__ = ["WorkerEngine", "build_engine", "build_host", "engine_gpus"]
+__all__ = ["WorkerEngine", "build_engine", "build_host"]
 
 
 class WorkerEngine(Protocol):
@@ -53,34 +53,18 @@ class WorkerEngine(Protocol):
 
 
 def build_engine(
-    kind: str,
-    model_path: str,
-    *,
-    seed: int,
-    pad_id: int,
-    worker_id: int = 0,
-    log_dir: str = "",
-    sglang: SGLangRolloutConfig | None = None,
+    config: EngineConfig, model_path: str, *, seed: int, pad_id: int, worker_id: int = 0, log_dir: str = ""
 ) -> WorkerEngine:
-    """The engine ``kind`` names, serving the checkpoint at ``model_path``. ``sglang``: the
-    ``[sglang]`` table (each worker's server logs into ``log_dir``)."""
-    if kind == "sglang":
-        from loong_train.engines.sglang.rollout import SGLangRollout, SGLangRolloutConfig
+    """The engine ``config.type`` names, serving the checkpoint at ``model_path`` (a server logs
+    into ``log_dir``)."""
+    if isinstance(config, SGLangEngineConfig):
+        from loong_train.engines.sglang.rollout import SGLangRollout
 
-        return SGLangRollout(
-            model_path, sglang or SGLangRolloutConfig(), worker_id=worker_id, log_dir=log_dir, seed=seed
-        )
-    if kind != "embedded":
-        raise ValueError(f"unknown engine {kind!r} (expected 'embedded' or 'sglang')")
+        return SGLangRollout(model_path, config, worker_id=worker_id, log_dir=log_dir, seed=seed)
     from loong_train.engines.embedded.engine import EmbeddedEngine
     from loong_train.models.qwen3 import Qwen3ForCausalLM
 
     return EmbeddedEngine(Qwen3ForCausalLM.from_pretrained(model_path), seed=seed, pad_id=pad_id)
-
-
-def engine_gpus(kind: str, sglang: SGLangRolloutConfig) -> float:
-    """GPUs Ray reserves for a rollout worker whose engine is ``kind`` (its server's, or none)."""
-    return sglang.gpus if kind == "sglang" else 0.0
 
 
 def build_host(engine: WorkerEngine) -> EngineHost | None:

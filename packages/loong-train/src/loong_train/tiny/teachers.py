@@ -15,7 +15,8 @@ from pathlib import Path
 import msgspec
 
 from loong_teacher import LocalTeacherConfig
-from loong_train.config import Recipe, TeacherBuild
+from loong_train.algo.config import TeacherBuild
+from loong_train.config import Recipe
 from loong_train.models.qwen3 import Qwen3ForCausalLM
 from loong_train.models.tokenizer import load_tokenizer
 from loong_train.tasks import build_task

@@ -1,7 +1,7 @@
 """The Megatron train backend: a megatron-core GPTModel with tensor and pipeline parallelism.
 
 Same surface and semantics as :class:`~loong_train.backends.torch_backend.TorchBackend`:
-``logprobs(batch)``, ``train_step(batch)`` with :func:`loong_train.algorithms.policy_loss`
+``logprobs(batch)``, ``train_step(batch)`` with :func:`loong_train.algo.losses.policy_loss`
 (decoupled PPO's proximal forward and the KL reference model included), AdamW with betas
 (0.9, 0.99), linear warmup and global-norm gradient clipping, and ``named_weights()`` in Hugging
 Face naming. It is SPMD: each of the ``tp * pp`` ranks of an initialised ``torch.distributed``
@@ -52,11 +52,11 @@ import torch.nn.functional as F
 from torch.nn.utils.rnn import pad_sequence
 
 from loong_core.records import TrainBatch
-from loong_train.algorithms import policy_loss
+from loong_train.algo.config import LossConfig
+from loong_train.algo.losses import policy_loss
 from loong_train.backends.megatron.cpu import cpu_compat
 from loong_train.backends.megatron.weights import gather_hf_weights, hf_to_megatron
 from loong_train.backends.torch_backend import mismatch_stats
-from loong_train.config import LossConfig
 from loong_train.models.qwen3 import Qwen3Config
 from loong_transfermesh import MegatronLayout
 

@@ -39,115 +39,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import socket
-import sys
 import threading
-from pathlib import Path
-from typing import Literal
 
 import httpx
-import msgspec
 
 from loong_agentflow.sglang_client import SGLangClientConfig, SGLangEngine
-from loong_core.config import is_loopback
 from loong_core.protocols import SamplingParams
 from loong_core.records import TokenSpan
-from loong_train.engines.sglang.supervisor import (
-    SGLangServerConfig,
-    SGLangSupervisor,
-    sglang_launch_command,
-)
+from loong_train.engines.config import SGLangEngineConfig
+from loong_train.engines.sglang.supervisor import SGLangSupervisor
 from loong_train.models.qwen3 import Qwen3ForCausalLM
 from loong_transfermesh import SGLangPusherConfig, SGLangUpdateError, SGLangWeightPusher
 
-__all__ = ["SGLangRollout", "SGLangRolloutConfig"]
-
-
-class SGLangRolloutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The ``[sglang]`` table: how each rollout worker launches and drives its server.
-
-    - ``launcher``: ``"sglang"`` (SGLang's server, GPU) or ``"loong"`` (``loong-train serve-sglang``,
-      CPU; the default, so ``--set rollout.engine=sglang`` runs anywhere).
-    - ``python``: the interpreter that runs the launcher (empty: this one). ``command``: replaces
-      the launcher entirely (e.g. a container wrapper); the standard flags are still appended.
-    - ``args``: extra server flags, appended last (e.g. ``["--context-length", "8192"]``).
-    - ``host``, ``port_base`` (worker ``i`` listens on ``port_base + i``), ``api_key`` (required
-      when ``host`` is not loopback).
-    - ``gpus``: GPUs Ray reserves for each rollout worker; its server sees exactly those
-      (fractions share a GPU with other actors). ``tp_size``: SGLang's tensor parallelism
-      (``gpus`` must cover it). ``mem_fraction_static``: SGLang's static memory share (0: its default).
-    - ``startup_timeout_s``, ``health_interval_s``, ``health_failures``, ``max_restarts``: the
-      supervisor's policy (:class:`~loong_train.engines.sglang.supervisor.SGLangServerConfig`).
-    - ``update_backend``: ``"gloo"`` (host memory; works everywhere) or ``"nccl"`` (the worker
-      needs a GPU of its own). ``bucket_mb``: one broadcast's size bound.
-    """
-
-    launcher: Literal["sglang", "loong"] = "loong"
-    python: str = ""
-    command: list[str] = []
-    args: list[str] = []
-    host: str = "127.0.0.1"
-    port_base: int = 30000
-    api_key: str = ""
-    gpus: float = 0.0
-    tp_size: int = 1
-    mem_fraction_static: float = 0.0
-    startup_timeout_s: float = 900.0
-    health_interval_s: float = 5.0
-    health_failures: int = 3
-    max_restarts: int = 3
-    update_backend: Literal["gloo", "nccl"] = "gloo"
-    bucket_mb: float = 512.0
-
-    def __post_init__(self) -> None:
-        if not is_loopback(self.host) and not self.api_key:
-            raise ValueError(f"host {self.host!r} is not loopback: set api_key")
-        if self.tp_size < 1 or not 0 <= self.mem_fraction_static < 1:
-            raise ValueError("tp_size must be >= 1 and mem_fraction_static in [0, 1)")
-        if self.launcher == "loong" and (self.tp_size != 1 or self.mem_fraction_static):
-            raise ValueError(
-                "tp_size and mem_fraction_static are SGLang flags: they need launcher = 'sglang'"
-            )
-        if problem := _gpu_problem(self):
-            raise ValueError(problem)
-
-    def server(self, model_path: str, worker_id: int, log_dir: str, seed: int) -> SGLangServerConfig:
-        """The supervisor's config for worker ``worker_id``."""
-        python = self.python or sys.executable
-        env: dict[str, str] = {}
-        if self.launcher == "sglang":
-            launcher = sglang_launch_command(python)
-            flags = ["--tp-size", str(self.tp_size), "--random-seed", str(seed), "--skip-tokenizer-init"]
-            if self.mem_fraction_static:
-                flags += ["--mem-fraction-static", str(self.mem_fraction_static)]
-            env["SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION"] = "false"  # see the module docstring
-        else:
-            launcher = [python, "-m", "loong_train.cli", "serve-sglang"]
-            flags = ["--seed", str(seed), "--threads", "1"]
-        return SGLangServerConfig(
-            model_path=model_path,
-            command=self.command or launcher,
-            host=self.host,
-            port=self.port_base + worker_id,
-            api_key=self.api_key or None,
-            args=[*flags, *self.args],
-            env=env,
-            log_path=str(Path(log_dir) / f"sglang-{worker_id}.log") if log_dir else "",
-            startup_timeout_s=self.startup_timeout_s,
-            health_interval_s=self.health_interval_s,
-            health_failures=self.health_failures,
-            max_restarts=self.max_restarts,
-        )
-
-
-def _gpu_problem(c: SGLangRolloutConfig) -> str:
-    if c.gpus < 0 or (c.gpus > 1 and c.gpus % 1):
-        return f"gpus must be a fraction of one GPU or a whole number, got {c.gpus}"
-    if c.launcher == "sglang" and (c.gpus == 0 or (c.tp_size > 1 and c.gpus < c.tp_size)):
-        return (
-            f"gpus = {c.gpus}: launcher 'sglang' needs a GPU per tensor-parallel rank "
-            f"(tp_size = {c.tp_size}); launcher 'loong' runs on CPU"
-        )
-    return ""
+__all__ = ["SGLangRollout"]
 
 
 class SGLangRollout:
@@ -169,7 +73,7 @@ class SGLangRollout:
     mid_call_updates = False
 
     def __init__(
-        self, model_path: str, config: SGLangRolloutConfig, *, worker_id: int, log_dir: str, seed: int
+        self, model_path: str, config: SGLangEngineConfig, *, worker_id: int, log_dir: str, seed: int
     ) -> None:
         self.config = config
         self.model = Qwen3ForCausalLM.from_pretrained(model_path)  # the host copy TransferMesh fills

@@ -6,7 +6,7 @@ sample was lost or trained twice), ``scheduler.jsonl`` (every call into the
 :class:`~loong_train.scheduler.Scheduler`, with its decision, in order: the run's scheduling,
 replayable with :func:`loong_train.scheduler.replay`), ``trace.json`` (Perfetto: rollout, eval, train and sync spans
 per actor), ``plots/*.png``, ``checkpoints/final`` (Hugging Face format) and ``checkpoints/step_<v>``
-(resumable, :mod:`loong_train.checkpoint`), ``summary.json``. Task sets with domains add
+(resumable, :mod:`loong_train.run.checkpoint`), ``summary.json``. Task sets with domains add
 held-out success per domain (``eval_reward/<domain>``, ``plots/eval_by_domain.png``).
 
 Resumed (``resume``, a :class:`RunDirState` from a checkpoint at step v): ``metrics.jsonl`` and
@@ -39,7 +39,7 @@ from loong_train.config import Recipe
 from loong_train.engines.embedded.host import crossed_update
 from loong_train.evaluator import EvalResult, Evaluator
 from loong_train.pipeline import Pipeline
-from loong_train.plots import plot_domains, plot_run
+from loong_train.run.plots import plot_domains, plot_run
 from loong_train.tiny.teachers import teacher_success
 
 __all__ = ["RunDir", "RunDirState"]
@@ -55,7 +55,7 @@ _TRAIN_KEYS = (
     "loss",
     "grad_norm",
     "lr",
-    # loong_train.algorithms.policy_loss
+    # loong_train.algo.losses.policy_loss
     "pg_loss",
     "clip_frac",
     "dual_clip_frac",
@@ -67,7 +67,7 @@ _TRAIN_KEYS = (
     "kl",
     "kl_loss",
 )
-_TRAIN_PREFIXES = ("opd/", "teacher/")  # per-teacher OPD metrics (loong_train.opd), named by teacher
+_TRAIN_PREFIXES = ("opd/", "teacher/")  # per-teacher OPD metrics (loong_train.algo.opd), named by teacher
 
 
 class RunDirState(msgspec.Struct, kw_only=True):
@@ -129,7 +129,7 @@ class RunDir:
             self.start -= self.resumed.elapsed_s
 
     def state(self, step: int) -> RunDirState:
-        """What a checkpoint at ``step`` keeps (see :mod:`loong_train.checkpoint`)."""
+        """What a checkpoint at ``step`` keeps (see :mod:`loong_train.run.checkpoint`)."""
         return RunDirState(
             step=step,
             elapsed_s=time.time() - self.start,

@@ -42,7 +42,7 @@ from loong_teacher import (
     reverse_kl_advantage,
 )
 from loong_teacher.local import hf_causal_lm
-from loong_train.config import OPDConfig
+from loong_train.algo.config import OPDConfig
 from loong_train.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 from loong_train.models.tokenizer import load_tokenizer
 

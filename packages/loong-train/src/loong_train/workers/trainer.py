@@ -9,9 +9,9 @@ import ray
 import torch
 
 from loong_core.records import TrainBatch, WeightManifest
+from loong_train.algo.config import OPDConfig
+from loong_train.algo.opd import Distiller
 from loong_train.backends.base import BackendOptions, build_backend
-from loong_train.config import OPDConfig
-from loong_train.opd import Distiller
 from loong_transfermesh import TransportConfig, open_sender
 
 __all__ = ["TrainerWorker"]
@@ -21,7 +21,7 @@ class TrainerWorker:
     """Runs one optimizer step per batch, then pushes the new weights (version + 1) through
     TransferMesh. Its backend is whatever ``options.train.backend`` names
     (:func:`~loong_train.backends.base.build_backend`); with ``opd`` enabled, teachers rewrite each
-    batch's advantages first (:mod:`loong_train.opd`)."""
+    batch's advantages first (:mod:`loong_train.algo.opd`)."""
 
     def __init__(
         self,
@@ -41,7 +41,7 @@ class TrainerWorker:
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step; an all-failed (empty) batch skips the step but still advances.
-        With ``[opd] enabled`` the teachers first replace the batch's advantages (:mod:`loong_train.opd`)."""
+        With ``[opd] enabled`` the teachers first replace the batch's advantages (:mod:`loong_train.algo.opd`)."""
         start = time.time()
         opd: dict[str, float] = {}
         if self.distiller is not None and batch.row_lens:

@@ -11,7 +11,7 @@ one, right after step v's weights were published:
 - ``controller_state.msgpack`` (:class:`ControllerState`): the recipe, the window
   (``StalenessWindow.state_dict``), the data position (tasks drawn; the prompts of groups issued
   but not trained), the finished trajectories not yet trained, the fault counters and the run
-  directory's bookkeeping (:class:`~loong_train.run_dir.RunDirState`) and the evaluations'
+  directory's bookkeeping (:class:`~loong_train.run.writer.RunDirState`) and the evaluations'
   (:class:`~loong_train.evaluator.EvaluatorState`: results, lost and pending ones).
 
 It is written into ``.step_<v>.tmp`` and renamed when complete, so a crash while writing leaves
@@ -52,7 +52,7 @@ from loong_train.config import Recipe
 from loong_train.evaluator import Evaluator, EvaluatorState
 from loong_train.models.tokenizer import copy_model_files
 from loong_train.pipeline import Pipeline
-from loong_train.run_dir import RunDir, RunDirState
+from loong_train.run.writer import RunDir, RunDirState
 from loong_train.scheduler import Scheduler
 
 __all__ = ["RESUMABLE", "Checkpoint", "ControllerState", "latest", "maybe_save", "restore"]

@@ -53,7 +53,7 @@ from collections.abc import Sequence
 import torch
 
 from loong_core.records import TrainBatch, Trajectory
-from loong_train.config import LossConfig
+from loong_train.algo.config import LossConfig
 
 __all__ = ["aggregate", "episode_id", "grpo_advantages", "kl_estimate", "pack_batch", "policy_loss"]
 

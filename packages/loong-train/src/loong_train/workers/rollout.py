@@ -2,115 +2,35 @@
 
 The runner is white-box (:class:`~loong_agentflow.ToolAgent` in process) or black-box
 (:class:`BlackBoxHost`: agent programs as subprocesses against a proxy over the same engine),
-chosen by the recipe's ``[agent] kind``; either way ``rollout`` returns trajectories.
+chosen by the recipe's ``[agent] type`` (:mod:`loong_train.workers.agent`); either way ``rollout`` returns trajectories.
 """
 
 from __future__ import annotations
 
 import asyncio
 import functools
-import importlib.util
 import os
-import sys
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from loong_agentflow import (
-    AgentProgram,
-    BlackBoxRunner,
     EpisodeLimits,
     EpisodeSpec,
-    HFChatRenderer,
-    ProxyConfig,
-    ProxyServer,
     ToolAgent,
     run_episodes,
 )
-from loong_core.config import ConfigError
 from loong_core.protocols import SamplingParams
-from loong_core.records import SpanSource, TokenSpan, Trajectory, WeightManifest
-from loong_train.config import AgentConfig
-from loong_train.engines.base import WorkerEngine, build_engine, build_host
-
-if TYPE_CHECKING:
-    from loong_train.engines.sglang.rollout import SGLangRolloutConfig
+from loong_core.records import WeightManifest
+from loong_train.engines.base import build_engine, build_host
+from loong_train.engines.config import EmbeddedEngineConfig, EngineConfig
 from loong_train.models.tokenizer import HFCodec, end_of_turn_ids, load_tokenizer
-from loong_train.tasks import AgentCommand, Task, build_task
+from loong_train.tasks import build_task
+from loong_train.workers.agent import AgentConfig, BlackboxAgentConfig, BlackBoxHost
 from loong_transfermesh import ShmReceiver, TransferFailed, TransportConfig, open_receiver
 
-__all__ = ["BlackBoxHost", "RolloutWorker", "agent_program"]
-
-
-class BlackBoxHost:
-    """A worker's proxy and black-box runner, served from an event loop the worker owns.
-
-    The :class:`~loong_agentflow.ProxyServer` listens on 127.0.0.1 (a free port of its own) for the
-    worker's lifetime, renders with the tokenizer's chat template (:class:`HFChatRenderer`), forces
-    the recipe's temperature and top_p whatever an agent asks for, and caps each session at the
-    episode's model-token budget. Between ``run`` calls the loop is idle, so a weight update (the
-    worker's next call) never overlaps a generation.
-
-    Each episode's rows come back flat: row 0 keeps the spec's ``sample_id``, row i > 0 is
-    ``"<sample_id>#<i>"``, all with the spec's ``group_id`` and ``info["episode"]`` (GRPO counts
-    an episode once, see :func:`loong_train.algorithms.grpo_advantages`). An episode that never
-    got an answer (failed or timed out before its first call) is one row with an empty prompt span.
-    """
-
-    def __init__(
-        self,
-        engine: WorkerEngine,
-        tokenizer: Any,
-        agent: AgentConfig,
-        sampling: SamplingParams,
-        limits: EpisodeLimits,
-        task: Task,
-    ) -> None:
-        config = ProxyConfig(
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            default_max_tokens=sampling.max_new_tokens,
-            max_session_model_tokens=limits.max_model_tokens,
-        )
-        self.proxy = ProxyServer(engine, HFChatRenderer(tokenizer), config)
-        self.loop = asyncio.new_event_loop()
-        self.loop.run_until_complete(self.proxy.start())
-        program = agent_program(agent, task, limits)
-        self.runner = BlackBoxRunner(self.proxy, program, task.reward, agent.max_concurrency)
-
-    def run(self, specs: list[EpisodeSpec]) -> list[Trajectory]:
-        episodes = self.loop.run_until_complete(self.runner.run_many(specs))
-        rows = [t for episode in episodes for t in episode]
-        for t in rows:
-            if not t.spans:
-                t.spans = [TokenSpan(token_ids=[], source=SpanSource.PROMPT)]
-        return rows
-
-    def close(self) -> None:
-        self.loop.run_until_complete(self.runner.close())
-        self.loop.run_until_complete(self.proxy.stop())
-        self.loop.close()
-
-
-def agent_program(agent: AgentConfig, task: Task, limits: EpisodeLimits) -> AgentProgram:
-    """The program black-box episodes run: ``agent.command``, or the task's own agent (whose
-    required modules must be installed). ``agent.preload`` unset: the task agent's preloads, none
-    for a ``command``."""
-    command = AgentCommand(argv=agent.command) if agent.command else task.agent_command()
-    if command is None:
-        raise ConfigError("agent.kind = 'blackbox': this task ships no agent program; set agent.command")
-    if missing := [m for m in command.requires if importlib.util.find_spec(m) is None]:
-        raise ConfigError(
-            f"the task's agent program {' '.join(command.argv)} needs {', '.join(missing)}, not installed "
-            f"for {sys.executable}: {command.install or 'install it'}, or set agent.command to your own program"
-        )
-    return AgentProgram(
-        command.argv,
-        env={"LOONG_MAX_TURNS": str(limits.max_turns)},
-        timeout_s=limits.timeout_s,
-        preload=command.preload if agent.preload is None else agent.preload,
-    )
+__all__ = ["RolloutWorker"]
 
 
 class RolloutWorker:
@@ -135,8 +55,7 @@ class RolloutWorker:
         threads: int = 1,
         worker_id: int = 0,
         agent: AgentConfig | None = None,
-        engine: str = "embedded",
-        sglang: SGLangRolloutConfig | None = None,
+        engine: EngineConfig | None = None,
         log_dir: str = "",
         version: int = 0,
         task: str = "calc",
@@ -146,23 +65,21 @@ class RolloutWorker:
         tokenizer = load_tokenizer(model_path)
         self.codec = HFCodec(tokenizer)
         self.engine = build_engine(  # a server logs into ``log_dir``
-            engine,
+            engine or EmbeddedEngineConfig(),
             model_path,
             seed=seed,
             pad_id=tokenizer.pad_token_id,
             worker_id=worker_id,
             log_dir=log_dir,
-            sglang=sglang,
         )
         stop = end_of_turn_ids(tokenizer, model_path)
         self.sampling = SamplingParams(**sampling, stop_token_ids=stop)
         self.limits = EpisodeLimits(**limits)
         self.task = build_task(task)
         self.agent = ToolAgent(self.task.tools(), self.task.reward)
-        agent = agent or AgentConfig()
         self.blackbox = (
             BlackBoxHost(self.engine, tokenizer, agent, self.sampling, self.limits, self.task)
-            if agent.kind == "blackbox"
+            if isinstance(agent, BlackboxAgentConfig)
             else None
         )
         self.host = (  # white-box episodes: updates may land mid-call (partial rollouts)

@@ -1,0 +1,79 @@
+"""The ``[train.backend]`` table: which train backend runs the optimizer steps, picked by ``type``.
+
+- ``type = "torch"`` (:class:`TorchBackendConfig`): one process, CPU
+  (:mod:`loong_train.backends.torch_backend`);
+- ``type = "megatron"`` (:class:`MegatronBackendConfig`): megatron-core over ``tp * pp * dp``
+  processes (:mod:`loong_train.backends.megatron`; the ``loong-train[megatron]`` extra).
+
+Pure msgspec (no torch): recipes validate without loading a backend. Whether an extra is
+installed is checked by :func:`require_installed`, which the backend's build and the controller's
+preflight call, not by validation.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import msgspec
+
+from loong_core.config import ConfigError
+
+__all__ = ["BackendConfig", "MegatronBackendConfig", "TorchBackendConfig", "require_installed"]
+
+
+class _Backend(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="type"):
+    @property
+    def type(self) -> str:
+        """The table's ``type`` (the Struct's tag)."""
+        return str(type(self).__struct_config__.tag)
+
+
+class TorchBackendConfig(_Backend, tag="torch"):
+    """``[train.backend] type = "torch"``: the trainer's own process, on CPU."""
+
+    @property
+    def gpus(self) -> float:
+        """GPUs Ray reserves for the trainer: none."""
+        return 0.0
+
+
+class MegatronBackendConfig(_Backend, tag="megatron"):
+    """``[train.backend] type = "megatron"``: megatron-core with ``tp``-way tensor, ``pp``-way
+    pipeline and ``dp``-way data parallelism over ``tp * pp * dp`` processes; batches are split
+    into micro-batches of ``micro_batch_rows`` rows (0: one micro-batch per data-parallel rank).
+    ``gpus``: GPUs Ray reserves for the trainer actor (0: CPU under gloo; on GPU: ``tp * pp * dp``,
+    its ranks use the reserved GPUs in order; a fraction shares one GPU with a rollout worker)."""
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    micro_batch_rows: int = 0
+    gpus: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("tp", "pp", "dp"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.micro_batch_rows < 0:
+            raise ValueError(f"micro_batch_rows must be >= 0, got {self.micro_batch_rows}")
+        if self.gpus < 0 or (self.gpus > 1 and self.gpus % 1):
+            raise ValueError(f"gpus must be a fraction of one GPU or a whole number, got {self.gpus}")
+
+
+BackendConfig = TorchBackendConfig | MegatronBackendConfig
+
+
+def require_installed(config: BackendConfig) -> None:
+    """Raise ConfigError, naming the extra to install, when ``config``'s backend is not installed."""
+    if isinstance(config, MegatronBackendConfig) and not _have_megatron_core():
+        raise ConfigError(
+            "train.backend.type = 'megatron' needs megatron-core, which is not installed "
+            "(install the extra: pip install 'loong-train[megatron]')"
+        )
+
+
+def _have_megatron_core() -> bool:
+    try:
+        return importlib.util.find_spec("megatron.core") is not None
+    except ModuleNotFoundError:  # no ``megatron`` package at all
+        return False

@@ -1,0 +1,91 @@
+"""TransferMesh's configuration: the ``[transport]`` table that picks a transport, and how the
+SGLang pusher reaches its servers. Pure msgspec: importing it loads no torch."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+__all__ = ["SGLangPusherConfig", "TransportConfig"]
+
+
+class TransportConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How weights travel (the ``[transport]`` table of a recipe).
+
+    - ``type``: ``shm``, ``tcp``, ``nccl`` or ``cuda_ipc``.
+    - ``name``: the shared-memory name (``shm``), or the channel name for GPU transports.
+    - ``bucket_mb``: bucket size; tensors are packed into buckets of at most this many MiB.
+    - ``checksum``: compute and verify a sum64 checksum per bucket; unset means the transport's
+      default (``tcp``: on; ``shm``: off, as sender and receivers share the same memory).
+    - ``mode``: receivers ``copy`` into their tensors, or make them ``zero_copy`` views of the
+      transport's buffers (``shm``: the shared slot; ``tcp``: the receive buffer).
+    - ``address``: ``tcp`` sender's ``host:port`` (port 0 picks a free one); loopback by default.
+    - ``key``: shared secret receivers present; required when the address is not loopback.
+    - ``timeout_s``: how long a receiver waits for an update before reporting it failed.
+    - ``delta``: ``tcp`` only: send zstd-compressed XOR deltas against each receiver's previous
+      version, for slow links (extra ``[delta]``).
+    """
+
+    type: Literal["shm", "tcp", "nccl", "cuda_ipc"] = "shm"
+    name: str = "loong"
+    bucket_mb: float = 64.0
+    checksum: bool | None = None
+    mode: Literal["copy", "zero_copy"] = "copy"
+    address: str = "127.0.0.1:0"
+    key: str = ""
+    timeout_s: float = 60.0
+    delta: bool = False
+
+    def __post_init__(self) -> None:
+        if self.bucket_mb <= 0:
+            raise ValueError(f"bucket_mb must be > 0, got {self.bucket_mb}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.delta and self.type != "tcp":
+            raise ValueError(f"delta works with type 'tcp', not {self.type!r}")
+
+    @property
+    def bucket_bytes(self) -> int:
+        return max(64, int(self.bucket_mb * (1 << 20)))
+
+
+class SGLangPusherConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Where the servers are and how to reach them.
+
+    ``urls``: base URLs of the servers (``http://host:port``). ``ranks_per_engine``: each server's
+    tensor-parallel size. ``master_address``/``master_port``: the trainer's rendezvous, reachable
+    from every server. ``bucket_bytes``: upper bound of one broadcast (a larger tensor goes alone).
+    ``pause_mode``: SGLang's ``/pause_generation`` mode (``in_place`` keeps requests running
+    across the update, ``retract`` re-prefills them, ``abort`` returns them early).
+    ``load_format``: ``flattened_bucket`` (one broadcast per bucket) or ``direct`` (one broadcast
+    per tensor, in ``names`` order: for SGLang versions without flattened buckets).
+    ``flush_cache``: after the last bucket, ask each server to drop its KV/prefix cache
+    (``POST /flush_cache``; skipped by servers that still hold requests, see the module docstring).
+    """
+
+    urls: list[str]
+    master_address: str = "127.0.0.1"
+    master_port: int = 29600
+    backend: str = "gloo"
+    group_name: str = "weight_update_group"
+    ranks_per_engine: int = 1
+    bucket_bytes: int = 512 << 20
+    api_key: str | None = None
+    timeout_s: float = 600.0
+    pause: bool = True
+    pause_mode: str = "in_place"
+    flush_cache: bool = True
+    load_format: str = "flattened_bucket"
+
+    def __post_init__(self) -> None:
+        if not self.urls:
+            raise ValueError("urls must name at least one server")
+        if self.backend not in ("gloo", "nccl"):
+            raise ValueError(f"backend must be 'gloo' or 'nccl', got {self.backend!r}")
+        if self.pause_mode not in ("abort", "retract", "in_place"):
+            raise ValueError(f"pause_mode must be abort, retract or in_place, got {self.pause_mode!r}")
+        if self.load_format not in ("flattened_bucket", "direct"):
+            raise ValueError(f"load_format must be flattened_bucket or direct, got {self.load_format!r}")
+        if self.ranks_per_engine < 1 or self.bucket_bytes < 1:
+            raise ValueError("ranks_per_engine and bucket_bytes must be >= 1")
