@@ -3,6 +3,7 @@
 import json
 
 import pytest
+from train_testkit import tensorboard_scalars, wandb_history
 
 from loong_core.telemetry import read_metrics
 from loong_train.config import load_recipe
@@ -36,9 +37,16 @@ SMALL = [
 @pytest.mark.integration
 @pytest.mark.parametrize("window", [0, 1])
 def test_short_run_writes_the_run_directory(tmp_path, window):
-    recipe = load_recipe("tiny-calc-agent", [*SMALL, f"train.max_staleness={window}"])
+    loggers = ['log.loggers=["tensorboard", "wandb"]'] if window else []  # one run is enough
+    recipe = load_recipe("tiny-calc-agent", [*SMALL, f"train.max_staleness={window}", *loggers])
     out = run(recipe, tmp_path / "run", tmp_path / "cache")
     rows = read_metrics(out / "metrics.jsonl")
+    if loggers:  # the same rows, read back with each tool's reader
+        expected = [(r["step"], r["reward_mean"]) for r in rows]
+        assert [
+            (s, pytest.approx(v)) for s, v in tensorboard_scalars(out / "tensorboard")["reward_mean"]
+        ] == expected
+        assert [(h["_step"], h["reward_mean"]) for h in wandb_history(out)] == expected
     assert [r["step"] for r in rows] == [1, 2, 3, 4]
     for row in rows:
         assert set(REQUIRED) <= set(row), set(REQUIRED) - set(row)

@@ -19,7 +19,11 @@ def test_zero_copy_and_bucket_size_are_settable():
 @pytest.mark.parametrize(
     ("override", "message"),
     [
-        ("transport.type='tcp'", "loong-train drives 'shm'"),
+        (
+            "transport.type='nccl'",
+            "loong-train drives type 'shm' (trainer and engines on one host) and 'tcp'",
+        ),
+        ("transport.delta=true", "delta works with type 'tcp', not 'shm'"),
         ("transport.type='carrier-pigeon'", "'transport.type': invalid value 'carrier-pigeon'"),
         ("transport.mode='mirror'", "'transport.mode': invalid value 'mirror'"),
         ("transport.bucket_mb='big'", "'transport.bucket_mb': expected float, got str"),
@@ -31,3 +35,14 @@ def test_bad_transport_settings_name_the_key(override, message):
     with pytest.raises(ConfigError) as err:
         load_recipe("tiny-calc-agent", [override])
     assert message in str(err.value)
+
+
+def test_tcp_is_driven_and_its_port_is_chosen_before_the_sender_binds():
+    t = load_recipe("tiny-calc-agent", ["transport.type='tcp'"]).transport
+    assert t.address == "127.0.0.1:0"
+    chosen = t.with_free_port()
+    host, _, port = chosen.address.rpartition(":")
+    assert host == "127.0.0.1" and int(port) > 0
+    assert chosen.with_free_port() == chosen
+    with pytest.raises(ConfigError, match="without delta"):
+        load_recipe("tiny-calc-agent", ["transport.type='tcp'", "transport.delta=true"])

@@ -1,17 +1,87 @@
-"""Shared test helpers for loong-train: tiny random-init Qwen3 models built from a config.
+"""Shared test helpers for loong-train.
 
-``tiny_config()`` is the shape most engine and server tests use (2 layers, 4 query heads over 2
-KV heads of width 8, hidden 32); keyword arguments change any field. ``tiny_qwen3(seed, std)``
-builds and initialises one (``std`` larger than a trained model's, so logprobs are far from
-uniform and a wrong computation shows)."""
+- ``tiny_config()`` is the shape most engine and server tests use (2 layers, 4 query heads over
+  2 KV heads of width 8, hidden 32); keyword arguments change any field. ``tiny_qwen3(seed, std)``
+  builds and initialises one (``std`` larger than a trained model's, so logprobs are far from
+  uniform and a wrong computation shows).
+- ``SMALL_RUN`` and ``assert_same_run``: a few-step ``tiny-calc-agent`` run whose every step moves
+  the weights by what it sampled, and the comparison of two such runs (every non-timing metric,
+  the ledger, the final weights). An untrained tiny model never earns a reward, so GRPO
+  advantages are 0; a k1 KL penalty to the initial model (its gradient is that of the sampled
+  tokens' logprobs) makes every step depend on what was sampled, so a run that sampled or
+  trained anything differently shows it.
+- ``tensorboard_scalars`` and ``wandb_history``: what the loggers wrote, read back with each
+  tool's own reader."""
 
 from __future__ import annotations
 
+import glob
+import json
+import struct
+from pathlib import Path
 from typing import Any
+
+import pytest
+from safetensors.torch import load_file
 
 from loong_train.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
 
-__all__ = ["tiny_config", "tiny_qwen3"]
+__all__ = [
+    "COMPARED",
+    "SMALL_RUN",
+    "assert_same_run",
+    "ledger",
+    "tensorboard_scalars",
+    "tiny_config",
+    "tiny_qwen3",
+    "wandb_history",
+]
+
+SMALL_RUN = [
+    "warmstart.steps=0",
+    "train.batch_groups=2",
+    "rollout.group_size=2",
+    "rollout.max_new_tokens=12",
+    "rollout.max_model_tokens=24",
+    "eval.every=2",
+    "eval.num_tasks=4",
+    "loss.kl_coef=0.5",
+    "loss.kl_estimator=k1",
+]
+COMPARED = [  # every metric that is not a timing
+    "reward_mean",
+    "loss",
+    "grad_norm",
+    "lr",
+    "pg_loss",
+    "clip_frac",
+    "mismatch_kl",
+    "onpolicy_mismatch_kl",
+    "mismatch_abs_logp",
+    "staleness_mean",
+    "staleness_max",
+    "samples",
+    "response_tokens_mean",
+    "kl",
+    "kl_loss",
+]
+
+
+def ledger(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "ledger.jsonl").read_text().splitlines()]
+
+
+def assert_same_run(a: list[dict], b: list[dict], run_a: Path, run_b: Path) -> None:
+    """Metrics rows ``a`` and ``b`` (every non-timing key), ledgers and final weights of the runs
+    in ``run_a`` and ``run_b`` agree."""
+    for ra, rb in zip(a, b, strict=True):
+        for key in COMPARED:
+            assert ra[key] == pytest.approx(rb[key], abs=1e-6), (ra["step"], key)
+    assert ledger(run_a) == ledger(run_b)
+    wa = load_file(run_a / "checkpoints" / "final" / "model.safetensors")
+    wb = load_file(run_b / "checkpoints" / "final" / "model.safetensors")
+    assert wa.keys() == wb.keys() and all(wa[k].equal(wb[k]) for k in wa)
+
 
 _SHAPE = {
     "vocab_size": 64,
@@ -32,3 +102,36 @@ def tiny_qwen3(seed: int = 0, std: float = 0.3, **fields: Any) -> Qwen3ForCausal
     model = Qwen3ForCausalLM(tiny_config(**fields))
     model.init_weights(seed, std=std)
     return model
+
+
+def tensorboard_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir))
+    events.Reload()
+    return {tag: [(e.step, e.value) for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def wandb_history(run_dir: Path) -> list[dict[str, float]]:
+    """The ``history`` records of the one offline run under ``run_dir/wandb``: the file is a
+    7-byte header, then 32 KiB blocks of chunks ``crc32c (4) | length (2) | kind (1) | bytes``
+    (kind 1: a whole record; 2, 3, 4: its first, middle, last chunk), each record a ``Record``."""
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = glob.glob(str(run_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
+    data, pos, block, chunks, rows = Path(path).read_bytes(), 7, 32768, b"", []
+    while pos + 7 <= len(data):
+        if (left := block - pos % block) < 7:
+            pos += left
+            continue
+        _crc, length, kind = struct.unpack("<IHB", data[pos : pos + 7])
+        if length == 0 and kind == 0:  # block padding
+            pos += left
+            continue
+        chunks, pos = (b"" if kind in (1, 2) else chunks) + data[pos + 7 : pos + 7 + length], pos + 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record.FromString(chunks)
+            if record.WhichOneof("record_type") == "history":
+                items = record.history.item
+                rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in items})
+    return rows

@@ -19,6 +19,7 @@ def test_exports_are_pinned():
         "WeightReceiver",
         "WeightSender",
         "build_manifest",
+        "catch_up",
         "check_against",
         "megatron_to_hf",
         "open_receiver",

@@ -334,3 +334,43 @@ def test_without_checksums_the_stamps_still_stream_a_bit_exact_update(name: str)
     assert ShmReceiver(name).apply(targets) == 1
     assert _snapshot(targets) == _snapshot(_state(40))
     sender.close()
+
+
+# -- the owner's reuse rule, as TransportConfig.must_have_applied states it -------------------------
+
+
+def test_the_reuse_rule_is_what_the_slots_do(name: str, sender: ShmSender) -> None:
+    """zero_copy: targets view the slot of the version they applied; pushing ``v`` is safe once they
+    hold ``must_have_applied(v)``, and pushing past it rewrites the bytes they view."""
+    from loong_transfermesh import TransportConfig
+
+    rule = TransportConfig(name=name, mode="zero_copy").must_have_applied
+    receiver = ShmReceiver(name, mode="zero_copy", timeout_s=5)
+    params = {k: torch.nn.Parameter(v, requires_grad=False) for k, v in _zeros_like(_state(0)).items()}
+    sender.push(_state(1), version=1)
+    receiver.apply(params)
+    assert rule(2) <= receiver.version
+    sender.push(_state(2), version=2)  # allowed: the views keep version 1's bytes
+    assert _snapshot({k: p.data for k, p in params.items()}) == _snapshot(_state(1))
+    assert rule(3) > receiver.version  # not allowed yet; pushed anyway, the views change under us
+    sender.push(_state(3), version=3)
+    assert _snapshot({k: p.data for k, p in params.items()}) == _snapshot(_state(3))
+    assert TransportConfig(mode="copy").must_have_applied(3) == 1
+    assert TransportConfig(type="tcp").must_have_applied(3) == -1
+
+
+def test_catch_up_copies_the_newest_slot_and_leaves_newer_targets_alone(name: str, sender: ShmSender) -> None:
+    from loong_transfermesh import TransportConfig, catch_up
+
+    config = TransportConfig(name=name, mode="zero_copy", timeout_s=5)
+    targets = _zeros_like(_state(0))
+    assert catch_up(config, targets, held=0) == 0  # nothing pushed yet
+    sender.push(_state(1), version=1)
+    sender.push(_state(2), version=2)
+    before = {k: v.data_ptr() for k, v in targets.items()}
+    assert catch_up(config, targets, held=0) == 2
+    assert _snapshot(targets) == _snapshot(_state(2))
+    assert {k: v.data_ptr() for k, v in targets.items()} == before  # copied, not viewed
+    sender.push(_state(3), version=3)
+    assert catch_up(config, targets, held=5) == 5 and _snapshot(targets) == _snapshot(_state(2))
+    assert catch_up(TransportConfig(type="tcp"), targets, held=1) == 1  # a stream keeps nothing

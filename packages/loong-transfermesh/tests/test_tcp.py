@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -188,3 +189,102 @@ def test_zero_copy_targets_view_alternating_receive_buffers(sender: TcpSender) -
         assert _same({k: p.data for k, p in params.items()}, _state(version))
         pointers.append(params["embed"].data_ptr())
     assert pointers[0] == pointers[2] != pointers[1]  # two buffers, alternating
+
+
+# -- background receivers: pushes never wait for apply ---------------------------------------------
+
+
+def test_a_background_receiver_lets_pushes_return_and_applies_the_newest(sender: TcpSender) -> None:
+    receiver = TcpReceiver(sender.address, timeout_s=10, background=True)
+    sender.wait_for_receivers(1)
+    for version in (1, 2, 3):  # no apply in between: the receiving thread takes every update
+        sender.push(_state(version), version=version)
+    targets = _zeros(_state(0))
+    assert receiver.apply(targets, version=3) == 3 and _same(targets, _state(3))
+    assert receiver.newest() == 3
+    thread, out = _apply_in_thread(receiver, targets)  # the next one: waits for version 4
+    sender.push(_state(4), version=4)
+    thread.join(timeout=30)
+    assert out == {"version": 4} and _same(targets, _state(4))
+    receiver.close()
+
+
+def test_zero_copy_background_targets_keep_their_bytes_while_later_updates_land(sender: TcpSender) -> None:
+    receiver = TcpReceiver(sender.address, timeout_s=10, mode="zero_copy", background=True)
+    sender.wait_for_receivers(1)
+    params = {k: torch.nn.Parameter(v, requires_grad=False) for k, v in _zeros(_state(0)).items()}
+    for version in range(1, 7):
+        sender.push(_state(version), version=version)
+        if version % 3 == 1:
+            receiver.apply(params, version=version)
+        applied = version - (version - 1) % 3  # the version the targets view
+        deadline = time.monotonic() + 10
+        while receiver.newest() < version and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert _same({k: p.data for k, p in params.items()}, _state(applied)), version
+    receiver.close()
+
+
+def test_a_background_receiver_reports_a_corrupted_update_and_takes_the_next(sender, monkeypatch) -> None:
+    import loong_transfermesh.tcp as tcp
+
+    real, corrupt = tcp.pack_tensor, {"on": True}
+
+    def pack_then_flip(flat, begin, nbytes, tensor, checksum):
+        total = real(flat, begin, nbytes, tensor, checksum)
+        if corrupt["on"] and tensor.dtype == torch.int64:
+            flat[begin] ^= 0xFF
+        return total
+
+    monkeypatch.setattr(tcp, "pack_tensor", pack_then_flip)
+    receiver = TcpReceiver(sender.address, timeout_s=10, background=True)
+    sender.wait_for_receivers(1)
+    sender.push(_state(1), version=1)
+    targets = _zeros(_state(0))
+    with pytest.raises(ManifestMismatch, match="checksum mismatch"):
+        receiver.apply(targets, version=1)
+    assert _same(targets, _zeros(_state(0)))
+    corrupt["on"] = False
+    sender.push(_state(2), version=2)
+    assert receiver.apply(targets) == 2 and _same(targets, _state(2))
+    receiver.close()
+
+
+def test_a_background_receiver_connects_to_a_sender_that_starts_later_and_times_out_clearly() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    receiver = TcpReceiver(address, timeout_s=0.3, background=True)
+    with pytest.raises(TransferFailed, match=r"no update >= 0 from 127\.0\.0\.1:\d+ within 0\.3 s"):
+        receiver.apply(_zeros(_state(0)))
+    sender = TcpSender(address)
+    try:
+        sender.wait_for_receivers(1, timeout_s=10)
+        sender.push(_state(1), version=1)
+        receiver.timeout_s = 10
+        targets = _zeros(_state(0))
+        assert receiver.apply(targets) == 1 and _same(targets, _state(1))
+    finally:
+        receiver.close()
+        sender.close()
+
+
+def test_a_push_waits_for_the_receivers_the_owner_expects() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        address = f"127.0.0.1:{s.getsockname()[1]}"
+    sender = TcpSender(address, receivers=1, wait_s=10)
+    pushed = threading.Event()
+    thread = threading.Thread(target=lambda: (sender.push(_state(1), version=1), pushed.set()))
+    thread.start()
+    time.sleep(0.2)
+    assert not pushed.is_set()  # waiting for its receiver
+    receiver = TcpReceiver(address, timeout_s=10, background=True)
+    thread.join(timeout=30)
+    targets = _zeros(_state(0))
+    assert receiver.apply(targets, version=1) == 1 and _same(targets, _state(1))
+    receiver.close()
+    late = TcpSender("127.0.0.1:0", receivers=1, wait_s=0.2)  # nobody comes: the push goes on
+    late.push(_state(1), version=1)
+    late.close()
+    sender.close()

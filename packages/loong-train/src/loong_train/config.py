@@ -185,10 +185,10 @@ class Recipe(_Section):
     def __post_init__(self) -> None:
         if problem := task_problem(self.task):
             raise ValueError(problem)
-        if self.transport.type != "shm":
+        if self.transport.type not in ("shm", "tcp") or self.transport.delta:
             raise ValueError(
-                f"transport.type {self.transport.type!r}: loong-train drives 'shm' (trainer and "
-                "engines on one host) for now"
+                f"transport: loong-train drives type 'shm' (trainer and engines on one host) and 'tcp' "
+                f"without delta (across hosts), got type {self.transport.type!r}, delta = {self.transport.delta}"
             )
         engine, agent = self.rollout.engine, self.agent
         if isinstance(engine, EmbeddedEngineConfig) and engine.partial != "off" and agent.type != "whitebox":

@@ -32,6 +32,7 @@ from loong_train.evaluator import Evaluator
 from loong_train.pipeline import GroupSource, Pipeline
 from loong_train.run import checkpoint
 from loong_train.run.checkpoint import Checkpoint
+from loong_train.run.loggers import require_loggers
 from loong_train.run.writer import RunDir
 from loong_train.scheduler import Scheduler
 from loong_train.tasks import Item, Task, build_task
@@ -59,7 +60,7 @@ def run(recipe: Recipe, out: Path, cache: Path, resume: bool = False) -> Path:
     evaluator = _evaluator(recipe, held_out, ckpt)
     run_dir = RunDir(out, recipe, evaluator, ckpt.state.run_dir if ckpt else None)
     started_ray = not ray.is_initialized()
-    transport = msgspec.structs.replace(recipe.transport, name=run_dir.name)
+    transport = msgspec.structs.replace(recipe.transport, name=run_dir.name).with_free_port()
     source = GroupSource(  # the warm start used seed + 1
         task.train_stream(recipe.seed + 2, held_out), recipe.rollout.group_size, seed=recipe.seed
     )
@@ -131,14 +132,15 @@ def trainer_options(recipe: Recipe) -> dict[str, Any]:
         temperature=recipe.rollout.temperature,
         threads=recipe.threads,
     )
-    return {"options": options, "seed": recipe.seed, "opd": recipe.opd}
+    return {"options": options, "seed": recipe.seed, "opd": recipe.opd, "receivers": recipe.rollout.workers}
 
 
 def _preflight(recipe: Recipe) -> Task:
     """The recipe's task, after failing before any work on what the workers would fail on: the
-    task, the train backend's extra, the agent program."""
+    task, the train backend's and the loggers' extras, the agent program."""
     task = build_task(recipe.task)
     require_installed(recipe.train.backend)
+    require_loggers(recipe.log)
     if isinstance(recipe.agent, BlackboxAgentConfig):
         r = recipe.rollout
         agent_program(recipe.agent, task, EpisodeLimits(r.max_turns, r.max_model_tokens, r.episode_timeout_s))

@@ -243,20 +243,20 @@ class Pipeline:
     def start_train_step(self) -> list[Trajectory] | None:
         """Take a batch from the window and start the train step on it (non-blocking).
 
-        The trainer publishes version v + 1 into the shm slot that version v - 1 used, so the
-        publish call depends on every worker having applied v - 1 (a Ray dependency: the
-        controller never blocks on it); with ``zero_copy`` receivers the engines read v - 1's slot
-        until they apply v, so it depends on v's applies instead.
+        The push of version v + 1 may reuse the buffer of an older version (the transport's rule,
+        ``TransportConfig.must_have_applied``: shm's double buffer reuses v - 1's slot, or v's with
+        ``zero_copy`` receivers), so the publish call depends on every worker's apply of that
+        version (a Ray dependency: the controller never blocks on it).
         """
         if (groups := self.scheduler.take()) is None:
             return None
-        lag = 0 if self.recipe.transport.mode == "zero_copy" else 1
-        slot_users = list(self.applies.get(self.window.version - lag, {}).values())
+        reused = self.recipe.transport.must_have_applied(self.window.version + 1)
+        readers = list(self.applies.get(reused, {}).values())
         trajs = [t for g in groups for t in self.finished.pop(g)]
         self.source.release(groups)
         adv = grpo_advantages(trajs, self.recipe.loss.scale_adv_by_std)
         batch = pack_batch(trajs, adv, self.window.version)
-        self.train_ref = self.trainer.publish.remote(self.trainer.train_step.remote(batch), slot_users)
+        self.train_ref = self.trainer.publish.remote(self.trainer.train_step.remote(batch), readers)
         return trajs
 
     def sync_weights(self, manifest: WeightManifest) -> None:

@@ -16,7 +16,13 @@ __getattr__, __dir__ = lazy_exports(  # the configs import no torch; the transpo
         "loong_transfermesh.sglang": ["SGLangUpdateError", "SGLangWeightPusher"],
         "loong_transfermesh.shm": ["ShmReceiver", "ShmSender", "remove_slots"],
         "loong_transfermesh.tcp": ["TcpReceiver", "TcpSender"],
-        "loong_transfermesh.transport": ["WeightReceiver", "WeightSender", "open_receiver", "open_sender"],
+        "loong_transfermesh.transport": [
+            "WeightReceiver",
+            "WeightSender",
+            "catch_up",
+            "open_receiver",
+            "open_sender",
+        ],
     },
 )
 
@@ -25,6 +31,7 @@ __all__ = [
     "TransportConfig",
     "WeightReceiver",
     "WeightSender",
+    "catch_up",
     "open_receiver",
     "open_sender",
     # transports

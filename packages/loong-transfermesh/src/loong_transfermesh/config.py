@@ -3,6 +3,7 @@ SGLang pusher reaches its servers. Pure msgspec: importing it loads no torch."""
 
 from __future__ import annotations
 
+import socket
 from typing import Literal
 
 import msgspec
@@ -44,6 +45,29 @@ class TransportConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
         if self.delta and self.type != "tcp":
             raise ValueError(f"delta works with type 'tcp', not {self.type!r}")
+
+    def must_have_applied(self, version: int) -> int:
+        """The version every receiver must have applied (or a newer one) before ``version`` may be
+        pushed, because the push reuses that version's buffer; -1: no such rule.
+
+        ``shm`` alternates two slots by version parity, so ``version`` overwrites the slot of
+        ``version - 2``: ``copy`` receivers must be done reading it; ``zero_copy`` receivers view
+        the slot they applied last until they apply the next, so they must hold ``version - 1``.
+        ``tcp`` receivers own their buffers (background receivers keep the viewed one apart).
+        """
+        if self.type != "shm":
+            return -1
+        return version - (1 if self.mode == "zero_copy" else 2)
+
+    def with_free_port(self) -> TransportConfig:
+        """``tcp`` bound to port 0: the same config with a free port chosen now, so receivers can
+        be given the address before the sender binds it (they connect once it listens)."""
+        host, _, port = self.address.rpartition(":")
+        if self.type != "tcp" or port != "0":
+            return self
+        with socket.socket() as s:
+            s.bind((host, 0))
+            return msgspec.structs.replace(self, address=f"{host}:{s.getsockname()[1]}")
 
     @property
     def bucket_bytes(self) -> int:

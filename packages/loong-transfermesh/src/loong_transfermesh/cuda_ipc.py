@@ -94,6 +94,10 @@ class CudaIpcReceiver:
         self.version = version
         return version
 
+    def newest(self) -> int:
+        """The version the targets hold (this transport keeps no other)."""
+        return self.version
+
     def _open(self, handle: list) -> torch.Tensor:
         key = bytes(handle[1])
         if key not in self._opened:

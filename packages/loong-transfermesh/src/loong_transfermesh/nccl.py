@@ -128,6 +128,10 @@ class NcclReceiver:
         self._turn = 0
         self._stream = torch.cuda.Stream(self.device)
 
+    def newest(self) -> int:
+        """The version the targets hold (a broadcast is received only inside ``apply``)."""
+        return self.version
+
     @torch.no_grad()
     def apply(self, targets: Mapping[str, torch.Tensor], version: int | None = None) -> int:
         """Receive ``version`` (default: the next one) and apply it; every receiver of the group

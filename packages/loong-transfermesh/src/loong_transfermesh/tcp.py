@@ -25,6 +25,7 @@ Lifecycle::
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import socket
 import struct
@@ -32,7 +33,9 @@ import threading
 import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
+import msgspec
 import torch
 
 from loong_core.config import is_loopback
@@ -71,12 +74,21 @@ def _tune(sock: socket.socket) -> None:
 
 
 class TcpSender:
-    """Listens for receivers and streams every pushed version to all of them."""
+    """Listens for receivers and streams every pushed version to all of them. ``receivers``: how
+    many the owner expects; a push first waits up to ``wait_s`` for that many to be connected (one
+    that connects later gets only the versions pushed after it)."""
 
     def __init__(
-        self, address: str = "127.0.0.1:0", bucket_bytes: int = 64 << 20, checksum: bool = True, key: str = ""
+        self,
+        address: str = "127.0.0.1:0",
+        bucket_bytes: int = 64 << 20,
+        checksum: bool = True,
+        key: str = "",
+        receivers: int = 0,
+        wait_s: float = 60.0,
     ) -> None:
         host, port = _split(address)
+        self.expected, self.wait_s = receivers, wait_s
         if not is_loopback(host) and not key:
             raise ValueError(f"a tcp sender bound to {host} (not loopback) needs a key; set transport.key")
         self.bucket_bytes, self.checksum, self._key = bucket_bytes, checksum, key.encode()
@@ -131,6 +143,9 @@ class TcpSender:
         """Stream ``version`` to every connected receiver; returns its manifest (with checksums).
         A receiver that fails during the update is dropped (it reconnects on its next apply)."""
         manifest = build_manifest(named, version, self.bucket_bytes)
+        if self.receivers < self.expected:  # a receiver still connecting would miss this version
+            with contextlib.suppress(TimeoutError):  # one gone for good must not stop the others
+                self.wait_for_receivers(self.expected, self.wait_s)
         with self._lock:
             peers = list(self._peers)
         blob = encode(manifest)
@@ -199,23 +214,48 @@ class TcpSender:
 
 
 class TcpReceiver:
-    """Connects to a TcpSender and applies the updates it streams, all or nothing."""
+    """Connects to a TcpSender and applies the updates it streams, all or nothing.
 
-    def __init__(self, address: str, timeout_s: float = 60.0, key: str = "", mode: str = "copy") -> None:
+    By default the stream is read inside :meth:`apply`, so a sender's push waits for receivers to
+    call it. With ``background=True`` a thread reads every update into a staging buffer as it is
+    pushed (the push returns once each receiver has the bytes, whenever it applies), reconnecting
+    when the sender goes away; :meth:`apply` then installs the newest staged update (waiting for
+    one at least ``version`` if given). Buffers: the update being received, the one staged, the
+    one being installed and, in ``zero_copy`` mode, the one the targets view never share memory.
+    """
+
+    def __init__(
+        self,
+        address: str,
+        timeout_s: float = 60.0,
+        key: str = "",
+        mode: str = "copy",
+        background: bool = False,
+    ) -> None:
         if mode not in ("copy", "zero_copy"):
             raise ValueError(f"mode must be 'copy' or 'zero_copy', got {mode!r}")
         self.host, self.port = _split(address)
         self.timeout_s, self._key, self.mode = timeout_s, key.encode(), mode
         self.version = -1
         self._sock: socket.socket | None = None
-        # zero_copy: two receive buffers; targets view one while the next update lands in the other
-        self._staging = [torch.empty(0, dtype=torch.uint8)] * (2 if mode == "zero_copy" else 1)
+        # zero_copy: targets view one buffer while the next update lands in another
+        count = (2 if mode == "zero_copy" else 1) + int(background)
+        self._staging = [torch.empty(0, dtype=torch.uint8)] * count
         self._turn = 0
         self._verifier = ThreadPoolExecutor(1, thread_name_prefix="tcp-verify")
+        self._cond = threading.Condition()
+        self._staged: _Staged | None = None
+        self._busy: set[int] = set()  # buffers being installed or viewed by the targets
+        self._closed = False
+        self._thread: threading.Thread | None = None
+        self._background = background
         try:
             self._connect()
         except (OSError, TransferFailed):
             self._sock = None  # the sender may start later (or refuse us): apply says so
+        if background:
+            self._thread = threading.Thread(target=self._receive_loop, daemon=True, name="tcp-receive")
+            self._thread.start()
 
     def _connect(self) -> socket.socket:
         if self._sock is None:
@@ -223,12 +263,15 @@ class TcpReceiver:
             _tune(sock)
             try:
                 sock.sendall(_HELLO + _U64.pack(len(self._key)) + self._key)
-                _recv_exact(sock, 2)
+                if _recv_exact(sock, 2) != b"OK":
+                    raise EOFError("not a TransferMesh sender")
             except (OSError, EOFError):
                 sock.close()
                 raise TransferFailed(
                     f"sender at {self.host}:{self.port} refused the handshake (wrong key?)"
                 ) from None
+            if self._background:
+                sock.settimeout(None)  # the thread waits for pushes as long as it takes
             self._sock = sock
         return self._sock
 
@@ -236,11 +279,13 @@ class TcpReceiver:
     def apply(self, targets: Mapping[str, torch.Tensor], version: int | None = None) -> int:
         """Receive the next update (skipping older ones if ``version`` is given) and apply it.
         Raises ManifestMismatch or TransferFailed; either way no target was touched."""
+        if self._thread is not None:
+            return self._apply_staged(targets, version)
         try:
             sock = self._connect()
             manifest, checked = self._read_manifest(sock)
             while version is not None and manifest.version < version:
-                self._receive(sock, manifest, checked)  # drained, never applied
+                self._receive(sock, manifest, checked, self._turn)  # drained, never applied
                 manifest, checked = self._read_manifest(sock)
         except (OSError, EOFError) as e:
             self._reset()
@@ -248,13 +293,68 @@ class TcpReceiver:
         try:
             check_against(manifest, targets)
         except ManifestMismatch:
-            self._receive(sock, manifest, checked)  # keep the stream in step
+            self._receive(sock, manifest, checked, self._turn)  # keep the stream in step
             raise
-        flat = self._receive(sock, manifest, checked)
+        flat = self._receive(sock, manifest, checked, self._turn)
         install(targets, tensor_views(flat, manifest), self.mode)
         self._turn = (self._turn + 1) % len(self._staging)
         self.version = manifest.version
         return self.version
+
+    def newest(self) -> int:
+        """The newest version this receiver holds or has staged (-1: none)."""
+        with self._cond:
+            return max(self.version, self._staged.manifest.version if self._staged else -1)
+
+    def _apply_staged(self, targets: Mapping[str, torch.Tensor], version: int | None) -> int:
+        wanted = self.version + 1 if version is None else version
+        deadline = time.monotonic() + self.timeout_s
+        with self._cond:
+            while self._staged is None or self._staged.manifest.version < wanted:
+                if (left := deadline - time.monotonic()) <= 0:
+                    raise TransferFailed(
+                        f"no update >= {wanted} from {self.host}:{self.port} within {self.timeout_s} s"
+                    )
+                self._cond.wait(left)
+            staged, self._staged = self._staged, None
+            self._busy.add(staged.buffer)
+        try:
+            if staged.error is not None:
+                raise staged.error
+            check_against(staged.manifest, targets)
+            install(targets, tensor_views(staged.flat, staged.manifest), self.mode)
+        except BaseException:
+            with self._cond:
+                self._busy.discard(staged.buffer)
+            raise
+        with self._cond:  # zero_copy: the targets now view this buffer and no longer the previous
+            self._busy = {staged.buffer} if self.mode == "zero_copy" else set()
+            self.version = staged.manifest.version
+        return self.version
+
+    def _receive_loop(self) -> None:
+        while not self._closed:
+            try:
+                sock = self._connect()
+                manifest, checked = self._read_manifest(sock)
+                with self._cond:  # not busy, and not the staged one unless nothing else is free
+                    free = [b for b in range(len(self._staging)) if b not in self._busy]
+                    staged = self._staged.buffer if self._staged else -1
+                    buffer = next((b for b in free if b != staged), free[0])
+                    if buffer == staged:
+                        self._staged = None
+                error: ManifestMismatch | None = None
+                try:
+                    flat = self._receive(sock, manifest, checked, buffer)
+                except ManifestMismatch as e:  # a corrupted bucket: apply reports it for this version
+                    flat, error = self._staging[buffer], e
+                with self._cond:
+                    self._staged = _Staged(manifest, buffer, flat, error)
+                    self._cond.notify_all()
+            except (OSError, EOFError, TransferFailed, msgspec.DecodeError, ValueError):
+                self._reset()
+                if not self._closed:
+                    time.sleep(0.05)  # the sender is not up yet or went away: connect again
 
     def _read_manifest(self, sock: socket.socket) -> tuple[WeightManifest, bool]:
         size, flags = _HEAD.unpack(_recv_exact(sock, _HEAD.size))
@@ -262,11 +362,13 @@ class TcpReceiver:
         manifest.validate()
         return manifest, bool(flags & 1)
 
-    def _receive(self, sock: socket.socket, manifest: WeightManifest, checked: bool) -> torch.Tensor:
-        """Receive every bucket into this turn's reused staging buffer and verify them."""
-        if self._staging[self._turn].numel() < manifest.total_bytes:  # all turns touched at once
-            self._staging = [torch.zeros(manifest.total_bytes, dtype=torch.uint8) for _ in self._staging]
-        staging, verified = self._staging[self._turn], []
+    def _receive(
+        self, sock: socket.socket, manifest: WeightManifest, checked: bool, buffer: int
+    ) -> torch.Tensor:
+        """Receive every bucket into the reused staging ``buffer`` and verify them."""
+        if self._staging[buffer].numel() < manifest.total_bytes:
+            self._staging[buffer] = torch.zeros(manifest.total_bytes, dtype=torch.uint8)
+        staging, verified = self._staging[buffer], []
         for b, (start, size) in enumerate(zip(bucket_starts(manifest), manifest.bucket_sizes, strict=True)):
             bucket = staging[start : start + size]
             try:
@@ -291,7 +393,24 @@ class TcpReceiver:
         self._sock = None
 
     def close(self) -> None:
+        self._closed = True
+        if self._sock is not None:
+            with contextlib.suppress(OSError):
+                self._sock.shutdown(socket.SHUT_RDWR)  # wakes the receiving thread
+        if self._thread is not None:
+            self._thread.join(timeout=5)
         self._reset()
+
+
+@dataclass(frozen=True)
+class _Staged:
+    """A received update waiting for ``apply``: its manifest, staging buffer and bytes (or the
+    checksum failure that apply raises)."""
+
+    manifest: WeightManifest
+    buffer: int
+    flat: torch.Tensor
+    error: ManifestMismatch | None
 
 
 def _recv_into(sock: socket.socket, view: memoryview) -> None:

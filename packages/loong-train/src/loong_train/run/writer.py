@@ -6,7 +6,8 @@ sample was lost or trained twice), ``scheduler.jsonl`` (every call into the
 :class:`~loong_train.scheduler.Scheduler`, with its decision, in order: the run's scheduling,
 replayable with :func:`loong_train.scheduler.replay`), ``trace.json`` (Perfetto: rollout, eval, train and sync spans
 per actor), ``plots/*.png``, ``checkpoints/final`` (Hugging Face format) and ``checkpoints/step_<v>``
-(resumable, :mod:`loong_train.run.checkpoint`), ``summary.json``. Task sets with domains add
+(resumable, :mod:`loong_train.run.checkpoint`), ``summary.json``; with ``[log] loggers``, the same
+rows in ``tensorboard/`` and ``wandb/`` (:mod:`loong_train.run.loggers`). Task sets with domains add
 held-out success per domain (``eval_reward/<domain>``, ``plots/eval_by_domain.png``).
 
 Resumed (``resume``, a :class:`RunDirState` from a checkpoint at step v): ``metrics.jsonl`` and
@@ -39,6 +40,7 @@ from loong_train.config import Recipe
 from loong_train.engines.embedded.host import crossed_update
 from loong_train.evaluator import EvalResult, Evaluator
 from loong_train.pipeline import Pipeline
+from loong_train.run.loggers import open_loggers
 from loong_train.run.plots import plot_domains, plot_run
 from loong_train.tiny.teachers import teacher_success
 
@@ -109,6 +111,7 @@ class RunDir:
         self.scheduling = MetricsWriter(path / "scheduler.jsonl")
         self.ledger = MetricsWriter(path / "ledger.jsonl")
         self.trace = TraceWriter(path / "trace.json")
+        self.loggers = open_loggers(recipe.log, path, msgspec.to_builtins(recipe))
         self.reported_evals: set[int] = set()
         self.start = self.last_step_end = time.time()
         self.rollout_busy = self.trainer_busy = 0.0
@@ -203,6 +206,8 @@ class RunDir:
         line |= self._unreported_eval()
         self.ledger.write({"step": version, **self.batch_ids})
         self.metrics.write(line)
+        for logger in self.loggers:
+            logger.log(line)
         self.write_scheduling(pipe)
         self.last = line
 
@@ -314,6 +319,9 @@ class RunDir:
         self.ledger.close()
         self.scheduling.close()
         self.trace.save()
+        for logger in self.loggers:
+            logger.close()
+        self.loggers = []
 
 
 def _keep_until(path: Path, step: int) -> None:

@@ -28,7 +28,7 @@ from loong_train.engines.config import EmbeddedEngineConfig, EngineConfig
 from loong_train.models.tokenizer import HFCodec, end_of_turn_ids, load_tokenizer
 from loong_train.tasks import build_task
 from loong_train.workers.agent import AgentConfig, BlackboxAgentConfig, BlackBoxHost
-from loong_transfermesh import ShmReceiver, TransferFailed, TransportConfig, open_receiver
+from loong_transfermesh import TransportConfig, catch_up, open_receiver
 
 __all__ = ["RolloutWorker"]
 
@@ -87,28 +87,17 @@ class RolloutWorker:
         )
         if version:  # resumed: ``model_path`` is a checkpoint of this version
             self.engine.set_version(version)
-        self.receiver = open_receiver(transport or TransportConfig())
-        self._catch_up(transport or TransportConfig())
+        transport = transport or TransportConfig()
+        self.receiver = open_receiver(transport, background=True)  # pushes never wait for our apply
+        self._catch_up(transport)
 
     def _catch_up(self, transport: TransportConfig) -> None:
-        """Take the newest version in the trainer's shm slots, if any is newer than ours (a fresh
-        run has none). It is copied, never viewed, even with ``zero_copy`` receivers: the
-        controller does not know about this read, so the slot may be reused after it. A slot
-        reused while reading raises TransferFailed; the next attempt takes the newer version."""
-        if transport.type != "shm":
-            return
-        receiver = ShmReceiver(transport.name, "copy", transport.timeout_s)
+        """Take the newest version the transport still holds, if newer than ours (a restarted
+        worker; a fresh run has none): :func:`loong_transfermesh.catch_up`."""
         params = dict(self.engine.model.named_parameters())
-        for attempt in range(5):
-            if receiver.newest() <= self.engine.weight_version:
-                break
-            try:
-                self.engine.set_version(receiver.apply(params))
-                break
-            except TransferFailed:
-                if attempt == 4:
-                    raise
-        receiver.close()
+        held = self.engine.weight_version
+        if (version := catch_up(transport, params, held)) != held:
+            self.engine.set_version(version)
 
     def rollout(
         self, specs: list[EpisodeSpec], min_version: int = 0, evaluation: bool = False
@@ -172,6 +161,7 @@ class RolloutWorker:
             self.blackbox.close()
         if self.host is not None:
             self.host.close()
+        self.receiver.close()
         self.engine.close()
 
     def model_path(self) -> str:

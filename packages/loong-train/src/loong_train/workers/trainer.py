@@ -31,11 +31,12 @@ class TrainerWorker:
         *,
         seed: int = 0,
         opd: OPDConfig | None = None,
+        receivers: int = 0,
     ) -> None:
         torch.set_num_threads(options.threads)
         torch.manual_seed(seed)
         self.backend = build_backend(model_path, options)
-        self.sender = open_sender(transport)
+        self.sender = open_sender(transport, receivers)  # the rollout workers
         self.version = 0
         self.distiller = Distiller(opd, model_path) if opd is not None and opd.enabled else None
 
@@ -51,14 +52,14 @@ class TrainerWorker:
         return {**metrics, **opd, "train_start": start, "train_end": time.time()}
 
     def publish(
-        self, metrics: dict[str, float], slot_free: Sequence[ray.ObjectRef] = ()
+        self, metrics: dict[str, float], readers: Sequence[ray.ObjectRef] = ()
     ) -> tuple[dict[str, float], WeightManifest]:
-        """Push the weights as version + 1. ``slot_free`` are the engines' applies of the version
-        that used the same shm slot (refs inside a list, so Ray does not resolve them as
-        arguments); the push waits until each finished or failed: a worker that died while
-        applying reads no slot any more (restarted, it catches up by itself)."""
-        if slot_free:
-            ray.wait(list(slot_free), num_returns=len(slot_free))
+        """Push the weights as version + 1. ``readers`` are the engines' applies of the version
+        whose buffer this push reuses (``TransportConfig.must_have_applied``; refs inside a list,
+        so Ray does not resolve them as arguments); the push waits until each finished or failed:
+        a worker that died while applying reads no buffer any more (restarted, it catches up)."""
+        if readers:
+            ray.wait(list(readers), num_returns=len(readers))
         start = time.time()
         self.version += 1
         manifest = self.sender.push(self.backend.named_weights(), self.version)
