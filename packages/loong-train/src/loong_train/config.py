@@ -30,6 +30,8 @@ from loong_train.algo.config import LossConfig, OPDConfig
 from loong_train.backends.config import BackendConfig, TorchBackendConfig
 from loong_train.engines.config import EmbeddedEngineConfig, EngineConfig
 from loong_train.tasks import task_problem
+from loong_train.tasks.data import DataConfig
+from loong_train.tasks.reward import RewardConfig
 from loong_train.workers.agent import AgentConfig, WhiteboxAgentConfig
 from loong_transfermesh.config import TransportConfig
 
@@ -178,6 +180,8 @@ class Recipe(_Section):
     eval: EvalConfig = EvalConfig()
     opd: OPDConfig = OPDConfig()
     agent: AgentConfig = WhiteboxAgentConfig()
+    data: DataConfig = DataConfig()
+    reward: RewardConfig = RewardConfig()
     transport: TransportConfig = TransportConfig()
     log: LogConfig = LogConfig()
     ray_address: str = ""
@@ -259,4 +263,20 @@ def load_recipe(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) 
         apply_override(data, override)
     if problems := _renamed_keys(data):
         raise ConfigError(f"{path.name}: " + "; ".join(problems))
-    return load_config(data, Recipe)
+    return _absolute_paths(load_config(data, Recipe))
+
+
+def _absolute_paths(recipe: Recipe) -> Recipe:
+    """Data files and a reward file, relative to the directory the run starts in, made absolute:
+    Ray workers may run in another directory."""
+    d, fn = recipe.data, recipe.reward.fn
+    where, _, name = fn.rpartition(":")
+    data = msgspec.structs.replace(
+        d,
+        train_files=[str(Path(f).absolute()) for f in d.train_files],
+        eval_files=[str(Path(f).absolute()) for f in d.eval_files],
+    )
+    reward = recipe.reward
+    if where.endswith(".py"):
+        reward = msgspec.structs.replace(reward, fn=f"{Path(where).absolute()}:{name}")
+    return msgspec.structs.replace(recipe, data=data, reward=reward)

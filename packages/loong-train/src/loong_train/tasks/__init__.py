@@ -6,7 +6,8 @@ of the tiny recipes (:mod:`loong_train.tiny.calc`, :mod:`loong_train.tiny.calc_d
 
 - ``calc``: ``compute A<op>B`` with ``op`` in ``+ - *``, untagged;
 - ``calc-domains``: the same questions in two tagged domains, ``add`` and ``mul``, in equal shares;
-- ``calc-add``, ``calc-mul``: one domain each (how the tiny OPD recipe trains its teachers).
+- ``calc-add``, ``calc-mul``: one domain each (how the tiny OPD recipe trains its teachers);
+- ``data``: the user's rows (``[data]``) and reward function (``[reward]``): :mod:`loong_train.tasks.data`.
 
 Choosing a task imports nothing: the module is imported when the task is built.
 """
@@ -14,8 +15,13 @@ Choosing a task imports nothing: the module is imported when the task is built.
 from __future__ import annotations
 
 import importlib
+from typing import TYPE_CHECKING
 
 from loong_train.tasks.base import AgentCommand, Item, Task
+
+if TYPE_CHECKING:
+    from loong_train.tasks.data import DataConfig
+    from loong_train.tasks.reward import RewardConfig
 
 __all__ = ["SHIPPED", "AgentCommand", "Item", "Task", "build_task", "task_problem"]
 
@@ -24,6 +30,7 @@ SHIPPED: dict[str, tuple[str, dict]] = {
     "calc-domains": ("loong_train.tiny.calc_domains:CalcDomainsTask", {"domains": ("add", "mul")}),
     "calc-add": ("loong_train.tiny.calc_domains:CalcDomainsTask", {"domains": ("add",)}),
     "calc-mul": ("loong_train.tiny.calc_domains:CalcDomainsTask", {"domains": ("mul",)}),
+    "data": ("loong_train.tasks.data:DataTask", {}),
 }
 
 
@@ -37,11 +44,17 @@ def task_problem(name: str) -> str:
     )
 
 
-def build_task(name: str) -> Task:
-    """The task ``name`` names (see the module docstring)."""
+def build_task(name: str, data: DataConfig | None = None, reward: RewardConfig | None = None) -> Task:
+    """The task ``name`` names (see the module docstring); ``data`` and ``reward`` are the recipe's
+    tables, which the ``data`` task is built from."""
     if problem := task_problem(name):
         raise ValueError(problem)
     path, kwargs = SHIPPED.get(name, (name, {}))
+    if name == "data":
+        from loong_train.tasks.data import DataConfig
+        from loong_train.tasks.reward import RewardConfig
+
+        kwargs = {"data": data or DataConfig(), "reward": reward or RewardConfig()}
     module, attr = path.split(":")
     try:
         factory = getattr(importlib.import_module(module), attr)

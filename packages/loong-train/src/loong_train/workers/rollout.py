@@ -27,6 +27,8 @@ from loong_train.engines.base import build_engine, build_host
 from loong_train.engines.config import EmbeddedEngineConfig, EngineConfig
 from loong_train.models.tokenizer import HFCodec, end_of_turn_ids, load_tokenizer
 from loong_train.tasks import build_task
+from loong_train.tasks.data import DataConfig
+from loong_train.tasks.reward import RewardConfig
 from loong_train.workers.agent import AgentConfig, BlackboxAgentConfig, BlackBoxHost
 from loong_transfermesh import TransportConfig, catch_up, open_receiver
 
@@ -59,6 +61,8 @@ class RolloutWorker:
         log_dir: str = "",
         version: int = 0,
         task: str = "calc",
+        data: DataConfig | None = None,
+        reward: RewardConfig | None = None,
     ) -> None:
         torch.set_num_threads(threads)
         self.worker_id, self._model_path = worker_id, model_path
@@ -75,7 +79,7 @@ class RolloutWorker:
         stop = end_of_turn_ids(tokenizer, model_path)
         self.sampling = SamplingParams(**sampling, stop_token_ids=stop)
         self.limits = EpisodeLimits(**limits)
-        self.task = build_task(task)
+        self.task = build_task(task, data, reward)
         self.agent = ToolAgent(self.task.tools(), self.task.reward)
         self.blackbox = (
             BlackBoxHost(self.engine, tokenizer, agent, self.sampling, self.limits, self.task)

@@ -1,0 +1,176 @@
+"""``task = "data"``: prompts from the user's data files, scored by the user's reward function.
+
+The ``[data]`` table names the files and which keys of a row hold what; the ``[reward]`` table
+names the function (:mod:`loong_train.tasks.reward`). A row is a JSON object (a line of a
+``.jsonl`` file, or an element of a ``.json`` file's top-level list):
+
+- ``prompt_key`` (default ``"prompt"``): a string (one user message) or a list of chat messages
+  ``{"role", "content"}`` (verl's and TRL's conversational rows); ``system_prompt`` is prepended
+  to rows that have no system message;
+- ``answer_key`` (default ``"answer"``; dotted for nested keys, e.g. verl's
+  ``"reward_model.ground_truth"``): the reference answer the reward function receives;
+- ``metadata_key`` (default ``"metadata"``): anything else it receives; ``tags_key``: a
+  ``{str: str}`` dict routing the row (``domain``: its curve in evaluation, its teacher in OPD).
+
+Held-out rows: the ``eval_files``, or else ``eval_fraction`` of ``train_files`` chosen with
+``split_seed`` (disjoint from training by row, never by content). Training draws rows in a seeded
+order, reshuffled each pass over the data. Every file is read and checked when the task is built
+(in the controller's preflight, before any work): a missing or empty file, a row that is not an
+object, lacks the prompt key or whose prompt is neither text nor messages is an error naming the
+file and line. Relative paths are taken from the directory ``loong-train run`` starts in.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from loong_agentflow import ToolRegistry
+from loong_core.config import ConfigError
+from loong_train.tasks.base import AgentCommand, Item
+from loong_train.tasks.reward import RewardConfig, load_reward
+
+__all__ = ["DataConfig", "DataTask", "read_rows"]
+
+
+class DataConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The ``[data]`` table (see the module docstring)."""
+
+    train_files: list[str] = []
+    eval_files: list[str] = []
+    eval_fraction: float = 0.1
+    split_seed: int = 0
+    prompt_key: str = "prompt"
+    answer_key: str = "answer"
+    metadata_key: str = "metadata"
+    tags_key: str = "tags"
+    system_prompt: str = ""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.eval_fraction < 1:
+            raise ValueError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
+        for name in ("train_files", "eval_files"):
+            if bad := [f for f in getattr(self, name) if not f.endswith((".jsonl", ".json"))]:
+                raise ValueError(f"{name}: {bad} are not .jsonl or .json files")
+
+
+def read_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
+    """The rows of a ``.jsonl`` or ``.json`` file, each with its id ``"<file name>:<line or index>"``."""
+    if not path.is_file():
+        raise ConfigError(f"data file {path} does not exist")
+    text = path.read_text()
+    if path.suffix == ".json":
+        try:
+            rows = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path}: not valid JSON ({e})") from e
+        if not isinstance(rows, list):
+            raise ConfigError(f"{path}: expected a top-level list of rows, got {type(rows).__name__}")
+        out = [(f"{path.name}:{i}", row) for i, row in enumerate(rows)]
+    else:
+        out = []
+        for n, line in enumerate(text.splitlines(), start=1):
+            if not line.strip():
+                continue
+            try:
+                out.append((f"{path.name}:{n}", json.loads(line)))
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path}, line {n}: not valid JSON ({e})") from e
+    if not out:
+        raise ConfigError(f"data file {path} has no rows")
+    return out
+
+
+def _get(row: dict[str, Any], dotted: str) -> Any:
+    value: Any = row
+    for part in dotted.split("."):
+        if not isinstance(value, dict) or part not in value:
+            return None
+        value = value[part]
+    return value
+
+
+class DataTask:
+    """A :class:`~loong_train.tasks.Task` over the user's rows and reward function (no tools)."""
+
+    def __init__(self, data: DataConfig, reward: RewardConfig) -> None:
+        if not data.train_files:
+            raise ConfigError("task = 'data' needs data.train_files (a list of .jsonl or .json files)")
+        self.config = data
+        self.reward_fn = load_reward(reward, Path.cwd())
+        train = [self._item(rid, row) for f in data.train_files for rid, row in read_rows(Path(f))]
+        if data.eval_files:
+            held = [self._item(rid, row) for f in data.eval_files for rid, row in read_rows(Path(f))]
+        else:
+            order = list(range(len(train)))
+            random.Random(data.split_seed).shuffle(order)
+            cut = max(1, round(len(train) * data.eval_fraction))
+            if cut >= len(train):
+                raise ConfigError(
+                    f"data.train_files hold {len(train)} rows: too few to hold out {data.eval_fraction:.0%} "
+                    "and train on the rest (add rows or give data.eval_files)"
+                )
+            held, train = [train[i] for i in order[:cut]], [train[i] for i in sorted(order[cut:])]
+        self.train, self.eval = train, held
+
+    def _item(self, rid: str, row: Any) -> Item:
+        c = self.config
+        if not isinstance(row, dict):
+            raise ConfigError(f"{rid}: a row must be a JSON object, got {type(row).__name__}")
+        if c.prompt_key not in row:
+            raise ConfigError(f"{rid}: the row has no prompt key {c.prompt_key!r} (keys: {', '.join(row)})")
+        messages = _messages(rid, row[c.prompt_key], c.prompt_key)
+        if c.system_prompt and messages[0]["role"] != "system":
+            messages = [{"role": "system", "content": c.system_prompt}, *messages]
+        tags = row.get(c.tags_key) or {}
+        if not isinstance(tags, dict) or not all(isinstance(v, str) for v in tags.values()):
+            raise ConfigError(f"{rid}: {c.tags_key!r} must be an object of strings, got {tags!r}")
+        item: Item = {"id": rid, "messages": messages, "answer": _get(row, c.answer_key), "row": row}
+        item["metadata"] = row.get(c.metadata_key, {})
+        if tags:
+            item["tags"] = tags
+        return item
+
+    def held_out(self, n: int) -> list[Item]:
+        return self.eval[:n]
+
+    def train_stream(self, seed: int, held_out: Sequence[Item]) -> Iterator[Item]:
+        banned = {item["id"] for item in held_out}
+        rows = [item for item in self.train if item["id"] not in banned]
+        rng = random.Random(seed)
+        while True:
+            order = list(range(len(rows)))
+            rng.shuffle(order)
+            yield from (rows[i] for i in order)
+
+    def tools(self) -> ToolRegistry:
+        return ToolRegistry([])
+
+    def reward(self, item: Item, answer: str) -> float:
+        return self.reward_fn.score(item, answer)
+
+    def agent_command(self) -> AgentCommand | None:
+        return None
+
+
+def _messages(rid: str, prompt: Any, key: str) -> list[dict[str, str]]:
+    if isinstance(prompt, str):
+        return [{"role": "user", "content": prompt}]
+    ok = (
+        isinstance(prompt, list)
+        and prompt
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            for m in prompt
+        )
+    )
+    if not ok:
+        raise ConfigError(
+            f"{rid}: {key!r} must be a string or a list of {{'role', 'content'}} messages, got {prompt!r:.80}"
+        )
+    return [{"role": m["role"], "content": m["content"]} for m in prompt]

@@ -1,0 +1,146 @@
+"""The ``[reward]`` table: a user's reward function, found by path, called with what it names.
+
+``fn = "pkg.module:name"`` (an importable module) or ``fn = "path/to/file.py:name"`` (a file,
+relative to the recipe's directory or absolute). The function may be sync or ``async`` and takes
+any of these parameters, by name (anything else is a start-up error naming the parameter):
+
+- ``completion``: the final assistant text of the episode (stripped of the end-of-turn token);
+- ``prompt``: the last user message's text; ``messages``: the prompt messages followed by the
+  final assistant turn (single-turn data tasks: the whole transcript);
+- ``answer``: the row's reference answer (``data.answer_key``; ``None`` when the row has none);
+- ``metadata``: the row's ``data.metadata_key`` value (``{}`` when absent); ``row``: the whole row.
+
+It returns a number or a dict with a numeric ``"score"`` (other keys are ignored for now). A
+function that raises, runs longer than ``timeout_s`` or returns NaN or a non-number fails that
+episode (``status = "failed"``, the error in the trajectory's info), never the run. Unset ``fn``:
+exact match, ``float(completion.strip() == str(answer).strip())``.
+
+How it compares: verl's ``compute_score(data_source, solution_str, ground_truth, extra_info)``
+is positional and fixed; TRL passes every column by name to list-style functions. Here a
+function names only what it uses, one episode per call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import inspect
+import math
+import sys
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from loong_core.config import ConfigError
+
+__all__ = ["PARAMETERS", "RewardConfig", "RewardFn", "load_reward"]
+
+PARAMETERS = ("completion", "prompt", "messages", "answer", "metadata", "row")
+
+
+class RewardConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``fn``: ``"pkg.module:name"`` or ``"file.py:name"`` (empty: exact match on the answer);
+    ``timeout_s``: how long one call may run."""
+
+    fn: str = ""
+    timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if self.fn and (self.fn.count(":") < 1 or not all(self.fn.rsplit(":", 1))):
+            raise ValueError(f"fn must be 'pkg.module:name' or 'path/to/file.py:name', got {self.fn!r}")
+        if self.timeout_s <= 0:
+            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+
+
+def exact_match(completion: str, answer: Any) -> float:
+    return float(answer is not None and completion.strip() == str(answer).strip())
+
+
+def load_reward(config: RewardConfig, base: Path) -> RewardFn:
+    """The function ``config.fn`` names (files relative to ``base``), checked against
+    :data:`PARAMETERS`; raises ConfigError naming what does not import or bind."""
+    fn = _import(config.fn, base) if config.fn else exact_match
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"reward.fn {config.fn!r}: not a function with a signature ({e})") from e
+    names = []
+    for p in params:
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if p.name not in PARAMETERS and p.default is p.empty:
+            raise ConfigError(
+                f"reward.fn {config.fn!r}: parameter {p.name!r} is none of {', '.join(PARAMETERS)} "
+                "(rename it, or give it a default)"
+            )
+        if p.name in PARAMETERS:
+            names.append(p.name)
+    return RewardFn(fn, tuple(names), config.timeout_s, config.fn or "exact match")
+
+
+def _import(spec: str, base: Path) -> Callable[..., Any]:
+    where, name = spec.rsplit(":", 1)
+    try:
+        if where.endswith(".py"):
+            path = Path(where) if Path(where).is_absolute() else base / where
+            if not path.is_file():
+                raise ConfigError(f"reward.fn {spec!r}: file {path} does not exist")
+            module_spec = importlib.util.spec_from_file_location(f"loong_user_reward_{path.stem}", path)
+            assert module_spec is not None and module_spec.loader is not None
+            module = importlib.util.module_from_spec(module_spec)
+            sys.modules[module_spec.name] = module
+            module_spec.loader.exec_module(module)
+        else:
+            module = importlib.import_module(where)
+    except ConfigError:
+        raise
+    except Exception as e:  # the user's module failed to import: say where and why
+        raise ConfigError(f"reward.fn {spec!r}: importing {where} failed ({type(e).__name__}: {e})") from e
+    fn = getattr(module, name, None)
+    if not callable(fn):
+        raise ConfigError(f"reward.fn {spec!r}: {where} has no function {name!r}")
+    return fn
+
+
+class RewardFn:
+    """A bound reward function: ``score(item, completion)`` calls it with the parameters it names,
+    on a thread of its own with a time limit, and returns a finite float or raises."""
+
+    def __init__(self, fn: Callable[..., Any], names: tuple[str, ...], timeout_s: float, label: str) -> None:
+        self.fn, self.names, self.timeout_s, self.label = fn, names, timeout_s, label
+        self._pool = ThreadPoolExecutor(4, thread_name_prefix="reward")
+
+    def arguments(self, item: dict[str, Any], completion: str) -> dict[str, Any]:
+        messages = item["messages"]
+        prompt = next((m["content"] for m in reversed(messages) if m["role"] == "user"), "")
+        values = {
+            "completion": completion,
+            "prompt": prompt,
+            "messages": [*messages, {"role": "assistant", "content": completion}],
+            "answer": item.get("answer"),
+            "metadata": item.get("metadata", {}),
+            "row": item.get("row", item),
+        }
+        return {name: values[name] for name in self.names}
+
+    def score(self, item: dict[str, Any], completion: str) -> float:
+        call = self._pool.submit(self._call, self.arguments(item, completion))
+        try:
+            out = call.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            raise TimeoutError(f"reward {self.label} ran past {self.timeout_s}s") from None
+        value = out.get("score") if isinstance(out, dict) else out
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise ValueError(
+                f"reward {self.label} returned {out!r}, expected a finite number or {{'score': x}}"
+            )
+        return float(value)
+
+    def _call(self, kwargs: dict[str, Any]) -> Any:
+        out = self.fn(**kwargs)
+        return asyncio.run(out) if inspect.iscoroutine(out) else out

@@ -1,0 +1,206 @@
+"""``task = "data"``: the user's rows and reward function. Unit tests of the rows, the split, the
+reward binding and every bad input, then one real run started from a user's own directory."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from loong_core.config import ConfigError
+from loong_train.config import load_recipe
+from loong_train.tasks import build_task
+from loong_train.tasks.data import DataConfig, DataTask
+from loong_train.tasks.reward import RewardConfig, load_reward
+
+ROWS = [{"prompt": f"what is {i}+1?", "answer": str(i + 1), "metadata": {"n": i}} for i in range(20)]
+
+
+def _write(path: Path, rows) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture
+def data(tmp_path):
+    return _write(tmp_path / "data.jsonl", ROWS)
+
+
+def test_rows_become_items_and_the_split_is_disjoint_and_seeded(data):
+    task = DataTask(DataConfig(train_files=[str(data)], eval_fraction=0.25, split_seed=3), RewardConfig())
+    again = DataTask(DataConfig(train_files=[str(data)], eval_fraction=0.25, split_seed=3), RewardConfig())
+    held = task.held_out(100)
+    assert len(held) == 5 and held == again.held_out(100)
+    assert {i["id"] for i in held}.isdisjoint(i["id"] for i in task.train)
+    assert len(task.train) + len(held) == len(ROWS)
+    first = held[0]
+    assert first["messages"] == [{"role": "user", "content": first["row"]["prompt"]}]
+    assert first["answer"] == first["row"]["answer"] and first["metadata"] == first["row"]["metadata"]
+    stream = task.train_stream(7, held)
+    two_passes = [next(stream)["id"] for _ in range(2 * len(task.train))]
+    assert sorted(two_passes[:15]) == sorted(two_passes[15:]) == sorted(i["id"] for i in task.train)
+    assert two_passes[:15] != two_passes[15:]  # reshuffled each pass
+    assert (
+        task.reward(first, f" {first['answer']} ") == 1.0 and task.reward(first, "no") == 0.0
+    )  # exact match
+
+
+def test_verl_and_chat_rows_and_eval_files(tmp_path):
+    verl = [{"prompt": [{"role": "user", "content": "2+2?"}], "reward_model": {"ground_truth": "4"}}] * 3
+    train, held = _write(tmp_path / "t.jsonl", verl), tmp_path / "e.json"
+    held.write_text(json.dumps(verl[:1]))
+    config = DataConfig(
+        train_files=[str(train)],
+        eval_files=[str(held)],
+        answer_key="reward_model.ground_truth",
+        system_prompt="Be brief.",
+    )
+    task = DataTask(config, RewardConfig())
+    assert len(task.train) == 3 and [i["id"] for i in task.held_out(8)] == ["e.json:0"]
+    item = task.held_out(1)[0]
+    assert item["messages"] == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "2+2?"},
+    ]
+    assert item["answer"] == "4"
+
+
+def test_a_reward_gets_what_it_names_sync_or_async(tmp_path, data):
+    (tmp_path / "rw.py").write_text(
+        textwrap.dedent("""
+        async def score(completion, answer, prompt, messages, metadata, row):
+            assert messages[-1] == {"role": "assistant", "content": completion}
+            assert prompt == row["prompt"] and metadata == row["metadata"]
+            return {"score": float(completion == answer), "length": len(completion)}
+        """)
+    )
+    fn = load_reward(RewardConfig(fn=f"{tmp_path / 'rw.py'}:score"), tmp_path)
+    task = DataTask(DataConfig(train_files=[str(data)]), RewardConfig(fn=f"{tmp_path / 'rw.py'}:score"))
+    item = task.held_out(1)[0]
+    assert fn.names == ("completion", "answer", "prompt", "messages", "metadata", "row")
+    assert task.reward(item, item["answer"]) == 1.0 and task.reward(item, "x") == 0.0
+
+
+@pytest.mark.parametrize(
+    ("body", "error"),
+    [
+        ("def score(completion):\n    raise KeyError('boom')", "boom"),
+        ("def score(completion):\n    return float('nan')", r"returned nan, expected a finite number"),
+        ("def score(completion):\n    return 'high'", r"returned 'high'"),
+        ("def score(completion):\n    return {'value': 1}", r"returned \{'value': 1\}"),
+        ("import time\ndef score(completion):\n    time.sleep(5)", r"ran past 0\.2s"),
+    ],
+)
+def test_a_reward_that_fails_raises_for_its_episode_only(tmp_path, data, body, error):
+    (tmp_path / "rw.py").write_text(body)
+    task = DataTask(
+        DataConfig(train_files=[str(data)]), RewardConfig(fn=f"{tmp_path / 'rw.py'}:score", timeout_s=0.2)
+    )
+    with pytest.raises(Exception, match=error):
+        task.reward(task.held_out(1)[0], "1")
+    assert math.isfinite(
+        DataTask(DataConfig(train_files=[str(data)]), RewardConfig()).reward(task.held_out(1)[0], "1")
+    )
+
+
+@pytest.mark.parametrize(
+    ("files", "reward", "error"),
+    [
+        ({"data.jsonl": None}, "", r"data file .*missing\.jsonl does not exist"),
+        ({"data.jsonl": ""}, "", r"data file .*data\.jsonl has no rows"),
+        ({"data.jsonl": '{"prompt": "a"}\n{"prompt": \n'}, "", r"data\.jsonl, line 2: not valid JSON"),
+        ({"data.jsonl": '{"prompt": "a"}\n{"question": "b"}\n'}, "", r"data\.jsonl:2: the row has no prompt key 'prompt' \(keys: question\)"),
+        ({"data.jsonl": '{"prompt": 7}\n'}, "", r"data\.jsonl:1: 'prompt' must be a string or a list of"),
+        ({"data.jsonl": '[1]\n'}, "", r"data\.jsonl:1: a row must be a JSON object, got list"),
+        ({"data.jsonl": '{"prompt": "a"}\n' * 4, "rw.py": "import nonexistent_module_xyz"}, "rw.py:score", r"importing .*rw\.py failed \(ModuleNotFoundError"),
+        ({"data.jsonl": '{"prompt": "a"}\n' * 4}, "nope.py:score", r"file .*nope\.py does not exist"),
+        ({"data.jsonl": '{"prompt": "a"}\n' * 4, "rw.py": "x = 1"}, "rw.py:score", r"rw\.py has no function 'score'"),
+        ({"data.jsonl": '{"prompt": "a"}\n' * 4, "rw.py": "def score(solution_str): ..."}, "rw.py:score", r"parameter 'solution_str' is none of completion, prompt"),
+        ({"data.jsonl": '{"prompt": "a"}\n' * 4}, "no_such_pkg_xyz.mod:fn", r"importing no_such_pkg_xyz\.mod failed"),
+        ({"data.jsonl": '{"prompt": "a"}\n'}, "", r"hold 1 rows: too few to hold out"),
+    ],
+)  # fmt: skip
+def test_bad_input_is_an_error_naming_the_file_row_or_key(tmp_path, files, reward, error):
+    for name, text in files.items():
+        if text is not None:
+            (tmp_path / name).write_text(text)
+    train = "missing.jsonl" if files.get("data.jsonl", "") is None else "data.jsonl"
+    old = Path.cwd()
+    os.chdir(tmp_path)
+    try:
+        with pytest.raises(ConfigError, match=error):
+            build_task("data", DataConfig(train_files=[train]), RewardConfig(fn=reward))
+    finally:
+        os.chdir(old)
+
+
+def test_recipe_paths_are_made_absolute_and_a_data_task_needs_files(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    r = load_recipe("tiny-calc-agent", ["task=data", 'data.train_files=["d.jsonl"]', "reward.fn=rw.py:score"])
+    assert r.data.train_files == [str(tmp_path / "d.jsonl")] and r.reward.fn == f"{tmp_path / 'rw.py'}:score"
+    with pytest.raises(ConfigError, match=r"needs data\.train_files"):
+        build_task("data")
+
+
+USER_REWARD = """
+import json, pathlib
+
+def score(completion, answer, prompt):
+    with open(pathlib.Path(__file__).with_name("calls.jsonl"), "a") as f:
+        f.write(json.dumps({"prompt": prompt, "answer": answer}) + "\\n")
+    return {"score": 1.0 if completion else 0.5}
+"""
+
+USER_RECIPE = """
+name = "my-task"
+task = "data"
+
+[data]
+train_files = ["data.jsonl"]
+eval_fraction = 0.2
+
+[reward]
+fn = "reward.py:score"
+
+[warmstart]
+steps = 0
+
+[train]
+steps = 2
+batch_groups = 2
+
+[rollout]
+group_size = 4
+max_new_tokens = 48
+max_model_tokens = 96
+
+[eval]
+every = 1
+num_tasks = 4
+"""
+
+
+@pytest.mark.integration
+def test_a_users_data_reward_and_recipe_train_from_their_own_directory(tmp_path):
+    _write(tmp_path / "data.jsonl", ROWS)
+    (tmp_path / "reward.py").write_text(USER_REWARD)
+    (tmp_path / "recipe.toml").write_text(USER_RECIPE)
+    cmd = [sys.executable, "-m", "loong_train.cli", "run", "recipe.toml", "--cache", "cache"]
+    env = {**os.environ, "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
+    done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [
+        json.loads(line)
+        for line in (tmp_path / "runs" / "my-task" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert [r["step"] for r in rows] == [1, 2]
+    # an untrained model: finished episodes earn the user's 1.0 or 0.5, truncated ones 0 (exact
+    # match would give 0 throughout); each call got a row's own prompt and answer
+    assert any(r["reward_mean"] > 0 for r in rows)
+    calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
+    pairs = {(r["prompt"], r["answer"]) for r in ROWS}
+    assert calls and all((c["prompt"], c["answer"]) in pairs for c in calls)
