@@ -13,7 +13,7 @@ import pytest
 
 from loong_core.config import ConfigError
 from loong_train.config import load_recipe
-from loong_train.tasks import build_task
+from loong_train.tasks import TaskTables, build_task
 from loong_train.tasks.data import DataConfig, DataTask
 from loong_train.tasks.reward import RewardConfig, load_reward
 
@@ -133,7 +133,9 @@ def test_bad_input_is_an_error_naming_the_file_row_or_key(tmp_path, files, rewar
     os.chdir(tmp_path)
     try:
         with pytest.raises(ConfigError, match=error):
-            build_task("data", DataConfig(train_files=[train]), RewardConfig(fn=reward))
+            build_task(
+                "data", TaskTables(data=DataConfig(train_files=[train]), reward=RewardConfig(fn=reward))
+            )
     finally:
         os.chdir(old)
 

@@ -29,8 +29,9 @@ from loong_core.config import ConfigError, apply_override, load_config
 from loong_train.algo.config import LossConfig, OPDConfig
 from loong_train.backends.config import BackendConfig, TorchBackendConfig
 from loong_train.engines.config import EmbeddedEngineConfig, EngineConfig
-from loong_train.tasks import task_problem
+from loong_train.tasks import TaskTables, task_problem
 from loong_train.tasks.data import DataConfig
+from loong_train.tasks.reasoning_gym import ReasoningGymConfig
 from loong_train.tasks.reward import RewardConfig
 from loong_train.workers.agent import AgentConfig, WhiteboxAgentConfig
 from loong_transfermesh.config import TransportConfig
@@ -182,9 +183,15 @@ class Recipe(_Section):
     agent: AgentConfig = WhiteboxAgentConfig()
     data: DataConfig = DataConfig()
     reward: RewardConfig = RewardConfig()
+    reasoning_gym: ReasoningGymConfig = ReasoningGymConfig()
     transport: TransportConfig = TransportConfig()
     log: LogConfig = LogConfig()
     ray_address: str = ""
+
+    @property
+    def task_tables(self) -> TaskTables:
+        """The tables the recipe's task is built from (:func:`loong_train.tasks.build_task`)."""
+        return TaskTables(data=self.data, reward=self.reward, reasoning_gym=self.reasoning_gym)
 
     def __post_init__(self) -> None:
         if problem := task_problem(self.task):

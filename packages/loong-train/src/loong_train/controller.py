@@ -138,7 +138,7 @@ def trainer_options(recipe: Recipe) -> dict[str, Any]:
 def _preflight(recipe: Recipe) -> Task:
     """The recipe's task, after failing before any work on what the workers would fail on: the
     task, the train backend's and the loggers' extras, the agent program."""
-    task = build_task(recipe.task, recipe.data, recipe.reward)
+    task = build_task(recipe.task, recipe.task_tables)
     require_installed(recipe.train.backend)
     require_loggers(recipe.log)
     if isinstance(recipe.agent, BlackboxAgentConfig):
@@ -191,8 +191,7 @@ def _start(
             engine=r.engine,
             log_dir=str(log_dir),
             task=recipe.task,
-            data=recipe.data,
-            reward=recipe.reward,
+            tables=recipe.task_tables,
         )
         for i in range(r.workers)
     ]

@@ -7,7 +7,11 @@ of the tiny recipes (:mod:`loong_train.tiny.calc`, :mod:`loong_train.tiny.calc_d
 - ``calc``: ``compute A<op>B`` with ``op`` in ``+ - *``, untagged;
 - ``calc-domains``: the same questions in two tagged domains, ``add`` and ``mul``, in equal shares;
 - ``calc-add``, ``calc-mul``: one domain each (how the tiny OPD recipe trains its teachers);
-- ``data``: the user's rows (``[data]``) and reward function (``[reward]``): :mod:`loong_train.tasks.data`.
+- ``data``: the user's rows (``[data]``) and reward function (``[reward]``): :mod:`loong_train.tasks.data`;
+- ``reasoning_gym:<dataset>``, ``reasoning_gym`` (a weighted composite): reasoning-gym's procedural
+  datasets, configured by ``[reasoning_gym]``: :mod:`loong_train.tasks.reasoning_gym`.
+
+Tasks built from recipe tables get them as :class:`TaskTables`.
 
 Choosing a task imports nothing: the module is imported when the task is built.
 """
@@ -15,15 +19,15 @@ Choosing a task imports nothing: the module is imported when the task is built.
 from __future__ import annotations
 
 import importlib
-from typing import TYPE_CHECKING
+
+import msgspec
 
 from loong_train.tasks.base import AgentCommand, Item, Task
+from loong_train.tasks.data import DataConfig
+from loong_train.tasks.reasoning_gym import PREFIX, ReasoningGymConfig
+from loong_train.tasks.reward import RewardConfig
 
-if TYPE_CHECKING:
-    from loong_train.tasks.data import DataConfig
-    from loong_train.tasks.reward import RewardConfig
-
-__all__ = ["SHIPPED", "AgentCommand", "Item", "Task", "build_task", "task_problem"]
+__all__ = ["SHIPPED", "AgentCommand", "Item", "Task", "TaskTables", "build_task", "task_problem"]
 
 SHIPPED: dict[str, tuple[str, dict]] = {
     "calc": ("loong_train.tiny.calc:CalcTask", {}),
@@ -34,27 +38,37 @@ SHIPPED: dict[str, tuple[str, dict]] = {
 }
 
 
+class TaskTables(msgspec.Struct, frozen=True, kw_only=True):
+    """The recipe tables a task is built from: ``[data]`` and ``[reward]`` (``task = "data"``),
+    ``[reasoning_gym]``. Other tasks ignore them."""
+
+    data: DataConfig = DataConfig()
+    reward: RewardConfig = RewardConfig()
+    reasoning_gym: ReasoningGymConfig = ReasoningGymConfig()
+
+
 def task_problem(name: str) -> str:
     """Why ``name`` cannot name a task ("" when it can), checked without importing anything."""
-    if name in SHIPPED or (name.count(":") == 1 and all(name.split(":"))):
+    if name in SHIPPED or name == PREFIX or (name.count(":") == 1 and all(name.split(":"))):
         return ""
     return (
         f"unknown task {name!r} (expected a shipped task, one of {', '.join(map(repr, SHIPPED))}, "
-        "or the import path of a factory, 'pkg.module:factory')"
+        f"'{PREFIX}:<dataset>', '{PREFIX}', or the import path of a factory, 'pkg.module:factory')"
     )
 
 
-def build_task(name: str, data: DataConfig | None = None, reward: RewardConfig | None = None) -> Task:
-    """The task ``name`` names (see the module docstring); ``data`` and ``reward`` are the recipe's
-    tables, which the ``data`` task is built from."""
+def build_task(name: str, tables: TaskTables | None = None) -> Task:
+    """The task ``name`` names (see the module docstring), built from the recipe's ``tables``."""
     if problem := task_problem(name):
         raise ValueError(problem)
+    tables = tables or TaskTables()
+    if name == PREFIX or name.startswith(f"{PREFIX}:"):
+        from loong_train.tasks.reasoning_gym import ReasoningGymTask
+
+        return ReasoningGymTask(tables.reasoning_gym, name.partition(":")[2])
     path, kwargs = SHIPPED.get(name, (name, {}))
     if name == "data":
-        from loong_train.tasks.data import DataConfig
-        from loong_train.tasks.reward import RewardConfig
-
-        kwargs = {"data": data or DataConfig(), "reward": reward or RewardConfig()}
+        kwargs = {"data": tables.data, "reward": tables.reward}
     module, attr = path.split(":")
     try:
         factory = getattr(importlib.import_module(module), attr)

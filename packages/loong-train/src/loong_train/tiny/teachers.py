@@ -69,7 +69,7 @@ def _build_teacher(recipe: Recipe, build: TeacherBuild, cache_dir: Path, student
 def _held_out_success(path: Path, recipe: Recipe) -> dict[str, float]:
     """Sampled success of the checkpoint at ``path`` on the run's held-out set, per domain."""
     model, tokenizer = Qwen3ForCausalLM.from_pretrained(path), load_tokenizer(path)
-    held_out = build_task(recipe.task, recipe.data, recipe.reward).held_out(recipe.eval.num_tasks)
+    held_out = build_task(recipe.task, recipe.task_tables).held_out(recipe.eval.num_tasks)
     by_domain: dict[str, list[dict]] = {}
     for t in held_out:
         by_domain.setdefault(t.get("tags", {}).get("domain", ""), []).append(t)

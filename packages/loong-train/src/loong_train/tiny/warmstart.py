@@ -59,7 +59,7 @@ def sampled_success(
     )
     specs = [EpisodeSpec(f"probe-{i}", f"probe-{i}", t) for i, t in enumerate(tasks)]
     limits = EpisodeLimits(max_turns=r.max_turns, max_model_tokens=r.max_model_tokens)
-    task = build_task(recipe.task, recipe.data, recipe.reward)
+    task = build_task(recipe.task, recipe.task_tables)
     agent = ToolAgent(task.tools(), task.reward)
     trajs = asyncio.run(run_episodes(agent, specs, engine, HFCodec(tokenizer), sampling, limits))
     model.train()

@@ -26,9 +26,7 @@ from loong_core.records import WeightManifest
 from loong_train.engines.base import build_engine, build_host
 from loong_train.engines.config import EmbeddedEngineConfig, EngineConfig
 from loong_train.models.tokenizer import HFCodec, end_of_turn_ids, load_tokenizer
-from loong_train.tasks import build_task
-from loong_train.tasks.data import DataConfig
-from loong_train.tasks.reward import RewardConfig
+from loong_train.tasks import TaskTables, build_task
 from loong_train.workers.agent import AgentConfig, BlackboxAgentConfig, BlackBoxHost
 from loong_transfermesh import TransportConfig, catch_up, open_receiver
 
@@ -61,8 +59,7 @@ class RolloutWorker:
         log_dir: str = "",
         version: int = 0,
         task: str = "calc",
-        data: DataConfig | None = None,
-        reward: RewardConfig | None = None,
+        tables: TaskTables | None = None,
     ) -> None:
         torch.set_num_threads(threads)
         self.worker_id, self._model_path = worker_id, model_path
@@ -79,7 +76,7 @@ class RolloutWorker:
         stop = end_of_turn_ids(tokenizer, model_path)
         self.sampling = SamplingParams(**sampling, stop_token_ids=stop)
         self.limits = EpisodeLimits(**limits)
-        self.task = build_task(task, data, reward)
+        self.task = build_task(task, tables)
         self.agent = ToolAgent(self.task.tools(), self.task.reward)
         self.blackbox = (
             BlackBoxHost(self.engine, tokenizer, agent, self.sampling, self.limits, self.task)
