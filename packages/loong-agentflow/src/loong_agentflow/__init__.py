@@ -10,6 +10,7 @@ from loong_agentflow.agent import (
     run_episodes,
 )
 from loong_agentflow.blackbox import AgentProgram, BlackBoxRunner
+from loong_agentflow.env import EnvAgent, Environment, GymTextEnv, StepResult
 from loong_agentflow.proxy import ProxyConfig, ProxyServer
 from loong_agentflow.proxy_render import ChatMLRenderer, ChatRenderer, HFChatRenderer
 from loong_agentflow.proxy_session import ProxySession
@@ -26,6 +27,11 @@ __all__ = [
     "EpisodeSpec",
     "ToolAgent",
     "run_episodes",
+    # multi-turn environments
+    "EnvAgent",
+    "Environment",
+    "GymTextEnv",
+    "StepResult",
     # black-box agents (OpenAI-compatible proxy)
     "AgentProgram",
     "BlackBoxRunner",

@@ -1,0 +1,131 @@
+"""Multi-turn environments: the episode's other side is a stateful object, one per episode.
+
+An :class:`Environment` starts from a task row and answers every assistant turn::
+
+    class GuessNumber:
+        async def reset(self, task):               # -> the prompt messages
+            self.secret = task["secret"]
+            return [{"role": "user", "content": "Guess my number, 1 to 9."}]
+
+        async def step(self, action):              # the assistant's turn, end token stripped
+            if action.strip() == str(self.secret):
+                return StepResult(reward=1.0, done=True)
+            hint = "higher" if int(action) < self.secret else "lower"
+            return StepResult(observations=[{"role": "user", "content": hint}])
+
+        async def close(self): ...
+
+Methods may also be plain (sync) functions. :class:`EnvAgent` runs one environment per episode
+(``factory()`` makes it, so stateful sandboxes work), and the framework keeps the tokens: the
+prompt and every observation are rendered in ChatML (:class:`~loong_agentflow.agent.ChatML`,
+loss mask 0) between model turns (loss mask 1), so the trajectory decodes to exactly the chat
+template's rendering of the transcript and its logprobs are the engine's. Observations are
+messages: ``user`` and ``system`` turns as they are, ``tool`` turns as Hermes
+``<tool_response>`` blocks (as :class:`~loong_agentflow.agent.ToolAgent` renders tool results).
+
+The episode's reward is the sum of the steps' rewards. It ends when a step says ``done``, or
+without a final step when the model runs out of turns or tokens (the rewards so far count; the
+row is marked truncated). An environment that raises fails the episode (``status = "failed"``,
+the error in the trajectory's info), never the run; ``close`` runs in every case.
+
+:class:`GymTextEnv` adapts a gymnasium-style text environment (``reset(seed=, options=) ->
+(observation, info)``, ``step(action) -> (observation, reward, terminated, truncated, info)``).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from loong_agentflow.agent import ChatML, Episode
+
+__all__ = ["EnvAgent", "Environment", "GymTextEnv", "StepResult"]
+
+
+@dataclass
+class StepResult:
+    """What an environment answers to one assistant turn: messages to show next, the reward of
+    this step, whether the episode is over, and anything to keep in the trajectory's info."""
+
+    observations: list[dict[str, str]] = field(default_factory=list)
+    reward: float = 0.0
+    done: bool = False
+    info: dict[str, str] = field(default_factory=dict)
+
+
+class Environment(Protocol):
+    async def reset(self, task: dict[str, Any]) -> list[dict[str, str]]: ...
+
+    async def step(self, action: str) -> StepResult: ...
+
+    async def close(self) -> None: ...
+
+
+async def _call(method: Callable[..., Any], *args: Any) -> Any:
+    out = method(*args)
+    return await out if inspect.isawaitable(out) else out
+
+
+def observation_turns(messages: Sequence[dict[str, str]]) -> str:
+    """What follows an assistant turn that ended with ``<|im_end|>``: the observation messages
+    and the next assistant header."""
+    body = "".join(
+        f"<|im_start|>user\n<tool_response>{m['content']}</tool_response><|im_end|>\n"
+        if m["role"] == "tool"
+        else f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
+        for m in messages
+    )
+    return "\n" + body + "<|im_start|>assistant\n"
+
+
+class EnvAgent:
+    """A white-box agent whose episodes are driven by a fresh ``factory()`` environment each."""
+
+    def __init__(self, factory: Callable[[], Any]) -> None:
+        self.factory = factory
+
+    async def run(self, episode: Episode) -> float:
+        env = self.factory()
+        total = 0.0
+        try:
+            episode.prompt(ChatML.prompt(await _call(env.reset, episode.task)))
+            while True:
+                text = await episode.generate()
+                if episode.truncated:
+                    return total
+                result: StepResult = await _call(env.step, ChatML.strip_end(text))
+                total += float(result.reward)
+                if result.done:
+                    return total
+                if not result.observations:
+                    raise ValueError("a step that is not done must return observations for the next turn")
+                episode.observe(observation_turns(result.observations))
+        finally:
+            close = getattr(env, "close", None)
+            if close is not None:
+                await _call(close)
+
+
+class GymTextEnv:
+    """An :class:`Environment` over a gymnasium-style text env: ``reset(seed=task.get("seed"),
+    options=task)`` gives the first user message, each ``step`` the next (``terminated`` or
+    ``truncated`` ends the episode). ``system``: a system message before the first."""
+
+    def __init__(self, env: Any, system: str = "") -> None:
+        self.env, self.system = env, system
+
+    def reset(self, task: dict[str, Any]) -> list[dict[str, str]]:
+        observation, _info = self.env.reset(seed=task.get("seed"), options=task)
+        first = [{"role": "user", "content": str(observation)}]
+        return [{"role": "system", "content": self.system}, *first] if self.system else first
+
+    def step(self, action: str) -> StepResult:
+        observation, reward, terminated, truncated, _info = self.env.step(action)
+        done = bool(terminated or truncated)
+        shown = [] if done else [{"role": "user", "content": str(observation)}]
+        return StepResult(observations=shown, reward=float(reward), done=done)
+
+    def close(self) -> None:
+        self.env.close()
