@@ -118,7 +118,7 @@ def test_a_reward_that_fails_raises_for_its_episode_only(tmp_path, data, body, e
         ({"data.jsonl": '[1]\n'}, "", r"data\.jsonl:1: a row must be a JSON object, got list"),
         ({"data.jsonl": '{"prompt": "a"}\n' * 4, "rw.py": "import nonexistent_module_xyz"}, "rw.py:score", r"importing .*rw\.py failed \(ModuleNotFoundError"),
         ({"data.jsonl": '{"prompt": "a"}\n' * 4}, "nope.py:score", r"file .*nope\.py does not exist"),
-        ({"data.jsonl": '{"prompt": "a"}\n' * 4, "rw.py": "x = 1"}, "rw.py:score", r"rw\.py has no function 'score'"),
+        ({"data.jsonl": '{"prompt": "a"}\n' * 4, "rw.py": "x = 1"}, "rw.py:score", r"rw\.py has no function or class 'score'"),
         ({"data.jsonl": '{"prompt": "a"}\n' * 4, "rw.py": "def score(solution_str): ..."}, "rw.py:score", r"parameter 'solution_str' is none of completion, prompt"),
         ({"data.jsonl": '{"prompt": "a"}\n' * 4}, "no_such_pkg_xyz.mod:fn", r"importing no_such_pkg_xyz\.mod failed"),
         ({"data.jsonl": '{"prompt": "a"}\n'}, "", r"hold 1 rows: too few to hold out"),

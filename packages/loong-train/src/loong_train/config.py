@@ -31,6 +31,7 @@ from loong_train.backends.config import BackendConfig, TorchBackendConfig
 from loong_train.engines.config import EmbeddedEngineConfig, EngineConfig
 from loong_train.tasks import TaskTables, task_problem
 from loong_train.tasks.data import DataConfig
+from loong_train.tasks.env import EnvConfig
 from loong_train.tasks.reasoning_gym import ReasoningGymConfig
 from loong_train.tasks.reward import RewardConfig
 from loong_train.workers.agent import AgentConfig, WhiteboxAgentConfig
@@ -184,6 +185,7 @@ class Recipe(_Section):
     data: DataConfig = DataConfig()
     reward: RewardConfig = RewardConfig()
     reasoning_gym: ReasoningGymConfig = ReasoningGymConfig()
+    environment: EnvConfig = EnvConfig()
     transport: TransportConfig = TransportConfig()
     log: LogConfig = LogConfig()
     ray_address: str = ""
@@ -191,7 +193,9 @@ class Recipe(_Section):
     @property
     def task_tables(self) -> TaskTables:
         """The tables the recipe's task is built from (:func:`loong_train.tasks.build_task`)."""
-        return TaskTables(data=self.data, reward=self.reward, reasoning_gym=self.reasoning_gym)
+        return TaskTables(
+            data=self.data, reward=self.reward, reasoning_gym=self.reasoning_gym, environment=self.environment
+        )
 
     def __post_init__(self) -> None:
         if problem := task_problem(self.task):
@@ -274,8 +278,8 @@ def load_recipe(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) 
 
 
 def _absolute_paths(recipe: Recipe) -> Recipe:
-    """Data files and a reward file, relative to the directory the run starts in, made absolute:
-    Ray workers may run in another directory."""
+    """Data files, a reward file and an environment file, relative to the directory the run starts
+    in, made absolute: Ray workers may run in another directory."""
     d, fn = recipe.data, recipe.reward.fn
     where, _, name = fn.rpartition(":")
     data = msgspec.structs.replace(
@@ -283,7 +287,10 @@ def _absolute_paths(recipe: Recipe) -> Recipe:
         train_files=[str(Path(f).absolute()) for f in d.train_files],
         eval_files=[str(Path(f).absolute()) for f in d.eval_files],
     )
-    reward = recipe.reward
+    reward, env = recipe.reward, recipe.environment
     if where.endswith(".py"):
         reward = msgspec.structs.replace(reward, fn=f"{Path(where).absolute()}:{name}")
-    return msgspec.structs.replace(recipe, data=data, reward=reward)
+    where, _, name = env.cls.rpartition(":")
+    if where.endswith(".py"):
+        env = msgspec.structs.replace(env, cls=f"{Path(where).absolute()}:{name}")
+    return msgspec.structs.replace(recipe, data=data, reward=reward, environment=env)

@@ -8,6 +8,8 @@ of the tiny recipes (:mod:`loong_train.tiny.calc`, :mod:`loong_train.tiny.calc_d
 - ``calc-domains``: the same questions in two tagged domains, ``add`` and ``mul``, in equal shares;
 - ``calc-add``, ``calc-mul``: one domain each (how the tiny OPD recipe trains its teachers);
 - ``data``: the user's rows (``[data]``) and reward function (``[reward]``): :mod:`loong_train.tasks.data`;
+- ``env``: the user's multi-turn environment (``[environment]``) on the rows of ``[data]``:
+  :mod:`loong_train.tasks.env`;
 - ``reasoning_gym:<dataset>``, ``reasoning_gym`` (a weighted composite): reasoning-gym's procedural
   datasets, configured by ``[reasoning_gym]``: :mod:`loong_train.tasks.reasoning_gym`.
 
@@ -24,6 +26,7 @@ import msgspec
 
 from loong_train.tasks.base import AgentCommand, Item, Task
 from loong_train.tasks.data import DataConfig
+from loong_train.tasks.env import EnvConfig
 from loong_train.tasks.reasoning_gym import PREFIX, ReasoningGymConfig
 from loong_train.tasks.reward import RewardConfig
 
@@ -35,14 +38,16 @@ SHIPPED: dict[str, tuple[str, dict]] = {
     "calc-add": ("loong_train.tiny.calc_domains:CalcDomainsTask", {"domains": ("add",)}),
     "calc-mul": ("loong_train.tiny.calc_domains:CalcDomainsTask", {"domains": ("mul",)}),
     "data": ("loong_train.tasks.data:DataTask", {}),
+    "env": ("loong_train.tasks.env:EnvTask", {}),
 }
 
 
 class TaskTables(msgspec.Struct, frozen=True, kw_only=True):
     """The recipe tables a task is built from: ``[data]`` and ``[reward]`` (``task = "data"``),
-    ``[reasoning_gym]``. Other tasks ignore them."""
+    ``[environment]`` (``task = "env"``, with ``[data]``), ``[reasoning_gym]``. Other tasks ignore them."""
 
     data: DataConfig = DataConfig()
+    environment: EnvConfig = EnvConfig()
     reward: RewardConfig = RewardConfig()
     reasoning_gym: ReasoningGymConfig = ReasoningGymConfig()
 
@@ -69,6 +74,8 @@ def build_task(name: str, tables: TaskTables | None = None) -> Task:
     path, kwargs = SHIPPED.get(name, (name, {}))
     if name == "data":
         kwargs = {"data": tables.data, "reward": tables.reward}
+    elif name == "env":
+        kwargs = {"env": tables.environment, "data": tables.data, "reward": tables.reward}
     module, attr = path.split(":")
     try:
         factory = getattr(importlib.import_module(module), attr)

@@ -85,3 +85,8 @@ class Task(Protocol):
     def agent_command(self) -> AgentCommand | None:
         """The task's own black-box agent program (``agent.command`` unset), or None."""
         ...
+
+
+# A task may also define ``agent() -> loong_agentflow.Agent``: the white-box agent that runs its
+# episodes (an environment task's :class:`~loong_agentflow.EnvAgent`). Without it, episodes are a
+# :class:`~loong_agentflow.ToolAgent` over ``tools()`` and ``reward``.

@@ -100,7 +100,9 @@ class DataTask:
 
     def __init__(self, data: DataConfig, reward: RewardConfig) -> None:
         if not data.train_files:
-            raise ConfigError("task = 'data' needs data.train_files (a list of .jsonl or .json files)")
+            raise ConfigError(
+                f"this task needs data.train_files (a list of .jsonl or .json files), got {data.train_files}"
+            )
         self.config = data
         self.reward_fn = load_reward(reward, Path.cwd())
         train = [self._item(rid, row) for f in data.train_files for rid, row in read_rows(Path(f))]

@@ -23,11 +23,8 @@ function names only what it uses, one episode per call.
 from __future__ import annotations
 
 import asyncio
-import importlib
-import importlib.util
 import inspect
 import math
-import sys
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -37,6 +34,7 @@ from typing import Any
 import msgspec
 
 from loong_core.config import ConfigError
+from loong_train.tasks.objects import load_object
 
 __all__ = ["PARAMETERS", "RewardConfig", "RewardFn", "load_reward"]
 
@@ -64,7 +62,7 @@ def exact_match(completion: str, answer: Any) -> float:
 def load_reward(config: RewardConfig, base: Path) -> RewardFn:
     """The function ``config.fn`` names (files relative to ``base``), checked against
     :data:`PARAMETERS`; raises ConfigError naming what does not import or bind."""
-    fn = _import(config.fn, base) if config.fn else exact_match
+    fn = load_object(config.fn, base, "reward.fn") if config.fn else exact_match
     try:
         params = inspect.signature(fn).parameters.values()
     except (TypeError, ValueError) as e:
@@ -81,30 +79,6 @@ def load_reward(config: RewardConfig, base: Path) -> RewardFn:
         if p.name in PARAMETERS:
             names.append(p.name)
     return RewardFn(fn, tuple(names), config.timeout_s, config.fn or "exact match")
-
-
-def _import(spec: str, base: Path) -> Callable[..., Any]:
-    where, name = spec.rsplit(":", 1)
-    try:
-        if where.endswith(".py"):
-            path = Path(where) if Path(where).is_absolute() else base / where
-            if not path.is_file():
-                raise ConfigError(f"reward.fn {spec!r}: file {path} does not exist")
-            module_spec = importlib.util.spec_from_file_location(f"loong_user_reward_{path.stem}", path)
-            assert module_spec is not None and module_spec.loader is not None
-            module = importlib.util.module_from_spec(module_spec)
-            sys.modules[module_spec.name] = module
-            module_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(where)
-    except ConfigError:
-        raise
-    except Exception as e:  # the user's module failed to import: say where and why
-        raise ConfigError(f"reward.fn {spec!r}: importing {where} failed ({type(e).__name__}: {e})") from e
-    fn = getattr(module, name, None)
-    if not callable(fn):
-        raise ConfigError(f"reward.fn {spec!r}: {where} has no function {name!r}")
-    return fn
 
 
 class RewardFn:

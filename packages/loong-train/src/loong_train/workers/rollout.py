@@ -77,7 +77,8 @@ class RolloutWorker:
         self.sampling = SamplingParams(**sampling, stop_token_ids=stop)
         self.limits = EpisodeLimits(**limits)
         self.task = build_task(task, tables)
-        self.agent = ToolAgent(self.task.tools(), self.task.reward)
+        own = getattr(self.task, "agent", None)  # a task that drives its episodes (environments)
+        self.agent = own() if callable(own) else ToolAgent(self.task.tools(), self.task.reward)
         self.blackbox = (
             BlackBoxHost(self.engine, tokenizer, agent, self.sampling, self.limits, self.task)
             if isinstance(agent, BlackboxAgentConfig)

@@ -1,0 +1,112 @@
+"""``task = "env"``: episodes against the user's multi-turn environment, one instance per episode.
+
+The ``[environment]`` table names the class and how to build it; the ``[data]`` table gives the
+rows each episode starts from (any JSON objects: no prompt key is needed, the environment's
+``reset`` makes the prompt), split into training and held-out rows as for ``task = "data"``:
+
+- ``cls``: ``"pkg.module:Class"`` or ``"path/to/file.py:Class"`` (relative to the directory the
+  run starts in); ``kwargs``: its constructor's keyword arguments;
+- ``api``: ``"loong"`` (:class:`loong_agentflow.Environment`: ``reset(row) -> messages``,
+  ``step(action) -> StepResult``, ``close()``, sync or async) or ``"gym"`` (a gymnasium-style
+  text env, ``reset(seed=row.get("seed"), options=row) -> (observation, info)`` and
+  ``step(action) -> (observation, reward, terminated, truncated, info)``, through
+  :class:`loong_agentflow.GymTextEnv`; ``system`` is its system message).
+
+The episode's reward is the sum of its steps' rewards, so ``[reward] fn`` must stay unset (one
+source of reward, no silent precedence). Episodes are white-box: the framework renders the
+environment's messages into the token buffer and the trajectory decodes to the transcript.
+A class that does not import, or keyword arguments its constructor does not take, are errors
+before the run starts; an environment that raises fails its episode, not the run.
+"""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from loong_agentflow import EnvAgent, GymTextEnv
+from loong_agentflow.env import StepResult
+from loong_core.config import ConfigError
+from loong_train.tasks.base import Item
+from loong_train.tasks.data import DataConfig, DataTask
+from loong_train.tasks.objects import load_object
+from loong_train.tasks.reward import RewardConfig
+
+__all__ = ["EnvConfig", "EnvTask"]
+
+
+class EnvConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The ``[environment]`` table (see the module docstring)."""
+
+    cls: str = ""
+    kwargs: dict[str, Any] = {}
+    api: Literal["loong", "gym"] = "loong"
+    system: str = ""
+
+
+class EnvTask(DataTask):
+    """A :class:`~loong_train.tasks.Task` whose episodes run the user's environment on the rows of
+    ``[data]``; :meth:`agent` is the rollout worker's agent (an :class:`~loong_agentflow.EnvAgent`)."""
+
+    def __init__(self, env: EnvConfig, data: DataConfig, reward: RewardConfig) -> None:
+        if not env.cls:
+            raise ConfigError("task = 'env' needs environment.cls ('pkg.module:Class' or 'file.py:Class')")
+        if reward.fn:
+            raise ConfigError(
+                "task = 'env' takes each episode's reward from its environment's steps: drop reward.fn "
+                f"({reward.fn!r}), or score in the environment's step"
+            )
+        self.env_config = env
+        self.cls = load_object(env.cls, Path.cwd(), "environment.cls")
+        try:
+            inspect.signature(self.cls).bind(**env.kwargs)
+        except TypeError as e:
+            raise ConfigError(f"environment.kwargs {env.kwargs!r} do not fit {env.cls}: {e}") from e
+        except ValueError:  # no introspectable signature: its constructor will say
+            pass
+        super().__init__(data, RewardConfig())
+
+    def _item(self, rid: str, row: Any) -> Item:
+        if not isinstance(row, dict):
+            raise ConfigError(f"{rid}: a row must be a JSON object, got {type(row).__name__}")
+        tags = row.get(self.config.tags_key) or {}
+        item: Item = {"id": rid, "messages": [], "row": row}
+        if tags:
+            item["tags"] = tags
+        return item
+
+    def make(self) -> _RowEnvironment:
+        env = self.cls(**self.env_config.kwargs)
+        if self.env_config.api == "gym":
+            env = GymTextEnv(env, system=self.env_config.system)
+        return _RowEnvironment(env)
+
+    def agent(self) -> EnvAgent:
+        return EnvAgent(self.make)
+
+    def reward(self, item: Item, answer: str) -> float:
+        raise RuntimeError("an environment task's rewards come from its environment's steps")
+
+
+class _RowEnvironment:
+    """The user's environment, reset with the data row rather than Loong's item around it."""
+
+    def __init__(self, env: Any) -> None:
+        self.env = env
+
+    async def reset(self, task: Item) -> list[dict[str, str]]:
+        return await _maybe_await(self.env.reset(task["row"]))
+
+    async def step(self, action: str) -> StepResult:
+        return await _maybe_await(self.env.step(action))
+
+    async def close(self) -> None:
+        if (close := getattr(self.env, "close", None)) is not None:
+            await _maybe_await(close())
+
+
+async def _maybe_await(value: Any) -> Any:
+    return await value if inspect.isawaitable(value) else value
