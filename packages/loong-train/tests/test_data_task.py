@@ -206,3 +206,56 @@ def test_a_users_data_reward_and_recipe_train_from_their_own_directory(tmp_path)
     calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
     pairs = {(r["prompt"], r["answer"]) for r in ROWS}
     assert calls and all((c["prompt"], c["answer"]) in pairs for c in calls)
+
+
+VERL_REWARD = """
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    assert data_source == "openai/gsm8k" and extra_info == {"index": 3}
+    return {"score": float(solution_str.strip() == ground_truth), "acc": 1}
+"""
+TRL_REWARDS = """
+def exact(prompts, completions, answer, **kwargs):
+    assert isinstance(prompts[0], list) and kwargs["level"] == [2]
+    return [float(c[0]["content"] == a) for c, a in zip(completions, answer)]
+
+def short(completions, **kwargs):
+    return [-float(len(c)) for c in completions]
+
+def unsure(completions, **kwargs):
+    return [None]
+"""
+
+
+def test_verl_and_trl_reward_functions_run_unchanged(tmp_path):
+    (tmp_path / "verl_rw.py").write_text(VERL_REWARD)
+    (tmp_path / "trl_rw.py").write_text(TRL_REWARDS)
+    verl_row = {
+        "data_source": "openai/gsm8k",
+        "prompt": [{"role": "user", "content": "2+2?"}],
+        "reward_model": {"ground_truth": "4"},
+        "extra_info": {"index": 3},
+        "answer": "4",
+        "level": 2,
+    }
+    data = _write(tmp_path / "d.jsonl", [verl_row] * 4)
+    config = DataConfig(train_files=[str(data)], answer_key="reward_model.ground_truth")
+
+    def task(fn, style):
+        return DataTask(config, RewardConfig(fn=f"{tmp_path / fn}", style=style))
+
+    verl = task("verl_rw.py:compute_score", "verl")
+    item = verl.held_out(1)[0]
+    assert verl.reward(item, " 4") == 1.0 and verl.reward(item, "5") == 0.0
+    trl = task("trl_rw.py:exact", "trl")
+    assert trl.reward(item, "4") == 1.0 and trl.reward(item, "44") == 0.0
+    text_rows = _write(tmp_path / "t.jsonl", [{"prompt": "hi", "answer": "x"}] * 4)
+    short = DataTask(
+        DataConfig(train_files=[str(text_rows)]), RewardConfig(fn=f"{tmp_path}/trl_rw.py:short", style="trl")
+    )
+    assert short.reward(short.held_out(1)[0], "abc") == -3.0  # a text row's completion is text
+    with pytest.raises(ValueError, match=r"unsure returned None, expected a finite number"):
+        task("trl_rw.py:unsure", "trl").reward(item, "4")
+    with pytest.raises(
+        ConfigError, match=r"style 'verl' calls it as \(data_source, solution_str, ground_truth"
+    ):
+        task("trl_rw.py:short", "verl")

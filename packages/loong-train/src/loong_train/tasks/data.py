@@ -119,6 +119,7 @@ class DataTask:
                 )
             held, train = [train[i] for i in order[:cut]], [train[i] for i in sorted(order[cut:])]
         self.train, self.eval = train, held
+        self.reward_fn.check(train[0])
 
     def _item(self, rid: str, row: Any) -> Item:
         c = self.config

@@ -15,9 +15,21 @@ function that raises, runs longer than ``timeout_s`` or returns NaN or a non-num
 episode (``status = "failed"``, the error in the trajectory's info), never the run. Unset ``fn``:
 exact match, ``float(completion.strip() == str(answer).strip())``.
 
-How it compares: verl's ``compute_score(data_source, solution_str, ground_truth, extra_info)``
-is positional and fixed; TRL passes every column by name to list-style functions. Here a
-function names only what it uses, one episode per call.
+Functions written for other frameworks run unchanged with ``style``:
+
+- ``"verl"``: ``compute_score(data_source, solution_str, ground_truth, extra_info)``, called as
+  verl calls it: the row's ``data_source``, the completion, the answer, the row's ``extra_info``;
+- ``"trl"``: a list-style TRL reward function, ``fn(prompts=[...], completions=[...], **columns)``
+  with one element per list: the row's prompt (text, or messages for a chat row), the completion
+  (text, or ``[{"role": "assistant", ...}]`` for a chat row) and every other column of the row;
+  it returns a list of one float (``None`` fails the episode).
+
+``"loong"`` (the default) binds by name as above: a function names only what it uses. Whether a
+row's call binds is checked on the first training row when the task is built.
+
+Which reward wins: a black-box agent that posts its own reward (``/v1/sessions/reward``, see
+:mod:`loong_agentflow.blackbox`) overrides ``fn`` for that episode; ``task = "env"`` takes rewards
+from its environment only and refuses an ``fn``.
 """
 
 from __future__ import annotations
@@ -29,7 +41,7 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
@@ -43,9 +55,10 @@ PARAMETERS = ("completion", "prompt", "messages", "answer", "metadata", "row")
 
 class RewardConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """``fn``: ``"pkg.module:name"`` or ``"file.py:name"`` (empty: exact match on the answer);
-    ``timeout_s``: how long one call may run."""
+    ``style``: how it is called (``loong``, ``verl``, ``trl``); ``timeout_s``: how long one call may run."""
 
     fn: str = ""
+    style: Literal["loong", "verl", "trl"] = "loong"
     timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
@@ -64,9 +77,12 @@ def load_reward(config: RewardConfig, base: Path) -> RewardFn:
     :data:`PARAMETERS`; raises ConfigError naming what does not import or bind."""
     fn = load_object(config.fn, base, "reward.fn") if config.fn else exact_match
     try:
-        params = inspect.signature(fn).parameters.values()
+        signature = inspect.signature(fn)
     except (TypeError, ValueError) as e:
         raise ConfigError(f"reward.fn {config.fn!r}: not a function with a signature ({e})") from e
+    if config.style != "loong":
+        return _foreign(fn, config)
+    params = signature.parameters.values()
     names = []
     for p in params:
         if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
@@ -81,12 +97,30 @@ def load_reward(config: RewardConfig, base: Path) -> RewardFn:
     return RewardFn(fn, tuple(names), config.timeout_s, config.fn or "exact match")
 
 
+_CALLS = {
+    "verl": "(data_source, solution_str, ground_truth, extra_info)",
+    "trl": "(prompts, completions, **columns)",
+}
+
+
+def _foreign(fn: Callable[..., Any], config: RewardConfig) -> RewardFn:
+    """A verl- or TRL-style function; whether a row's call binds is checked by :meth:`RewardFn.check`."""
+    return RewardFn(fn, (), config.timeout_s, config.fn, config.style)
+
+
 class RewardFn:
     """A bound reward function: ``score(item, completion)`` calls it with the parameters it names,
     on a thread of its own with a time limit, and returns a finite float or raises."""
 
-    def __init__(self, fn: Callable[..., Any], names: tuple[str, ...], timeout_s: float, label: str) -> None:
-        self.fn, self.names, self.timeout_s, self.label = fn, names, timeout_s, label
+    def __init__(
+        self,
+        fn: Callable[..., Any],
+        names: tuple[str, ...],
+        timeout_s: float,
+        label: str,
+        style: str = "loong",
+    ) -> None:
+        self.fn, self.names, self.timeout_s, self.label, self.style = fn, names, timeout_s, label, style
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="reward")
 
     def arguments(self, item: dict[str, Any], completion: str) -> dict[str, Any]:
@@ -102,12 +136,36 @@ class RewardFn:
         }
         return {name: values[name] for name in self.names}
 
+    def call_args(self, item: dict[str, Any], completion: str) -> tuple[tuple[Any, ...], dict[str, Any]]:
+        """The positional and keyword arguments of one call in this function's style."""
+        row = item.get("row", item)
+        if self.style == "verl":
+            return (row.get("data_source", ""), completion, item.get("answer"), row.get("extra_info", {})), {}
+        if self.style == "trl":
+            chat = not isinstance(row.get("prompt", ""), str)
+            prompt = item["messages"] if chat else item["messages"][-1]["content"]
+            done = [{"role": "assistant", "content": completion}] if chat else completion
+            columns = {k: [v] for k, v in row.items() if k not in ("prompt", "prompts", "completions")}
+            return (), {"prompts": [prompt], "completions": [done], **columns}
+        return (), self.arguments(item, completion)
+
+    def check(self, item: dict[str, Any]) -> None:
+        """Raise ConfigError when a call for ``item`` (a first row) would not bind to the function."""
+        args, kwargs = self.call_args(item, "")
+        try:
+            inspect.signature(self.fn).bind(*args, **kwargs)
+        except TypeError as e:
+            how = f"style {self.style!r} calls it as {_CALLS[self.style]}" if self.style in _CALLS else "it"
+            raise ConfigError(f"reward.fn {self.label!r}: {how}, for row {item.get('id')}: {e}") from e
+
     def score(self, item: dict[str, Any], completion: str) -> float:
-        call = self._pool.submit(self._call, self.arguments(item, completion))
+        call = self._pool.submit(self._call, *self.call_args(item, completion))
         try:
             out = call.result(timeout=self.timeout_s)
         except FutureTimeout:
             raise TimeoutError(f"reward {self.label} ran past {self.timeout_s}s") from None
+        if self.style == "trl":
+            out = out[0] if isinstance(out, list | tuple) and len(out) == 1 else out
         value = out.get("score") if isinstance(out, dict) else out
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
             raise ValueError(
@@ -115,6 +173,6 @@ class RewardFn:
             )
         return float(value)
 
-    def _call(self, kwargs: dict[str, Any]) -> Any:
-        out = self.fn(**kwargs)
+    def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        out = self.fn(*args, **kwargs)
         return asyncio.run(out) if inspect.iscoroutine(out) else out
