@@ -38,14 +38,14 @@ import torch
 
 from loong_core.protocols import SamplingParams
 from loong_train.engines.embedded.engine import EmbeddedEngine
-from loong_train.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from loong_train.models.decoder import CausalLM, DecoderConfig
 
 VOCAB = 64
 
 
-def _model() -> Qwen3ForCausalLM:
-    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=128, intermediate_size=384, num_hidden_layers=4)
-    model = Qwen3ForCausalLM(cfg)
+def _model() -> CausalLM:
+    cfg = DecoderConfig(vocab_size=VOCAB, hidden_size=128, intermediate_size=384, num_hidden_layers=4)
+    model = CausalLM(cfg)
     model.init_weights(0)
     return model
 

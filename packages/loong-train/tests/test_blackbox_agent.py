@@ -32,7 +32,7 @@ from loong_train.algo.losses import grpo_advantages, pack_batch
 from loong_train.backends.torch_backend import token_logprobs
 from loong_train.cli import main as cli
 from loong_train.config import load_recipe
-from loong_train.models.qwen3 import Qwen3ForCausalLM
+from loong_train.models.decoder import CausalLM
 from loong_train.models.tokenizer import load_tokenizer
 from loong_train.tiny import calc
 from loong_train.tiny.calc_agent import run_tool
@@ -174,7 +174,7 @@ def test_shipped_calc_agent_episodes_are_token_exact_on_the_tiny_policy(tiny_dir
 def _memorize(tiny_dir: Path, out: Path, tasks: list[dict], steps: int = 100) -> Path:
     """A copy of the tiny policy trained on these tasks' demonstrations until it repeats them."""
     shutil.copytree(tiny_dir, out)
-    tokenizer, model = load_tokenizer(out), Qwen3ForCausalLM.from_pretrained(out)
+    tokenizer, model = load_tokenizer(out), CausalLM.from_pretrained(out)
     rows = [_demonstration(tokenizer, t) for t in tasks]
     width = max(len(ids) for ids, _ in rows)
     ids, mask = torch.zeros(len(rows), width, dtype=torch.long), torch.zeros(len(rows), width)

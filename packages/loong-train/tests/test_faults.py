@@ -78,12 +78,12 @@ def test_a_restarted_worker_takes_the_newest_published_weights(tiny_dir):
     version the trainer published; an older update queued before the death is then skipped."""
     import torch
 
-    from loong_train.models.qwen3 import Qwen3ForCausalLM
+    from loong_train.models.decoder import CausalLM
     from loong_train.workers.rollout import RolloutWorker
     from loong_transfermesh import TransportConfig, open_sender
 
     transport = TransportConfig(name=f"catch-up-test-{os.getpid()}", mode="zero_copy")
-    trained = Qwen3ForCausalLM.from_pretrained(tiny_dir)
+    trained = CausalLM.from_pretrained(tiny_dir)
     with torch.no_grad():
         for p in trained.parameters():
             p.add_(0.01)

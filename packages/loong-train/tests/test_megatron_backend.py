@@ -32,7 +32,7 @@ from loong_core.records import TrainBatch
 from loong_train.algo.config import LossConfig
 from loong_train.backends.megatron.weights import hf_to_megatron
 from loong_train.backends.torch_backend import TorchBackend
-from loong_train.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from loong_train.models.decoder import CausalLM, DecoderConfig
 from loong_transfermesh import MegatronLayout, megatron_to_hf
 
 VOCAB = 37  # odd: TP=2 pads the vocabulary by one row
@@ -43,8 +43,8 @@ LOSSES = {
 }
 
 
-def _model(tied: bool, layers: int = 2) -> Qwen3ForCausalLM:
-    cfg = Qwen3Config(
+def _model(tied: bool, layers: int = 2) -> CausalLM:
+    cfg = DecoderConfig(
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=64,
@@ -54,7 +54,7 @@ def _model(tied: bool, layers: int = 2) -> Qwen3ForCausalLM:
         head_dim=16,
         tie_word_embeddings=tied,
     )
-    model = Qwen3ForCausalLM(cfg)
+    model = CausalLM(cfg)
     model.init_weights(seed=1, std=0.2)  # large enough for far-from-uniform logprobs
     return model
 
@@ -127,7 +127,7 @@ def _world(name: str) -> int:
     return tp * pp * dp
 
 
-def _torch_reference(model: Qwen3ForCausalLM, loss: str) -> dict:
+def _torch_reference(model: CausalLM, loss: str) -> dict:
     backend = TorchBackend(model, lr=LR, loss=LossConfig(**LOSSES[loss]), temperature=0.9)
     batch = _batch()
     before = backend.logprobs(batch)
@@ -199,7 +199,7 @@ def test_megatron_on_gpu_matches_torch_backend_on_cpu(tmp_path):
 
 
 def _check(name: str, meg: dict, root: Path) -> None:
-    model = Qwen3ForCausalLM.from_pretrained(root / name)
+    model = CausalLM.from_pretrained(root / name)
     initial = {k: v.clone() for k, v in model.hf_state_dict().items()}
     ref = _torch_reference(model, CONFIGS[name][4])
 

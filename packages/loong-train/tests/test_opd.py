@@ -22,7 +22,7 @@ from loong_train.algo.losses import grpo_advantages, pack_batch
 from loong_train.config import Recipe, load_recipe
 from loong_train.controller import trainer_options
 from loong_train.engines.embedded.engine import EmbeddedEngine
-from loong_train.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from loong_train.models.decoder import CausalLM, DecoderConfig
 from loong_train.models.tokenizer import HFCodec, load_tokenizer
 from loong_train.pipeline import GroupSource
 from loong_train.tasks import build_task
@@ -37,7 +37,7 @@ TEACHERS = {"add-teacher": (1, 1.0), "mul-teacher": (2, 0.5)}  # name: (init see
 def _checkpoint(path, seed: int):
     """A small random Qwen3 (logits far from uniform) beside the char tokenizer."""
     build_tokenizer(path)
-    cfg = Qwen3Config(
+    cfg = DecoderConfig(
         vocab_size=len(load_tokenizer(path)),
         hidden_size=32,
         intermediate_size=64,
@@ -46,7 +46,7 @@ def _checkpoint(path, seed: int):
         num_key_value_heads=1,
         head_dim=16,
     )
-    model = Qwen3ForCausalLM(cfg)
+    model = CausalLM(cfg)
     model.init_weights(seed, std=0.3)
     model.save_pretrained(path)
     return path
@@ -94,7 +94,7 @@ def _batch(vocab: int) -> TrainBatch:
 def _reference(dirs, batch: TrainBatch, mode: str, task_coef: float) -> tuple[list[float], dict]:
     """A_t = [alpha A_task_t] - lambda_T (b_t - log pi_T(y_t)), teachers run in float64, plain loops."""
     route = {"add": "add-teacher", "mul": "mul-teacher"}
-    models = {n: Qwen3ForCausalLM.from_pretrained(dirs[n]).double().eval() for n in TEACHERS}
+    models = {n: CausalLM.from_pretrained(dirs[n]).double().eval() for n in TEACHERS}
     out, gaps = [], {n: [] for n in TEACHERS}
     for (s, e), tags in zip(batch.rows(), batch.row_tags, strict=True):
         name = route.get(tags.get("domain", ""), "add-teacher")
@@ -161,7 +161,7 @@ def test_domain_tag_travels_from_the_task_to_the_train_batch(tiny_dir, recipe):
     specs = [s for g in groups for s in source.specs(g)]
     assert [s.tags for s in specs] == [{"run": "test", "domain": d} for d in ("add", "add", "mul", "mul")]
     tokenizer = load_tokenizer(tiny_dir)
-    engine = EmbeddedEngine(Qwen3ForCausalLM.from_pretrained(tiny_dir), seed=0, pad_id=tokenizer.pad_token_id)
+    engine = EmbeddedEngine(CausalLM.from_pretrained(tiny_dir), seed=0, pad_id=tokenizer.pad_token_id)
     sampling = SamplingParams(max_new_tokens=3, stop_token_ids=[])
     agent = ToolAgent(calc.tool_registry(), calc.reward)
     trajs = asyncio.run(

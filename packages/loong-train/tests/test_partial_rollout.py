@@ -24,7 +24,7 @@ from loong_core.window import StalenessWindow
 from loong_train import controller
 from loong_train.config import load_recipe
 from loong_train.engines.embedded.host import crossed_update
-from loong_train.models.qwen3 import Qwen3ForCausalLM
+from loong_train.models.decoder import CausalLM
 from loong_train.pipeline import GroupSource
 from loong_train.scheduler import Scheduler
 from loong_train.tiny import calc
@@ -48,8 +48,8 @@ def setup(tiny_dir, request):
         transport=TransportConfig(name=name, mode=mode),
     )
     worker.sampling = SamplingParams(temperature=1.0, max_new_tokens=TOKENS, stop_token_ids=[])
-    old = Qwen3ForCausalLM.from_pretrained(str(tiny_dir)).eval()
-    new = Qwen3ForCausalLM.from_pretrained(str(tiny_dir)).eval()
+    old = CausalLM.from_pretrained(str(tiny_dir)).eval()
+    new = CausalLM.from_pretrained(str(tiny_dir)).eval()
     with torch.no_grad():
         for p in new.parameters():
             p.add_(torch.randn(p.shape, generator=torch.Generator().manual_seed(1)) * 0.05)
@@ -78,7 +78,7 @@ def _rollout_across_update(
     return out["trajectories"], applied
 
 
-def _check_logprobs(trajs: list[Trajectory], models: dict[int, Qwen3ForCausalLM]) -> None:
+def _check_logprobs(trajs: list[Trajectory], models: dict[int, CausalLM]) -> None:
     """Every model token's logprob equals log_softmax of a full forward of its version's model."""
     for t in trajs:
         ids = [i for s in t.spans for i in s.token_ids]

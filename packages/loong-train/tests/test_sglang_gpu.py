@@ -26,7 +26,7 @@ import torch
 from loong_agentflow.sglang_client import SGLangClientConfig, SGLangEngine
 from loong_core.protocols import SamplingParams
 from loong_train.engines.sglang.supervisor import SGLangServerConfig, SGLangSupervisor, sglang_launch_command
-from loong_train.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from loong_train.models.decoder import CausalLM, DecoderConfig
 from loong_transfermesh import SGLangPusherConfig, SGLangWeightPusher
 
 
@@ -43,7 +43,7 @@ pytestmark = [
     pytest.mark.skipif(_sglang_python() is None, reason="no SGLang: set SGLANG_PYTHON to its interpreter"),
 ]
 
-CFG = Qwen3Config(
+CFG = DecoderConfig(
     vocab_size=256,
     hidden_size=128,
     intermediate_size=256,
@@ -63,8 +63,8 @@ ARGS = [
 ]
 
 
-def _model(seed: int) -> Qwen3ForCausalLM:
-    model = Qwen3ForCausalLM(CFG)
+def _model(seed: int) -> CausalLM:
+    model = CausalLM(CFG)
     model.init_weights(seed, std=0.3)
     return model.eval()
 
@@ -75,7 +75,7 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _gap(model: Qwen3ForCausalLM, ids: list[int], logprobs: list[float]) -> float:
+def _gap(model: CausalLM, ids: list[int], logprobs: list[float]) -> float:
     """Largest |server logprob - float64 reference| over the completion (temperature 1)."""
     with torch.no_grad():
         logits = model(torch.tensor([PROMPT + ids])).double()[0, :-1]

@@ -29,14 +29,14 @@ from loong_agentflow.sglang_client import SGLangClientConfig, SGLangEngine, SGLa
 from loong_core.protocols import SamplingParams
 from loong_train.engines.embedded.engine import EmbeddedEngine
 from loong_train.engines.embedded.server import build_app
-from loong_train.models.qwen3 import Qwen3ForCausalLM
+from loong_train.models.decoder import CausalLM
 from loong_transfermesh.sglang import SGLangPusherConfig, SGLangUpdateError, SGLangWeightPusher
 
 CFG = tiny_config()
 PROMPT = [3, 14, 15, 9, 26, 5]
 
 
-def _model(seed: int) -> Qwen3ForCausalLM:
+def _model(seed: int) -> CausalLM:
     model = tiny_qwen3(seed)
     return model.eval()
 
@@ -71,7 +71,7 @@ def _serve(engine: EmbeddedEngine, **kwargs):
         thread.join(10)
 
 
-def _forward_logprobs(model: Qwen3ForCausalLM, ids: list[int], temperature: float = 1.0) -> torch.Tensor:
+def _forward_logprobs(model: CausalLM, ids: list[int], temperature: float = 1.0) -> torch.Tensor:
     """log p(ids[i] | ids[:i]) for i >= 1 in float64 ([len(ids) - 1])."""
     with torch.no_grad():
         logits = model(torch.tensor([ids])).double()[0, :-1] / temperature
@@ -80,9 +80,9 @@ def _forward_logprobs(model: Qwen3ForCausalLM, ids: list[int], temperature: floa
 
 def test_generate_logprobs_equal_engine_and_forward_pass(model_dir):
     sampling = SamplingParams(max_new_tokens=10, temperature=0.8, top_p=0.95)
-    reference = EmbeddedEngine(Qwen3ForCausalLM.from_pretrained(model_dir), seed=5)
+    reference = EmbeddedEngine(CausalLM.from_pretrained(model_dir), seed=5)
     want = reference.generate_batch([PROMPT], [sampling])[0]
-    with _serve(EmbeddedEngine(Qwen3ForCausalLM.from_pretrained(model_dir), seed=5)) as (url, _):
+    with _serve(EmbeddedEngine(CausalLM.from_pretrained(model_dir), seed=5)) as (url, _):
 
         async def run():
             client = SGLangEngine(SGLangClientConfig(url=url))
@@ -99,7 +99,7 @@ def test_generate_logprobs_equal_engine_and_forward_pass(model_dir):
 
 
 def test_prefill_only_scoring_equals_forward_log_softmax(model_dir):
-    model = Qwen3ForCausalLM.from_pretrained(model_dir)
+    model = CausalLM.from_pretrained(model_dir)
     ids = [*PROMPT, 40, 41, 2, 7]
     want = _forward_logprobs(model, ids)
     with _serve(EmbeddedEngine(model, seed=0)) as (url, _):
@@ -133,8 +133,8 @@ def test_prefill_only_scoring_equals_forward_log_softmax(model_dir):
 
 
 def test_generate_response_shape_batch_and_stop(model_dir):
-    engine = EmbeddedEngine(Qwen3ForCausalLM.from_pretrained(model_dir), seed=1)
-    free = EmbeddedEngine(Qwen3ForCausalLM.from_pretrained(model_dir), seed=1)
+    engine = EmbeddedEngine(CausalLM.from_pretrained(model_dir), seed=1)
+    free = EmbeddedEngine(CausalLM.from_pretrained(model_dir), seed=1)
     stop = free.generate_batch([PROMPT], [SamplingParams(max_new_tokens=20)])[0].token_ids[3]
     with _serve(engine, model_path=str(model_dir)) as (url, _):
         body = {
@@ -163,7 +163,7 @@ def test_generate_response_shape_batch_and_stop(model_dir):
 
 
 def test_pause_holds_requests_until_continue(model_dir):
-    with _serve(EmbeddedEngine(Qwen3ForCausalLM.from_pretrained(model_dir))) as (url, _):
+    with _serve(EmbeddedEngine(CausalLM.from_pretrained(model_dir))) as (url, _):
 
         async def run():
             client = SGLangEngine(SGLangClientConfig(url=url))
@@ -191,7 +191,7 @@ def _tensor_payload(named: dict[str, torch.Tensor]) -> str:
 def test_weight_updates_from_disk_and_tensor(model_dir, tmp_path):
     new = _model(11)
     new.save_pretrained(tmp_path / "v5")
-    with _serve(EmbeddedEngine(Qwen3ForCausalLM.from_pretrained(model_dir))) as (url, state):
+    with _serve(EmbeddedEngine(CausalLM.from_pretrained(model_dir))) as (url, state):
         pusher = SGLangWeightPusher(SGLangPusherConfig(urls=[url]))
         pusher.push_from_disk(str(tmp_path / "v5"), version=5)
         served = dict(state.engine.model.named_parameters())
@@ -216,7 +216,7 @@ def test_flush_cache_is_refused_while_an_in_place_pause_holds_running_requests(m
     """SGLang flushes only when idle and asserts (its scheduler dies) when a weight update with
     ``flush_cache`` true cannot flush; the server answers those cases 400 instead."""
     name = "model.layers.0.mlp.up_proj.weight"
-    with _serve(EmbeddedEngine(Qwen3ForCausalLM.from_pretrained(model_dir))) as (url, state):
+    with _serve(EmbeddedEngine(CausalLM.from_pretrained(model_dir))) as (url, state):
         patch = {name: torch.randn(dict(state.engine.model.named_parameters())[name].shape)}
         before = dict(state.engine.model.named_parameters())[name].detach().clone()
 
@@ -286,7 +286,7 @@ def test_flush_cache_is_refused_while_an_in_place_pause_holds_running_requests(m
     ],
 )
 def test_bad_requests_answer_400_naming_the_field(model_dir, path, body, param):
-    with _serve(EmbeddedEngine(Qwen3ForCausalLM.from_pretrained(model_dir))) as (url, _):
+    with _serve(EmbeddedEngine(CausalLM.from_pretrained(model_dir))) as (url, _):
         response = httpx.post(f"{url}{path}", json=body)
         assert response.status_code == 400, response.text
         error = response.json()
@@ -303,7 +303,7 @@ def test_bad_requests_answer_400_naming_the_field(model_dir, path, body, param):
 
 
 def test_api_key_is_required_when_set(model_dir):
-    with _serve(EmbeddedEngine(Qwen3ForCausalLM.from_pretrained(model_dir)), api_key="s3cret") as (url, _):
+    with _serve(EmbeddedEngine(CausalLM.from_pretrained(model_dir)), api_key="s3cret") as (url, _):
         body = {"input_ids": [1, 2], "sampling_params": {"max_new_tokens": 2}}
         assert httpx.post(f"{url}/generate", json=body).status_code == 401
         wrong = {"Authorization": "Bearer nope"}
@@ -382,7 +382,7 @@ def test_distributed_update_is_bit_exact_and_versioned(server_process):
             "logprob_start_len": 0,
         },
     ).json()["meta_info"]
-    reference = Qwen3ForCausalLM(CFG)
+    reference = CausalLM(CFG)
     reference.load_state_dict(new, strict=False)
     want = _forward_logprobs(reference.eval(), PROMPT)
     got = torch.tensor([t[0] for t in scored["input_token_logprobs"][1:]], dtype=torch.float64)

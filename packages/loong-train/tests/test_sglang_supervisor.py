@@ -22,7 +22,7 @@ from train_testkit import tiny_config, tiny_qwen3
 from loong_agentflow.sglang_client import SGLangClientConfig, SGLangEngine
 from loong_core.protocols import SamplingParams
 from loong_train.engines.sglang.supervisor import SGLangServerConfig, SGLangServerError, SGLangSupervisor
-from loong_train.models.qwen3 import Qwen3ForCausalLM
+from loong_train.models.decoder import CausalLM
 
 CFG = tiny_config()
 PROMPT = [3, 14, 15, 9, 26, 5]
@@ -79,7 +79,7 @@ def _generate(url: str) -> tuple[list[int], list[float]]:
 
 def _reference_logprobs(model_dir: Path, ids: list[int], temperature: float) -> torch.Tensor:
     """log p(ids[i] | ids[:i]) at ``temperature`` for the completion, by one float64 forward pass."""
-    model = Qwen3ForCausalLM.from_pretrained(model_dir).eval()
+    model = CausalLM.from_pretrained(model_dir).eval()
     with torch.no_grad():
         logits = model(torch.tensor([ids])).double()[0, :-1] / temperature
     lp = torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)

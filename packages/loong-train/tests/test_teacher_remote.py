@@ -30,7 +30,7 @@ from loong_teacher import (
 )
 from loong_train.engines.embedded.engine import EmbeddedEngine
 from loong_train.engines.embedded.server import build_app
-from loong_train.models.qwen3 import Qwen3ForCausalLM
+from loong_train.models.decoder import CausalLM
 
 CFG = tiny_config()
 
@@ -79,14 +79,14 @@ def _samples(n: int, seed: int = 0) -> list[ScoreRequest]:
 
 def _forward(model_dir, ids: list[int]) -> torch.Tensor:
     """log p(ids[t] | ids[:t]) for t >= 1, float64 ([len(ids) - 1])."""
-    model = Qwen3ForCausalLM.from_pretrained(model_dir).double().eval()
+    model = CausalLM.from_pretrained(model_dir).double().eval()
     with torch.no_grad():
         logp = torch.log_softmax(model(torch.tensor([ids])).double()[0, :-1], -1)
     return logp.gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
 
 
 def _engine(model_dir) -> EmbeddedEngine:
-    return EmbeddedEngine(Qwen3ForCausalLM.from_pretrained(model_dir), seed=0)
+    return EmbeddedEngine(CausalLM.from_pretrained(model_dir), seed=0)
 
 
 def test_remote_scores_equal_forward_pass_and_local_backend(model_dir):
@@ -169,7 +169,7 @@ def test_remote_topk_equals_forward_pass(model_dir):
         scores = TeacherManager(config).score(samples)
     for b, s in enumerate(samples):
         pos = torch.tensor([t for t, m in enumerate(s.loss_mask) if m])
-        model = Qwen3ForCausalLM.from_pretrained(model_dir).double().eval()
+        model = CausalLM.from_pretrained(model_dir).double().eval()
         with torch.no_grad():
             logp = torch.log_softmax(model(torch.tensor([s.token_ids])).double()[0], -1)[pos - 1]
         top_lp, top_ids = logp.topk(4, dim=-1)

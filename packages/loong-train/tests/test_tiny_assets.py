@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from loong_agentflow import ChatML, ToolResult
-from loong_train.models.qwen3 import Qwen3ForCausalLM
+from loong_train.models.decoder import CausalLM
 from loong_train.models.tokenizer import HFCodec, load_tokenizer
 from loong_train.tiny import calc
 from loong_train.tiny.warmstart import build_tiny, sft_loss
@@ -59,7 +59,7 @@ def test_agent_token_layout_equals_the_chat_template(tiny_dir):
 
 
 def test_sft_loss_matches_float64_reference(tiny_dir):
-    model = Qwen3ForCausalLM.from_pretrained(tiny_dir)
+    model = CausalLM.from_pretrained(tiny_dir)
     ids = torch.tensor([[1, 20, 30, 40, 50], [1, 21, 31, 41, 0]])
     mask = torch.tensor([[0, 0, 1, 1, 1], [0, 1, 1, 0, 0]], dtype=torch.float32)
     with torch.no_grad():

@@ -24,7 +24,7 @@ from typing import Any
 import pytest
 from safetensors.torch import load_file
 
-from loong_train.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from loong_train.models.decoder import CausalLM, DecoderConfig
 
 __all__ = [
     "COMPARED",
@@ -94,12 +94,12 @@ _SHAPE = {
 }
 
 
-def tiny_config(**fields: Any) -> Qwen3Config:
-    return Qwen3Config(**{**_SHAPE, **fields})
+def tiny_config(**fields: Any) -> DecoderConfig:
+    return DecoderConfig(**{**_SHAPE, **fields})
 
 
-def tiny_qwen3(seed: int = 0, std: float = 0.3, **fields: Any) -> Qwen3ForCausalLM:
-    model = Qwen3ForCausalLM(tiny_config(**fields))
+def tiny_qwen3(seed: int = 0, std: float = 0.3, **fields: Any) -> CausalLM:
+    model = CausalLM(tiny_config(**fields))
     model.init_weights(seed, std=std)
     return model
 

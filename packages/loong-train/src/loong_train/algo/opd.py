@@ -43,25 +43,25 @@ from loong_teacher import (
 )
 from loong_teacher.local import hf_causal_lm
 from loong_train.algo.config import OPDConfig
-from loong_train.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from loong_train.models.decoder import ARCHITECTURES, CausalLM, DecoderConfig
 from loong_train.models.tokenizer import load_tokenizer
 
-__all__ = ["Distiller", "qwen3_build"]
+__all__ = ["Distiller", "decoder_build"]
 
 
-class _ScoringQwen3(Qwen3ForCausalLM):
-    """Loong's Qwen3 with the ``forward(input_ids=, attention_mask=)`` a local teacher calls; rows
+class _ScoringLM(CausalLM):
+    """Loong's decoder with the ``forward(input_ids=, attention_mask=)`` a local teacher calls; rows
     are right-padded and attention is causal, so the mask changes nothing and is not needed."""
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         return super().forward(input_ids)
 
 
-def qwen3_build(config: dict[str, Any]) -> nn.Module:
-    """``LocalTeacher`` build: Loong's own Qwen3 for ``model_type = "qwen3"`` (no transformers
-    import, same numerics as the student), transformers for any other architecture."""
-    if config.get("model_type") == "qwen3":
-        return _ScoringQwen3(Qwen3Config.from_hf(config))
+def decoder_build(config: dict[str, Any]) -> nn.Module:
+    """``LocalTeacher`` build: Loong's own decoder for the families it implements (no
+    transformers import, same numerics as the student), transformers for any other architecture."""
+    if config.get("model_type") in ARCHITECTURES:
+        return _ScoringLM(DecoderConfig.from_hf(config))
     return hf_causal_lm(config)
 
 
@@ -81,7 +81,7 @@ class Distiller:
         for t in cfg.teachers.teachers:
             if isinstance(t, LocalTeacherConfig):
                 check_tokenizers(student, load_tokenizer(t.path), t.tokenizer_mapping)
-        self.manager = TeacherManager(cfg.teachers, build=qwen3_build)
+        self.manager = TeacherManager(cfg.teachers, build=decoder_build)
 
     def distill(self, batch: TrainBatch) -> tuple[TrainBatch, dict[str, float]]:
         """``batch`` with OPD advantages (module docstring) and this step's OPD metrics."""

@@ -21,12 +21,12 @@ import torch
 from loong_core.records import TrainBatch
 from loong_train.algo.config import LossConfig
 from loong_train.algo.losses import policy_loss
-from loong_train.models.qwen3 import Qwen3ForCausalLM
+from loong_train.models.decoder import CausalLM
 
 __all__ = ["TorchBackend", "token_logprobs"]
 
 
-def token_logprobs(model: Qwen3ForCausalLM, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+def token_logprobs(model: CausalLM, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """logprob of each token given its prefix: [rows, seq] -> [rows, seq] (column 0 is 0)."""
     logits = model(ids)[:, :-1].float() / temperature
     lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
@@ -47,7 +47,7 @@ class TorchBackend:
 
     def __init__(
         self,
-        model: Qwen3ForCausalLM,
+        model: CausalLM,
         *,
         lr: float,
         warmup_steps: int = 0,
@@ -68,7 +68,7 @@ class TorchBackend:
 
     @classmethod
     def from_pretrained(cls, path: str | Path, **kwargs: Any) -> TorchBackend:
-        return cls(Qwen3ForCausalLM.from_pretrained(path), **kwargs)
+        return cls(CausalLM.from_pretrained(path), **kwargs)
 
     def tensors(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
         lens = batch.row_lens
@@ -131,7 +131,7 @@ class TorchBackend:
     def load_state(self, path: str | Path) -> None:
         """Weights copied in place (the optimizer keeps its parameters; a KL reference stays the
         initial model), then ``optimizer.pt``."""
-        self.model.load_state_dict(Qwen3ForCausalLM.from_pretrained(path).state_dict())
+        self.model.load_state_dict(CausalLM.from_pretrained(path).state_dict())
         state = torch.load(Path(path) / "optimizer.pt", weights_only=False)
         self.opt.load_state_dict(state["opt"])
         self.sched.load_state_dict(state["sched"])
@@ -141,7 +141,7 @@ class TorchBackend:
         pass
 
 
-def _frozen_copy(model: Qwen3ForCausalLM) -> Qwen3ForCausalLM:
+def _frozen_copy(model: CausalLM) -> CausalLM:
     return copy.deepcopy(model).eval().requires_grad_(False)
 
 

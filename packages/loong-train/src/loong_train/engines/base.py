@@ -62,9 +62,9 @@ def build_engine(
 
         return SGLangRollout(model_path, config, worker_id=worker_id, log_dir=log_dir, seed=seed)
     from loong_train.engines.embedded.engine import EmbeddedEngine
-    from loong_train.models.qwen3 import Qwen3ForCausalLM
+    from loong_train.models.decoder import CausalLM
 
-    return EmbeddedEngine(Qwen3ForCausalLM.from_pretrained(model_path), seed=seed, pad_id=pad_id)
+    return EmbeddedEngine(CausalLM.from_pretrained(model_path), seed=seed, pad_id=pad_id)
 
 
 def build_host(engine: WorkerEngine) -> EngineHost | None:

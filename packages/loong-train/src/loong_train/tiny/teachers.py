@@ -17,7 +17,7 @@ import msgspec
 from loong_teacher import LocalTeacherConfig
 from loong_train.algo.config import TeacherBuild
 from loong_train.config import Recipe
-from loong_train.models.qwen3 import Qwen3ForCausalLM
+from loong_train.models.decoder import CausalLM
 from loong_train.models.tokenizer import load_tokenizer
 from loong_train.tasks import build_task
 from loong_train.tiny.warmstart import sampled_success, warm_start
@@ -68,7 +68,7 @@ def _build_teacher(recipe: Recipe, build: TeacherBuild, cache_dir: Path, student
 
 def _held_out_success(path: Path, recipe: Recipe) -> dict[str, float]:
     """Sampled success of the checkpoint at ``path`` on the run's held-out set, per domain."""
-    model, tokenizer = Qwen3ForCausalLM.from_pretrained(path), load_tokenizer(path)
+    model, tokenizer = CausalLM.from_pretrained(path), load_tokenizer(path)
     held_out = build_task(recipe.task, recipe.task_tables).held_out(recipe.eval.num_tasks)
     by_domain: dict[str, list[dict]] = {}
     for t in held_out:

@@ -22,7 +22,7 @@ from loong_agentflow import EpisodeLimits, EpisodeSpec, ToolAgent, run_episodes
 from loong_core.protocols import SamplingParams
 from loong_train.config import Recipe
 from loong_train.engines.embedded.engine import EmbeddedEngine
-from loong_train.models.qwen3 import Qwen3Config, Qwen3ForCausalLM
+from loong_train.models.decoder import CausalLM, DecoderConfig
 from loong_train.models.tokenizer import HFCodec, load_tokenizer
 from loong_train.tasks import build_task
 from loong_train.tiny.calc import CalcTask
@@ -39,15 +39,13 @@ def build_tiny(path: Path, recipe: Recipe) -> Path:
     vocab = len(load_tokenizer(path))
     sizes = msgspec.structs.asdict(recipe.model)
     sizes.pop("path")
-    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=vocab, **sizes))
+    model = CausalLM(DecoderConfig(vocab_size=vocab, **sizes))
     model.init_weights(recipe.seed)
     model.save_pretrained(path)
     return path
 
 
-def sampled_success(
-    model: Qwen3ForCausalLM, tokenizer, recipe: Recipe, tasks: list[dict], seed: int
-) -> float:
+def sampled_success(model: CausalLM, tokenizer, recipe: Recipe, tasks: list[dict], seed: int) -> float:
     """Mean reward of one temperature-``T`` episode per task (held-out or probe tasks)."""
     engine = EmbeddedEngine(model, seed=seed, pad_id=tokenizer.pad_token_id)
     r = recipe.rollout
@@ -84,9 +82,7 @@ def _sft_batch(codec: HFCodec, task: CalcTask, items: list[dict]) -> tuple[torch
     return ids, mask
 
 
-def sft_loss(
-    model: Qwen3ForCausalLM, ids: torch.Tensor, mask: torch.Tensor, smoothing: float
-) -> torch.Tensor:
+def sft_loss(model: CausalLM, ids: torch.Tensor, mask: torch.Tensor, smoothing: float) -> torch.Tensor:
     """Mean over masked tokens of (1 - s) * NLL(target) + s * mean_v(-log p(v)); ids, mask [rows, seq]."""
     logp = torch.log_softmax(model(ids)[:, :-1].float(), dim=-1)
     nll = -logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
@@ -101,7 +97,7 @@ def warm_start(path: Path, recipe: Recipe) -> dict:
     torch.manual_seed(recipe.seed)
     torch.set_num_threads(recipe.threads)
     tokenizer = load_tokenizer(path)
-    codec, model = HFCodec(tokenizer), Qwen3ForCausalLM.from_pretrained(path).train()
+    codec, model = HFCodec(tokenizer), CausalLM.from_pretrained(path).train()
     opt = torch.optim.AdamW(model.parameters(), lr=w.lr, betas=(0.9, 0.99))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, w.warmup_steps)))
     task = _demonstrated(recipe.task)

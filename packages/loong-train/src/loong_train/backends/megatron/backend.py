@@ -57,7 +57,7 @@ from loong_train.algo.losses import policy_loss
 from loong_train.backends.megatron.cpu import cpu_compat
 from loong_train.backends.megatron.weights import gather_hf_weights, hf_to_megatron
 from loong_train.backends.torch_backend import mismatch_stats
-from loong_train.models.qwen3 import Qwen3Config
+from loong_train.models.decoder import DecoderConfig
 from loong_transfermesh import MegatronLayout
 
 __all__ = ["MegatronBackend", "init_model_parallel"]
@@ -76,7 +76,7 @@ def init_model_parallel(tp: int, pp: int, seed: int = 0) -> None:
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
-def transformer_config(cfg: Qwen3Config, tp: int, pp: int):
+def transformer_config(cfg: DecoderConfig, tp: int, pp: int):
     """The megatron-core ``TransformerConfig`` of a Qwen3 model, fused CUDA kernels off."""
     from megatron.core.transformer import TransformerConfig
 
@@ -133,7 +133,12 @@ class MegatronBackend:
         from megatron.core import parallel_state as ps
 
         self.ps = ps
-        self.cfg = Qwen3Config.from_hf(dict(hf_config))
+        self.cfg = DecoderConfig.from_hf(dict(hf_config))
+        if self.cfg.model_type != "qwen3":  # the layer spec and weight layout below are Qwen3's
+            raise ValueError(
+                f"the megatron backend maps Qwen3 checkpoints only, got model_type {self.cfg.model_type!r}: "
+                "train it with train.backend.type = 'torch'"
+            )
         self.tp = ps.get_tensor_model_parallel_world_size()
         self.pp = ps.get_pipeline_model_parallel_world_size()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
@@ -168,7 +173,7 @@ class MegatronBackend:
         """From a Hugging Face checkpoint directory (``config.json`` + ``model.safetensors`` or shards)."""
         import json
 
-        from loong_train.models.qwen3 import load_hf_weights
+        from loong_train.models.decoder import load_hf_weights
 
         path = Path(path)
         config = json.loads((path / "config.json").read_text())
@@ -422,7 +427,7 @@ class MegatronBackend:
     def load_state(self, path: str | Path) -> None:
         """Continue from ``save_state(path)``: every rank converts the HF weights into its shard
         (copied in place; a KL reference stays the initial model) and loads its optimizer file."""
-        from loong_train.models.qwen3 import load_hf_weights
+        from loong_train.models.decoder import load_hf_weights
 
         self._load_into(self.model, load_hf_weights(Path(path)))
         state = torch.load(self._state_file(path), weights_only=False, map_location=self.device)

@@ -41,7 +41,7 @@ import torch
 
 from loong_core.protocols import SamplingParams
 from loong_core.records import SpanSource, TokenSpan
-from loong_train.models.qwen3 import KVCache, Qwen3ForCausalLM
+from loong_train.models.decoder import CausalLM, KVCache
 
 __all__ = ["BatchStats", "Request", "RunningBatch"]
 
@@ -92,7 +92,7 @@ class RunningBatch:
     """The rows decoding together, their KV cache and next-token logits (not thread-safe: one
     caller at a time)."""
 
-    def __init__(self, model: Qwen3ForCausalLM, pad_id: int, stats: BatchStats) -> None:
+    def __init__(self, model: CausalLM, pad_id: int, stats: BatchStats) -> None:
         self.model, self.pad_id, self.stats = model, pad_id, stats
         self.rows: list[Request] = []
         self.epoch: int | None = None

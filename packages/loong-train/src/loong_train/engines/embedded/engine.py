@@ -43,7 +43,7 @@ import torch
 from loong_core.protocols import SamplingParams
 from loong_core.records import TokenSpan
 from loong_train.engines.embedded.batching import BatchStats, Request, RunningBatch
-from loong_train.models.qwen3 import Qwen3ForCausalLM
+from loong_train.models.decoder import CausalLM
 
 __all__ = ["EmbeddedEngine"]
 
@@ -59,7 +59,7 @@ class EmbeddedEngine:
 
     def __init__(
         self,
-        model: Qwen3ForCausalLM,
+        model: CausalLM,
         *,
         seed: int = 0,
         max_batch: int = 256,

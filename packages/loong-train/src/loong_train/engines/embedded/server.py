@@ -455,10 +455,10 @@ def main(argv: list[str] | None = None) -> int:
     if (args.model_dir is None) == (args.model_path is None):
         parser.error("give the model directory once: MODEL_DIR or --model-path MODEL_DIR")
     args.model_dir = args.model_dir or args.model_path
-    from loong_train.models.qwen3 import Qwen3ForCausalLM
+    from loong_train.models.decoder import CausalLM
 
     torch.set_num_threads(args.threads)
-    engine = EmbeddedEngine(Qwen3ForCausalLM.from_pretrained(args.model_dir), seed=args.seed)
+    engine = EmbeddedEngine(CausalLM.from_pretrained(args.model_dir), seed=args.seed)
     print(f"serve-sglang: {args.model_dir} on http://{args.host}:{args.port}", flush=True)
     serve(engine, args.host, args.port, args.api_key, str(args.model_dir))
     return 0

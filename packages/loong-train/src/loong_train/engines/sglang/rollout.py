@@ -48,7 +48,7 @@ from loong_core.protocols import SamplingParams
 from loong_core.records import TokenSpan
 from loong_train.engines.config import SGLangEngineConfig
 from loong_train.engines.sglang.supervisor import SGLangSupervisor
-from loong_train.models.qwen3 import Qwen3ForCausalLM
+from loong_train.models.decoder import CausalLM
 from loong_transfermesh import SGLangPusherConfig, SGLangUpdateError, SGLangWeightPusher
 
 __all__ = ["SGLangRollout"]
@@ -76,7 +76,7 @@ class SGLangRollout:
         self, model_path: str, config: SGLangEngineConfig, *, worker_id: int, log_dir: str, seed: int
     ) -> None:
         self.config = config
-        self.model = Qwen3ForCausalLM.from_pretrained(model_path)  # the host copy TransferMesh fills
+        self.model = CausalLM.from_pretrained(model_path)  # the host copy TransferMesh fills
         self._version = 0
         self._pusher: SGLangWeightPusher | None = None
         self._push_lock = threading.Lock()  # updates come from the worker and the supervisor

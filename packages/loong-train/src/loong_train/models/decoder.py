@@ -1,20 +1,29 @@
-"""A Qwen3-architecture causal LM in plain torch, with Hugging Face names and files.
+"""The Llama-style decoder family in plain torch, with Hugging Face names and files.
 
 The same module serves the trainer (full-sequence forward) and the embedded engine
 (prefill + decode against a preallocated KV cache), so rollout and training logprobs come
-from one implementation. Parameter names equal ``transformers``' ``Qwen3ForCausalLM``, so a
+from one implementation. Parameter names equal those of each family's ``transformers`` class, so a
 checkpoint directory (``config.json`` + ``model.safetensors``, or shards listed in
 ``model.safetensors.index.json`` as the hub ships larger models) loads in either; a test checks
 logits against ``transformers`` as an independent reference.
 
-Architecture (Qwen3): pre-norm decoder; RMSNorm; grouped-query attention with per-head RMSNorm
-on queries and keys; rotary position embedding (rotate-half form); SwiGLU MLP; optional tied
-embeddings.
+Architecture: pre-norm decoder; RMSNorm; grouped-query attention; rotary position embedding
+(rotate-half form); SwiGLU MLP; optional tied embeddings. The families differ only in
+config-driven ways, read from ``config.json``'s ``model_type``:
+
+- ``qwen3``: per-head RMSNorm on queries and keys (QK-norm), no biases;
+- ``qwen2`` (Qwen2, Qwen2.5): biases on the query, key and value projections;
+- ``llama`` (Llama 2/3, SmolLM, TinyLlama): no biases (``attention_bias``, ``mlp_bias`` honoured),
+  ``head_dim`` defaulting to ``hidden_size / num_attention_heads``, rope scaling ``llama3`` or
+  ``linear``;
+- ``mistral``: Llama's layout; a ``sliding_window`` shorter than ``max_position_embeddings`` is
+  refused (full attention would silently differ past the window).
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
@@ -22,7 +31,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["KVCache", "Qwen3Config", "Qwen3ForCausalLM", "load_hf_weights"]
+__all__ = ["ARCHITECTURES", "CausalLM", "DecoderConfig", "KVCache", "load_hf_weights"]
+
+ARCHITECTURES = {
+    "qwen3": "CausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
 
 
 def load_hf_weights(path: str | Path) -> dict[str, torch.Tensor]:
@@ -41,8 +57,9 @@ def load_hf_weights(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 @dataclass
-class Qwen3Config:
-    """The subset of Hugging Face's ``Qwen3Config`` this implementation needs."""
+class DecoderConfig:
+    """The subset of a Hugging Face decoder config this implementation needs (see the module
+    docstring for what each family sets)."""
 
     vocab_size: int
     hidden_size: int = 128
@@ -55,26 +72,55 @@ class Qwen3Config:
     rope_theta: float = 10000.0
     max_position_embeddings: int = 512
     tie_word_embeddings: bool = True
+    model_type: str = "qwen3"
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    rope_scaling: dict | None = None
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.model_type == "qwen3"
 
     @classmethod
-    def from_hf(cls, data: dict) -> Qwen3Config:
-        if data.get("model_type") != "qwen3":
-            raise ValueError(f"expected a Qwen3 config (model_type 'qwen3'), got {data.get('model_type')!r}")
+    def from_hf(cls, data: dict) -> DecoderConfig:
+        kind = data.get("model_type")
+        if kind not in ARCHITECTURES:
+            raise ValueError(
+                f"model_type {kind!r} is not one of the decoder families Loong implements "
+                f"({', '.join(ARCHITECTURES)})"
+            )
         names = {f.name for f in fields(cls)}
-        cfg = {k: v for k, v in data.items() if k in names}
+        cfg = {k: v for k, v in data.items() if k in names and v is not None}
         rope = data.get("rope_parameters") or data.get("rope_scaling") or {}
         if "rope_theta" not in cfg and "rope_theta" in rope:
             cfg["rope_theta"] = rope["rope_theta"]
+        cfg["rope_scaling"] = (
+            rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
+        )
+        if "head_dim" not in cfg:
+            cfg["head_dim"] = data["hidden_size"] // data["num_attention_heads"]
+        if kind == "qwen2":  # Qwen2 always biases q, k, v (its config has no attention_bias key)
+            cfg["attention_bias"] = True
+        cfg.setdefault("num_key_value_heads", data["num_attention_heads"])
+        window = data.get("sliding_window") if data.get("use_sliding_window", kind == "mistral") else None
+        if window is not None and window < cfg.get("max_position_embeddings", 512):
+            raise ValueError(
+                f"sliding_window = {window} < max_position_embeddings: sliding-window attention is not "
+                "implemented (full attention would differ past the window)"
+            )
         return cls(**cfg)
 
     def to_hf(self) -> dict:
+        body = asdict(self)
+        if body["rope_scaling"] is None:
+            del body["rope_scaling"]
+        if self.model_type == "qwen2":
+            del body["attention_bias"], body["mlp_bias"]
         return {
-            "architectures": ["Qwen3ForCausalLM"],
-            "model_type": "qwen3",
+            "architectures": [ARCHITECTURES[self.model_type]],
             "hidden_act": "silu",
-            "attention_bias": False,
             "torch_dtype": "float32",
-            **asdict(self),
+            **body,
         }
 
 
@@ -94,11 +140,31 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+def _scaled(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
+    """Rope scaling: ``linear`` divides every frequency by ``factor``; ``llama3`` divides the low
+    frequencies by ``factor``, keeps the high ones and interpolates smoothly in between."""
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    factor = scaling["factor"]
+    if kind == "linear":
+        return inv_freq / factor
+    if kind != "llama3":
+        raise ValueError(f"rope scaling {kind!r} is not implemented (linear and llama3 are)")
+    low, high = scaling["low_freq_factor"], scaling["high_freq_factor"]
+    old = scaling["original_max_position_embeddings"]
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old / wavelen - low) / (high - low)
+    mid = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    out = torch.where(wavelen > old / low, inv_freq / factor, inv_freq)
+    return torch.where((wavelen >= old / high) & (wavelen <= old / low), mid, out)
+
+
 class Rotary(nn.Module):
-    def __init__(self, head_dim: int, theta: float) -> None:
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None = None) -> None:
         super().__init__()
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim))
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.register_buffer("inv_freq", _scaled(inv_freq, scaling), persistent=False)
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [batch, seq] -> cos, sin [batch, 1, seq, head_dim]."""
@@ -116,7 +182,7 @@ class KVCache:
     shifted, ``move_rows`` fills the slots of rows that left.
     """
 
-    def __init__(self, cfg: Qwen3Config, batch: int, max_len: int, dtype: torch.dtype, device) -> None:
+    def __init__(self, cfg: DecoderConfig, batch: int, max_len: int, dtype: torch.dtype, device) -> None:
         shape = (batch, cfg.num_key_value_heads, max_len, cfg.head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
@@ -156,24 +222,31 @@ class KVCache:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: Qwen3Config) -> None:
+    def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         self.n_heads, self.n_kv, self.head_dim = (
             cfg.num_attention_heads,
             cfg.num_key_value_heads,
             cfg.head_dim,
         )
-        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=False)
-        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
-        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=False)
-        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+        bias = cfg.attention_bias
+        self.q_proj = nn.Linear(cfg.hidden_size, self.n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(cfg.hidden_size, self.n_kv * self.head_dim, bias=bias)
+        o_bias = bias and cfg.model_type != "qwen2"  # Qwen2 biases q, k, v only
+        self.o_proj = nn.Linear(self.n_heads * self.head_dim, cfg.hidden_size, bias=o_bias)
+        self.qk_norm = cfg.qk_norm
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
 
     def forward(self, x, cos, sin, mask, cache: tuple[torch.Tensor, torch.Tensor] | None, start: int):
         b, t, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, t, self.n_heads, self.head_dim)).transpose(1, 2)
-        k = self.k_norm(self.k_proj(x).view(b, t, self.n_kv, self.head_dim)).transpose(1, 2)
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim)
+        k = self.k_proj(x).view(b, t, self.n_kv, self.head_dim)
+        if self.qk_norm:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
         q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
         if cache is not None:
@@ -190,18 +263,19 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: Qwen3Config) -> None:
+    def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        bias = cfg.mlp_bias
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Qwen3Config) -> None:
+    def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         self.self_attn = Attention(cfg)
         self.mlp = MLP(cfg)
@@ -214,23 +288,23 @@ class DecoderLayer(nn.Module):
 
 
 class _Body(nn.Module):
-    def __init__(self, cfg: Qwen3Config) -> None:
+    def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
 
 
-class Qwen3ForCausalLM(nn.Module):
-    """Qwen3 causal LM. ``forward`` returns logits [batch, seq, vocab].
+class CausalLM(nn.Module):
+    """A decoder-family causal LM. ``forward`` returns logits [batch, seq, vocab].
 
     Training: ``forward(ids)`` with right padding needs no mask (causal attention never lets a
     real token see a later pad). Generation: ``forward(ids, positions, mask, cache, start)`` with a
     boolean ``mask`` [batch, 1, seq, start + seq] that is True where attention is allowed.
     """
 
-    def __init__(self, cfg: Qwen3Config) -> None:
+    def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         self.config = cfg
         self.model = _Body(cfg)
@@ -283,15 +357,18 @@ class Qwen3ForCausalLM(nn.Module):
         )
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> Qwen3ForCausalLM:
+    def from_pretrained(cls, path: str | Path) -> CausalLM:
         path = Path(path)
-        cfg = Qwen3Config.from_hf(json.loads((path / "config.json").read_text()))
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path} has no config.json: not a Hugging Face checkpoint directory")
+        cfg = DecoderConfig.from_hf(json.loads((path / "config.json").read_text()))
         model = cls(cfg)
         missing, unexpected = model.load_state_dict(load_hf_weights(path), strict=False)
         missing = [m for m in missing if not (m == "lm_head.weight" and cfg.tie_word_embeddings)]
         if missing or unexpected:
             raise ValueError(
-                f"checkpoint {path} does not match Qwen3: missing {missing}, unexpected {unexpected}"
+                f"checkpoint {path} does not match its {cfg.model_type} config: missing {missing}, "
+                f"unexpected {unexpected}"
             )
         return model
 
