@@ -253,7 +253,7 @@ SMALL = [
 def test_blackbox_recipe_trains_and_writes_its_run_directory(tmp_path):
     out, sets = tmp_path / "run", [x for o in SMALL for x in ("--set", o)]
     assert cli(["run", "tiny-calc-agent", "--out", str(out), "--cache", str(tmp_path / "cache"), *sets]) == 0
-    assert 'kind = "blackbox"' in (out / "config.toml").read_text()
+    assert 'type = "blackbox"' in (out / "config.toml").read_text()
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3]
     for row in rows:
