@@ -30,7 +30,7 @@ from loong_train.algo.config import LossConfig, OPDConfig
 from loong_train.backends.config import BackendConfig, TorchBackendConfig
 from loong_train.engines.config import EmbeddedEngineConfig, EngineConfig
 from loong_train.tasks import TaskTables, task_problem
-from loong_train.tasks.data import DataConfig
+from loong_train.tasks.data import DataConfig, get_dotted
 from loong_train.tasks.env import EnvConfig
 from loong_train.tasks.reasoning_gym import ReasoningGymConfig
 from loong_train.tasks.reward import RewardConfig
@@ -226,23 +226,14 @@ _NOW_TABLES = ("rollout.engine", "train.backend")
 
 def _renamed_keys(data: dict[str, Any]) -> list[str]:
     """What is wrong with the keys of ``data`` (a parsed recipe) that moved, naming their new place."""
-    problems = [f"config key '{old}' moved to {new}" for old, new in RENAMED.items() if _lookup(data, old)]
+    problems = [f"config key '{old}' moved to {new}" for old, new in RENAMED.items() if get_dotted(data, old)]
     for table in _NOW_TABLES:
-        if isinstance(value := _lookup(data, table), str):
+        if isinstance(value := get_dotted(data, table), str):
             problems.append(
                 f"config key '{table}' is now a table: write {table}.type = {value!r} "
                 f"(in TOML: [{table}] type = {value!r}; on the command line: --set {table}.type={value})"
             )
     return problems
-
-
-def _lookup(data: dict[str, Any], dotted: str) -> Any:
-    node: Any = data
-    for part in dotted.split("."):
-        if not isinstance(node, dict) or part not in node:
-            return None
-        node = node[part]
-    return node
 
 
 def recipe_names() -> list[str]:
@@ -280,17 +271,18 @@ def load_recipe(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) 
 def _absolute_paths(recipe: Recipe) -> Recipe:
     """Data files, a reward file and an environment file, relative to the directory the run starts
     in, made absolute: Ray workers may run in another directory."""
-    d, fn = recipe.data, recipe.reward.fn
-    where, _, name = fn.rpartition(":")
-    data = msgspec.structs.replace(
+    d, replace = recipe.data, msgspec.structs.replace
+    data = replace(
         d,
         train_files=[str(Path(f).absolute()) for f in d.train_files],
         eval_files=[str(Path(f).absolute()) for f in d.eval_files],
     )
-    reward, env = recipe.reward, recipe.environment
-    if where.endswith(".py"):
-        reward = msgspec.structs.replace(reward, fn=f"{Path(where).absolute()}:{name}")
-    where, _, name = env.cls.rpartition(":")
-    if where.endswith(".py"):
-        env = msgspec.structs.replace(env, cls=f"{Path(where).absolute()}:{name}")
-    return msgspec.structs.replace(recipe, data=data, reward=reward, environment=env)
+    reward = replace(recipe.reward, fn=_absolute_spec(recipe.reward.fn))
+    env = replace(recipe.environment, cls=_absolute_spec(recipe.environment.cls))
+    return replace(recipe, data=data, reward=reward, environment=env)
+
+
+def _absolute_spec(spec: str) -> str:
+    """``"file.py:name"`` with the file's path made absolute; any other spec as it is."""
+    where, _, name = spec.rpartition(":")
+    return f"{Path(where).absolute()}:{name}" if where.endswith(".py") else spec

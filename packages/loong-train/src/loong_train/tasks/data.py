@@ -35,7 +35,7 @@ from loong_core.config import ConfigError
 from loong_train.tasks.base import AgentCommand, Item
 from loong_train.tasks.reward import RewardConfig, load_reward
 
-__all__ = ["DataConfig", "DataTask", "read_rows"]
+__all__ = ["DataConfig", "DataTask", "get_dotted", "read_rows"]
 
 
 class DataConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -86,7 +86,8 @@ def read_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-def _get(row: dict[str, Any], dotted: str) -> Any:
+def get_dotted(row: dict[str, Any], dotted: str) -> Any:
+    """``row[a][b]`` for ``"a.b"``; None when any part is missing."""
     value: Any = row
     for part in dotted.split("."):
         if not isinstance(value, dict) or part not in value:
@@ -133,7 +134,7 @@ class DataTask:
         tags = row.get(c.tags_key) or {}
         if not isinstance(tags, dict) or not all(isinstance(v, str) for v in tags.values()):
             raise ConfigError(f"{rid}: {c.tags_key!r} must be an object of strings, got {tags!r}")
-        item: Item = {"id": rid, "messages": messages, "answer": _get(row, c.answer_key), "row": row}
+        item: Item = {"id": rid, "messages": messages, "answer": get_dotted(row, c.answer_key), "row": row}
         item["metadata"] = row.get(c.metadata_key, {})
         if tags:
             item["tags"] = tags

@@ -28,7 +28,6 @@ from typing import Any, Literal
 import msgspec
 
 from loong_agentflow import EnvAgent, GymTextEnv
-from loong_agentflow.env import StepResult
 from loong_core.config import ConfigError
 from loong_train.tasks.base import Item
 from loong_train.tasks.data import DataConfig, DataTask
@@ -92,21 +91,18 @@ class EnvTask(DataTask):
 
 
 class _RowEnvironment:
-    """The user's environment, reset with the data row rather than Loong's item around it."""
+    """The user's environment, reset with the data row rather than Loong's item around it. Its
+    methods' results (values or awaitables) go to :class:`~loong_agentflow.EnvAgent` as they are."""
 
     def __init__(self, env: Any) -> None:
         self.env = env
 
-    async def reset(self, task: Item) -> list[dict[str, str]]:
-        return await _maybe_await(self.env.reset(task["row"]))
+    def reset(self, task: Item) -> Any:
+        return self.env.reset(task["row"])
 
-    async def step(self, action: str) -> StepResult:
-        return await _maybe_await(self.env.step(action))
+    def step(self, action: str) -> Any:
+        return self.env.step(action)
 
-    async def close(self) -> None:
-        if (close := getattr(self.env, "close", None)) is not None:
-            await _maybe_await(close())
-
-
-async def _maybe_await(value: Any) -> Any:
-    return await value if inspect.isawaitable(value) else value
+    def close(self) -> Any:
+        close = getattr(self.env, "close", None)
+        return close() if close is not None else None

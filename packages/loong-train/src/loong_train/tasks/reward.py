@@ -81,7 +81,7 @@ def load_reward(config: RewardConfig, base: Path) -> RewardFn:
     except (TypeError, ValueError) as e:
         raise ConfigError(f"reward.fn {config.fn!r}: not a function with a signature ({e})") from e
     if config.style != "loong":
-        return _foreign(fn, config)
+        return RewardFn(fn, (), config.timeout_s, config.fn, config.style)  # checked per row: check()
     params = signature.parameters.values()
     names = []
     for p in params:
@@ -101,11 +101,6 @@ _CALLS = {
     "verl": "(data_source, solution_str, ground_truth, extra_info)",
     "trl": "(prompts, completions, **columns)",
 }
-
-
-def _foreign(fn: Callable[..., Any], config: RewardConfig) -> RewardFn:
-    """A verl- or TRL-style function; whether a row's call binds is checked by :meth:`RewardFn.check`."""
-    return RewardFn(fn, (), config.timeout_s, config.fn, config.style)
 
 
 class RewardFn:
