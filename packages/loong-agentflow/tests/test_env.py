@@ -8,10 +8,19 @@ from __future__ import annotations
 import asyncio
 from typing import ClassVar
 
+import msgspec
 import pytest
 from agentflow_testkit import CODEC, IM_END, BigramEngine, ScriptedBigramPolicy, reference_logprobs
 
-from loong_agentflow import EnvAgent, EpisodeLimits, EpisodeSpec, GymTextEnv, StepResult, run_episodes
+from loong_agentflow import (
+    EnvAgent,
+    EpisodeLimits,
+    EpisodeSpec,
+    GymTextEnv,
+    ScriptedEpisode,
+    StepResult,
+    run_episodes,
+)
 from loong_core.protocols import SamplingParams
 from loong_core.records import EpisodeStatus
 
@@ -111,3 +120,62 @@ def test_a_gymnasium_text_env_runs_through_the_adapter():
     assert CODEC.decode(traj.token_ids).startswith(
         "<|im_start|>system\nEcho each word.<|im_end|>\n<|im_start|>user\nab<|im_end|>\n<|im_start|>assistant\nab"
     )
+
+
+class Shop:
+    """Answer how many of an item are left; the ``stock`` tool (a bound method: it sees this
+    episode's shelf and counts its calls) looks it up."""
+
+    def __init__(self) -> None:
+        self.shelf: dict[str, int] = {}
+        self.lookups = 0
+
+    def reset(self, task):
+        self.shelf = dict(task["shelf"])
+        return [{"role": "user", "content": f"How many {task['item']}?"}]
+
+    def tools(self):
+        return [self.stock]
+
+    def stock(self, item: str) -> int:
+        """How many of an item are on the shelf.
+
+        Args:
+            item: the item's name
+        """
+        self.lookups += 1
+        return self.shelf[item]
+
+    def step(self, action):
+        return StepResult(reward=float(action == str(self.shelf["fig"]) and self.lookups == 1), done=True)
+
+
+SHOP_TASK = {"item": "fig", "shelf": {"fig": 4, "yam": 9}}
+CALL = '<tool_call>{"name": "stock", "arguments": {"item": "fig"}}</tool_call>'
+SHOP_TRANSCRIPT = (  # by hand: the tool turn renders as ToolAgent renders tool results
+    "<|im_start|>user\nHow many fig?<|im_end|>\n<|im_start|>assistant\n"
+    f"{CALL}<|im_end|>\n<|im_start|>user\n<tool_response>4</tool_response><|im_end|>\n"
+    "<|im_start|>assistant\n4<|im_end|>"
+)
+
+
+def test_an_environments_tools_are_run_by_the_framework_and_the_episode_stays_token_exact():
+    policy = ScriptedBigramPolicy([CALL, "4"])
+    limits = EpisodeLimits(max_turns=3, max_model_tokens=128)
+    sampling = msgspec.structs.replace(SAMPLING, max_new_tokens=80)
+    specs = [EpisodeSpec("e0", "g0", SHOP_TASK)]
+    [traj] = asyncio.run(run_episodes(EnvAgent(Shop), specs, BigramEngine(policy), CODEC, sampling, limits))
+    assert traj.status is EpisodeStatus.OK and traj.reward == 1.0  # one lookup, the right count
+    assert CODEC.decode(traj.token_ids) == SHOP_TRANSCRIPT
+    fresh = reference_logprobs(policy, traj.token_ids, traj.loss_mask, sampling.temperature)
+    assert traj.logprobs == pytest.approx(fresh, abs=1e-12)
+
+
+def test_a_scripted_episode_records_the_same_transcript_as_pieces():
+    scripted = ScriptedEpisode(SHOP_TASK, [CALL, "4"])
+    assert asyncio.run(EnvAgent(Shop).run(scripted)) == 1.0 and not scripted.exhausted
+    assert "".join(text for text, _ in scripted.pieces) == SHOP_TRANSCRIPT
+    assert [text for text, is_model in scripted.pieces if is_model] == [f"{CALL}<|im_end|>", "4<|im_end|>"]
+    short = ScriptedEpisode(SHOP_TASK, [CALL])  # the expert stopped before the environment was done
+    asyncio.run(EnvAgent(Shop).run(short))
+    assert short.exhausted

@@ -24,6 +24,7 @@ def test_exports_are_pinned():
         "SGLangClientConfig",
         "SGLangEngine",
         "SGLangError",
+        "ScriptedEpisode",
         "StepResult",
         "TextCodec",
         "TokenBuffer",
@@ -32,6 +33,7 @@ def test_exports_are_pinned():
         "ToolCall",
         "ToolRegistry",
         "ToolResult",
+        "function_tool",
         "parse_tool_calls",
         "run_episodes",
     ]

@@ -7,10 +7,11 @@ import asyncio
 import json
 import threading
 import time
+from typing import Literal
 
 import pytest
 
-from loong_agentflow import Tool, ToolCall, ToolRegistry, ToolResult, parse_tool_calls
+from loong_agentflow import Tool, ToolCall, ToolRegistry, ToolResult, function_tool, parse_tool_calls
 
 _NEEDS_NAME = 'error: tool call needs {"name": str, "arguments": object}'
 _NEEDS_OBJECT = "error: tool call arguments must be a JSON object"
@@ -258,3 +259,83 @@ def test_inline_tools_run_on_the_event_loop_without_yielding() -> None:
     contents, other_ran_first = asyncio.run(main())
     assert contents == ["a", _NEEDS_OBJECT, "b"] and not other_ran_first
     assert seen["a"] == seen["b"] == loop_thread != seen["t"]
+
+
+# ---- function_tool: schemas from typed functions, checked against transformers' reader ----
+
+
+def _stock(item: str, warehouse: int = 1, exact: bool = False) -> int:
+    """How many of an item are in stock.
+
+    Args:
+        item: the item's name,
+            as printed on the label
+        warehouse: which warehouse to look in
+        exact: count opened packs too
+    """
+    return 3
+
+
+def _route(stops: list[str], mode: Literal["car", "bike"], budget: float | None = None) -> str:
+    """Plan a route through the stops.
+
+    Args:
+        stops: the places to visit, in order
+        mode: how to travel
+        budget: the most to spend
+    """
+    return "ok"
+
+
+def _weights(table: dict[str, float]) -> str:
+    """Normalise a weight table.
+
+    Args:
+        table: name to weight
+    """
+    return "ok"
+
+
+@pytest.mark.parametrize("fn", [_stock, _route, _weights])
+def test_function_tool_schema_matches_transformers(fn):
+    get_json_schema = pytest.importorskip("transformers.utils").get_json_schema
+    reference = get_json_schema(fn)["function"]
+    tool = function_tool(fn)
+    assert tool.name == reference["name"] == fn.__name__
+    assert tool.description == reference["description"]
+    assert tool.parameters == reference["parameters"]
+
+
+def test_function_tool_runs_a_bound_method_and_refuses_untyped_parameters():
+    class Shop:
+        def __init__(self):
+            self.sold = 0
+
+        def sell(self, n: int) -> str:
+            """Sell some."""
+            self.sold += n
+            return f"sold {self.sold}"
+
+    shop = Shop()
+    registry = ToolRegistry([function_tool(shop.sell)])
+    out = asyncio.run(
+        registry.run(parse_tool_calls('<tool_call>{"name": "sell", "arguments": {"n": 2}}</tool_call>'))
+    )
+    assert out[0].content == "sold 2" and shop.sold == 2
+    assert function_tool(shop.sell).parameters == {
+        "type": "object",
+        "properties": {"n": {"type": "integer"}},
+        "required": ["n"],
+    }
+
+    def untyped(x):
+        return x
+
+    with pytest.raises(TypeError, match="parameter 'x' has no type annotation"):
+        function_tool(untyped)
+
+    def odd(x: set[int]) -> str:
+        return ""
+
+    with pytest.raises(TypeError, match=r"tool 'odd', parameter 'x': cannot describe type"):
+        function_tool(odd)

@@ -4,6 +4,7 @@ reward binding and every bad input, then one real run started from a user's own 
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -154,6 +155,8 @@ import json, pathlib
 def score(completion, answer, prompt):
     with open(pathlib.Path(__file__).with_name("calls.jsonl"), "a") as f:
         f.write(json.dumps({"prompt": prompt, "answer": answer}) + "\\n")
+    if int(answer) % 2 == 0:
+        raise ValueError(f"no score for {answer}")
     return {"score": 1.0 if completion else 0.5}
 """
 
@@ -206,6 +209,14 @@ def test_a_users_data_reward_and_recipe_train_from_their_own_directory(tmp_path)
     calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
     pairs = {(r["prompt"], r["answer"]) for r in ROWS}
     assert calls and all((c["prompt"], c["answer"]) in pairs for c in calls)
+    # the reward raised on the rows whose answer is even: those episodes failed, were
+    # counted, and each was logged with its row (line n of data.jsonl holds answer n); the run went on
+    raised = {c["answer"] for c in calls if int(c["answer"]) % 2 == 0}
+    trained_failures = sum(r["failed"] for r in rows)
+    assert raised and trained_failures > 0
+    logged = set(re.findall(r"\(row data\.jsonl:(\d+)\) failed: ValueError: no score for (\d+)", done.stderr))
+    assert logged and all(line == answer for line, answer in logged)
+    assert {answer for _, answer in logged} <= raised
 
 
 VERL_REWARD = """
@@ -259,3 +270,29 @@ def test_verl_and_trl_reward_functions_run_unchanged(tmp_path):
         ConfigError, match=r"style 'verl' calls it as \(data_source, solution_str, ground_truth"
     ):
         task("trl_rw.py:short", "verl")
+
+
+def test_the_warm_start_demonstrates_a_rows_answer_and_refuses_a_row_without_one(tmp_path, data):
+    from loong_agentflow import ChatML
+
+    task = DataTask(DataConfig(train_files=[str(data)]), RewardConfig())
+    item = task.train[0]
+    assert task.demonstration(item) == [
+        (ChatML.prompt(item["messages"]), False),
+        (f"{item['answer']}<|im_end|>", True),
+    ]
+    rows = _write(tmp_path / "bare.jsonl", [{"prompt": "hi"}] * 4)
+    bare = DataTask(DataConfig(train_files=[str(rows)], answer_key="solution"), RewardConfig(fn=""))
+    with pytest.raises(ConfigError, match=r"bare\.jsonl:\d: no answer at data\.answer_key 'solution'"):
+        bare.demonstration(bare.train[0])
+
+
+def test_a_cached_warm_start_is_keyed_by_what_the_task_files_hold(tmp_path, data, monkeypatch):
+    from loong_train.tiny.warmstart import _file_digests
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "recipe.toml").write_text('name = "t"\ntask = "data"\n[data]\ntrain_files = ["data.jsonl"]\n')
+    before = _file_digests(load_recipe(str(tmp_path / "recipe.toml")))
+    assert list(before) == [str(data)]
+    _write(data, ROWS[:-1])  # one row fewer: another warm start
+    assert _file_digests(load_recipe(str(tmp_path / "recipe.toml"))) != before

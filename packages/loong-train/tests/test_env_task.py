@@ -1,6 +1,7 @@
 """``task = "env"``: a user's multi-turn environment on the rows of ``[data]``. Bad classes and
-arguments are errors before training; the shipped example (examples/guess-number) runs end to end
-from a copy of its directory, and its episodes decode to the environment's transcript."""
+arguments are errors before training; the shipped example (examples/shop, an environment with a
+tool) runs end to end from a copy of its directory, its episodes and its warm-start demonstrations
+decode to exactly the chat template's rendering of the transcript."""
 
 import asyncio
 import json
@@ -20,7 +21,7 @@ from loong_train.tasks.data import DataConfig
 from loong_train.tasks.env import EnvConfig
 from loong_train.tasks.reward import RewardConfig
 
-EXAMPLE = Path(__file__).parents[3] / "examples" / "guess-number"
+EXAMPLE = Path(__file__).parents[3] / "examples" / "shop"
 
 
 def _tables(**env):
@@ -34,8 +35,8 @@ def _tables(**env):
         ({}, "", r"needs environment\.cls"),
         ({"cls": f"{EXAMPLE / 'env.py'}:Nope"}, "", r"has no function or class 'Nope'"),
         ({"cls": "no_such_module_xyz:Env"}, "", r"importing no_such_module_xyz failed"),
-        ({"cls": f"{EXAMPLE / 'env.py'}:GuessNumber", "kwargs": {"width": 3}}, "", r"do not fit .*unexpected keyword argument 'width'"),
-        ({"cls": f"{EXAMPLE / 'env.py'}:GuessNumber"}, "r.py:f", r"drop reward\.fn"),
+        ({"cls": f"{EXAMPLE / 'env.py'}:Shop", "kwargs": {"width": 3}}, "", r"do not fit .*unexpected keyword argument 'width'"),
+        ({"cls": f"{EXAMPLE / 'env.py'}:Shop"}, "r.py:f", r"drop reward\.fn"),
     ],
 )  # fmt: skip
 def test_bad_environments_are_errors_before_training(env, reward, error):
@@ -64,44 +65,91 @@ class _Echo:
         pass
 
 
-def test_an_example_episode_decodes_to_the_environments_transcript(tmp_path):
+def _call(item: str) -> str:
+    return f"<tool_call>{json.dumps({'name': 'stock', 'arguments': {'item': item}})}</tool_call>"
+
+
+def _tool_call(item: str) -> dict:
+    return {
+        "role": "assistant",
+        "content": "",
+        "tool_calls": [{"function": {"name": "stock", "arguments": {"item": item}}}],
+    }
+
+
+def test_an_example_episode_and_its_demonstration_decode_to_the_chat_templates_transcript(tmp_path):
     from loong_train.models.tokenizer import HFCodec, load_tokenizer
     from loong_train.tiny.tokenizer import build_tokenizer
 
     build_tokenizer(tmp_path)
     tokenizer = load_tokenizer(tmp_path)
     codec = HFCodec(tokenizer)
-    task = build_task("env", _tables(cls=f"{EXAMPLE / 'env.py'}:GuessNumber"))
+    task = build_task("env", _tables(cls=f"{EXAMPLE / 'env.py'}:Shop"))
     item = dict(task.held_out(1)[0])
-    secret = item["row"]["secret"]
-    replies = ["x", "9" if secret < 9 else "1", str(secret)]  # not a number, wrong, right
+    row = item["row"]
+    count = str(row["shelf"][row["item"]])
+    replies = [_call("nope"), _call(row["item"]), count]  # a missing item (a tool error), the item, its count
     engine = _Echo(codec, replies)
     sampling = SamplingParams(
-        temperature=1.0, max_new_tokens=8, stop_token_ids=[tokenizer.convert_tokens_to_ids("<|im_end|>")]
+        temperature=1.0, max_new_tokens=80, stop_token_ids=[tokenizer.convert_tokens_to_ids("<|im_end|>")]
     )
     [traj] = asyncio.run(
         run_episodes(
-            task.agent(), [EpisodeSpec("e", "g", item)], engine, codec, sampling, EpisodeLimits(4, 64)
+            task.agent(), [EpisodeSpec("e", "g", item)], engine, codec, sampling, EpisodeLimits(4, 256)
         )
     )
     assert traj.reward == 1.0, traj.info
-    hint = "higher" if int(replies[1]) < secret else "lower"
+    shelf = ", ".join(row["shelf"])
+    question = {"role": "user", "content": f"How many {row['item']} are left?"}
     transcript = [
-        {"role": "user", "content": "Guess my number from 1 to 9. Answer with the number only."},
-        {"role": "assistant", "content": "x"},
-        {"role": "user", "content": "Answer with a number only."},
-        {"role": "assistant", "content": replies[1]},
-        {"role": "user", "content": hint},
-        {"role": "assistant", "content": replies[2]},
+        question,
+        _tool_call("nope"),
+        {"role": "tool", "content": f"error: KeyError: \"no 'nope' on this shelf (there are: {shelf})\""},
+        _tool_call(row["item"]),
+        {"role": "tool", "content": count},
+        {"role": "assistant", "content": count},
     ]
     rendered = tokenizer.apply_chat_template(transcript, tokenize=False)
     decoded = tokenizer.decode(traj.token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
     assert decoded + "\n" == rendered  # the template closes the last turn with a newline
+    # the warm start's demonstration of the row: its expert turns, in the same layout
+    pieces = task.demonstration(item)
+    expert = [
+        question,
+        _tool_call(row["item"]),
+        {"role": "tool", "content": count},
+        {"role": "assistant", "content": count},
+    ]
+    assert "".join(text for text, _ in pieces) + "\n" == tokenizer.apply_chat_template(expert, tokenize=False)
+    assert [text for text, is_model in pieces if is_model] == [
+        f"{_call(row['item'])}<|im_end|>",
+        f"{count}<|im_end|>",
+    ]
+
+
+def test_demonstrations_that_are_missing_or_do_not_finish_are_errors_naming_the_row(tmp_path):
+    rows = [
+        {"item": "fig", "shelf": {"fig": 3}},
+        {"item": "fig", "shelf": {"fig": 3}, "demonstration": [_call("fig")]},
+    ]
+    (tmp_path / "d.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows * 5))
+    tables = TaskTables(
+        data=DataConfig(train_files=[str(tmp_path / "d.jsonl")]),
+        environment=EnvConfig(cls=f"{EXAMPLE / 'env.py'}:Shop"),
+    )
+    task = build_task("env", tables)
+    first, second = (next(i for i in task.train + task.eval if i["id"] == f"d.jsonl:{n}") for n in (1, 2))
+    with pytest.raises(
+        ConfigError, match=r"d\.jsonl:1: the warm start needs the row's expert turns at 'demonstration'"
+    ):
+        task.demonstration(first)
+    with pytest.raises(ConfigError, match=r"d\.jsonl:2: the environment was not done after the 1 turns"):
+        task.demonstration(second)
 
 
 @pytest.mark.integration
-def test_the_guess_number_example_trains_from_a_copy_of_its_directory(tmp_path):
-    work = tmp_path / "guess-number"
+def test_the_shop_example_trains_from_a_copy_of_its_directory(tmp_path):
+    work = tmp_path / "shop"
     shutil.copytree(EXAMPLE, work)
     sets = [
         "train.steps=2",
@@ -109,15 +157,15 @@ def test_the_guess_number_example_trains_from_a_copy_of_its_directory(tmp_path):
         "rollout.group_size=2",
         "eval.every=1",
         "eval.num_tasks=4",
+        "warmstart.steps=2",  # the warm start on the rows' expert turns runs; a real one is longer
+        "warmstart.eval_every=2",
+        "warmstart.eval_tasks=4",
     ]
     cmd = [sys.executable, "-m", "loong_train.cli", "run", "recipe.toml", "--cache", "cache"]
     cmd += [a for s in sets for a in ("--set", s)]
     env = {**os.environ, "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
     done = subprocess.run(cmd, cwd=work, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = [
-        json.loads(line)
-        for line in (work / "runs" / "guess-number" / "metrics.jsonl").read_text().splitlines()
-    ]
+    rows = [json.loads(line) for line in (work / "runs" / "shop" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all(r["failed"] == 0 for r in rows)
     assert all(0 <= r["reward_mean"] <= 1 for r in rows)

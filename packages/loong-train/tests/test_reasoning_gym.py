@@ -105,3 +105,17 @@ def test_a_reasoning_gym_task_runs_through_loong(tmp_path):
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["eval_reward_by_version"]) == {"0", "1", "2"}
     assert set(summary["eval_reward_by_domain"]) == {"leg_counting"}  # the items' dataset tag
+
+
+def test_the_warm_start_demonstrates_the_datasets_own_answer_in_the_episodes_layout():
+    from loong_agentflow import ChatML
+
+    for answer_format, shown in (("plain", "{}"), ("tags", "<answer>{}</answer>")):
+        task = _task(eval_size=4, train_size=20, answer_format=answer_format)
+        item = task.held_out(1)[0]
+        expected = [
+            (ChatML.prompt(item["messages"]), False),
+            (shown.format(item["answer"]) + ChatML.END, True),
+        ]
+        assert task.demonstration(item) == expected
+        assert task.reward(item, shown.format(item["answer"])) == 1.0  # what it demonstrates scores

@@ -6,6 +6,7 @@ from loong_agentflow.agent import (
     Episode,
     EpisodeLimits,
     EpisodeSpec,
+    ScriptedEpisode,
     ToolAgent,
     run_episodes,
 )
@@ -16,7 +17,7 @@ from loong_agentflow.proxy_render import ChatMLRenderer, ChatRenderer, HFChatRen
 from loong_agentflow.proxy_session import ProxySession
 from loong_agentflow.sglang_client import SGLangClientConfig, SGLangEngine, SGLangError
 from loong_agentflow.tokens import TextCodec, TokenBuffer
-from loong_agentflow.tools import Tool, ToolCall, ToolRegistry, ToolResult, parse_tool_calls
+from loong_agentflow.tools import Tool, ToolCall, ToolRegistry, ToolResult, function_tool, parse_tool_calls
 
 __all__ = [
     # white-box agents
@@ -25,6 +26,7 @@ __all__ = [
     "Episode",
     "EpisodeLimits",
     "EpisodeSpec",
+    "ScriptedEpisode",
     "ToolAgent",
     "run_episodes",
     # multi-turn environments
@@ -49,6 +51,7 @@ __all__ = [
     "ToolCall",
     "ToolRegistry",
     "ToolResult",
+    "function_tool",
     "parse_tool_calls",
     # SGLang servers
     "SGLangClientConfig",

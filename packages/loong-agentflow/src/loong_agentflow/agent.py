@@ -27,7 +27,16 @@ from loong_agentflow.tools import ToolRegistry, ToolResult, parse_tool_calls
 from loong_core.protocols import RolloutEngine, SamplingParams
 from loong_core.records import EpisodeStatus, SpanSource, Trajectory
 
-__all__ = ["Agent", "ChatML", "Episode", "EpisodeLimits", "EpisodeSpec", "ToolAgent", "run_episodes"]
+__all__ = [
+    "Agent",
+    "ChatML",
+    "Episode",
+    "EpisodeLimits",
+    "EpisodeSpec",
+    "ScriptedEpisode",
+    "ToolAgent",
+    "run_episodes",
+]
 
 
 @dataclass(frozen=True)
@@ -117,6 +126,32 @@ class Episode:
         )
 
 
+class ScriptedEpisode:
+    """An :class:`Episode` stand-in whose model turns are given: an agent run on it plays an
+    expert's turns against its tools or environment and records the transcript as
+    ``(text, is_model)`` pieces in exactly the layout the agent gives a real episode's tokens (what a
+    supervised warm start trains on). ``exhausted``: the agent asked for more turns than given."""
+
+    def __init__(self, task: dict[str, Any], turns: Sequence[str]) -> None:
+        self.task, self.turns = task, list(turns)
+        self.pieces: list[tuple[str, bool]] = []
+        self.truncated = self.exhausted = False
+
+    def prompt(self, text: str) -> None:
+        self.pieces.append((text, False))
+
+    def observe(self, text: str, source: SpanSource = SpanSource.TOOL) -> None:
+        self.pieces.append((text, False))
+
+    async def generate(self) -> str:
+        if not self.turns:
+            self.truncated = self.exhausted = True
+            return ""
+        text = self.turns.pop(0) + ChatML.END
+        self.pieces.append((text, True))
+        return text
+
+
 def _takes_seed(engine: RolloutEngine) -> bool:
     try:
         return "seed" in inspect.signature(engine.generate).parameters
@@ -189,6 +224,8 @@ async def run_episode(agent: Agent, episode: Episode) -> Trajectory:
     except Exception as e:  # an agent's bug fails its episode, not the run
         reward, status = 0.0, EpisodeStatus.FAILED
         info = {"error": f"{type(e).__name__}: {e}"}
+    if status is not EpisodeStatus.OK and "id" in episode.task:  # which row, for the run's log
+        info["task_id"] = str(episode.task["id"])
     info["wall_s"] = f"{time.monotonic() - start:.3f}"
     return episode.trajectory(reward, status, info)
 

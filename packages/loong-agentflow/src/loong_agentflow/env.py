@@ -23,6 +23,12 @@ template's rendering of the transcript and its logprobs are the engine's. Observ
 messages: ``user`` and ``system`` turns as they are, ``tool`` turns as Hermes
 ``<tool_response>`` blocks (as :class:`~loong_agentflow.agent.ToolAgent` renders tool results).
 
+Tools: an environment may define ``tools() -> [functions]``, typed Python functions or its own
+bound methods (so they see the episode's state, as TRL's ``environment_factory`` exposes methods).
+The framework parses the model's Hermes ``<tool_call>`` blocks, runs them and shows the results;
+``step`` sees only the turns without calls. (The tool list is not rendered into the prompt: tiny
+policies learn the layout; a chat template that lists tools is the renderer's business.)
+
 The episode's reward is the sum of the steps' rewards. It ends when a step says ``done``, or
 without a final step when the model runs out of turns or tokens (the rewards so far count; the
 row is marked truncated). An environment that raises fails the episode (``status = "failed"``,
@@ -39,9 +45,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from loong_agentflow.agent import ChatML, Episode
+from loong_agentflow.agent import ChatML, Episode, ScriptedEpisode
+from loong_agentflow.tools import Tool, ToolRegistry, function_tool, parse_tool_calls
 
-__all__ = ["EnvAgent", "Environment", "GymTextEnv", "StepResult"]
+__all__ = ["EnvAgent", "Environment", "GymTextEnv", "StepResult", "env_tools"]
 
 
 @dataclass
@@ -80,21 +87,41 @@ def observation_turns(messages: Sequence[dict[str, str]]) -> str:
     return "\n" + body + "<|im_start|>assistant\n"
 
 
+def env_tools(env: Any, timeout_s: float = 10.0) -> ToolRegistry | None:
+    """The registry of ``env.tools()`` (typed functions or bound methods, made tools by
+    :func:`~loong_agentflow.tools.function_tool`, or :class:`~loong_agentflow.tools.Tool`), or
+    None when the environment has no tools."""
+    listed = getattr(env, "tools", None)
+    if listed is None:
+        return None
+    tools = [t if isinstance(t, Tool) else function_tool(t) for t in listed()]
+    return ToolRegistry(tools, timeout_s) if tools else None
+
+
 class EnvAgent:
-    """A white-box agent whose episodes are driven by a fresh ``factory()`` environment each."""
+    """A white-box agent whose episodes are driven by a fresh ``factory()`` environment each.
 
-    def __init__(self, factory: Callable[[], Any]) -> None:
-        self.factory = factory
+    An environment with ``tools()`` gets tool calls answered by the framework: an assistant turn
+    holding ``<tool_call>`` blocks runs them (each under ``tool_timeout_s``, a failure becomes the
+    observation) and shows their results as a tool turn; a turn without calls goes to ``step``.
+    """
 
-    async def run(self, episode: Episode) -> float:
+    def __init__(self, factory: Callable[[], Any], tool_timeout_s: float = 10.0) -> None:
+        self.factory, self.tool_timeout_s = factory, tool_timeout_s
+
+    async def run(self, episode: Episode | ScriptedEpisode) -> float:
         env = self.factory()
         total = 0.0
         try:
+            tools = env_tools(env, self.tool_timeout_s)
             episode.prompt(ChatML.prompt(await _call(env.reset, episode.task)))
             while True:
                 text = await episode.generate()
                 if episode.truncated:
                     return total
+                if tools is not None and (calls := parse_tool_calls(text)):
+                    episode.observe(ChatML.tool_turn(await tools.run(calls)))
+                    continue
                 result: StepResult = await _call(env.step, ChatML.strip_end(text))
                 total += float(result.reward)
                 if result.done:

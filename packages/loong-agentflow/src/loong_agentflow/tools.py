@@ -3,18 +3,33 @@
 Tool calls use the Qwen/Hermes format ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``;
 a completion may hold several (parallel calls). A tool that raises or times out does not end
 the episode: its error text becomes the observation.
+
+:func:`function_tool` makes a :class:`Tool` of a typed Python function (a bound method too, so a
+per-episode environment's tools share its state), its JSON schema read from the signature and a
+Google-style docstring, as the OpenAI SDK, ``transformers.get_json_schema`` and TRL read them::
+
+    def stock(item: str, warehouse: int = 1) -> int:
+        '''How many of an item are in stock.
+
+        Args:
+            item: the item's name
+            warehouse: which warehouse to look in
+        '''
 """
 
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import re
+import types
+import typing
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Tool", "ToolCall", "ToolRegistry", "ToolResult", "parse_tool_calls"]
+__all__ = ["Tool", "ToolCall", "ToolRegistry", "ToolResult", "function_tool", "parse_tool_calls"]
 
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
@@ -117,3 +132,74 @@ class ToolRegistry:
     def _inline(self, call: ToolCall) -> bool:
         tool = self.tools.get(call.name)
         return tool is None or (tool.inline and not asyncio.iscoroutinefunction(tool.fn))
+
+
+_JSON_TYPES = {str: "string", int: "integer", float: "number", bool: "boolean", list: "array", dict: "object"}
+_ARG_LINE = re.compile(r"^\s*(\w+)\s*(?:\([^)]*\))?\s*:\s*(.*)$")
+
+
+def _schema(hint: Any, where: str) -> dict[str, Any]:
+    """The JSON schema of one annotation: str, int, float, bool, list[X], dict[str, X], Literal,
+    X | None; anything else is an error naming ``where``."""
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if hint in _JSON_TYPES:
+        return {"type": _JSON_TYPES[hint]}
+    if origin is typing.Literal:
+        kinds = {_JSON_TYPES[type(a)] for a in args}
+        return {"type": kinds.pop() if len(kinds) == 1 else sorted(kinds), "enum": list(args)}
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in args if a is not type(None)]
+        inner = (
+            _schema(options[0], where)
+            if len(options) == 1
+            else {"anyOf": [_schema(a, where) for a in options]}
+        )
+        return {**inner, "nullable": True} if len(options) < len(args) else inner  # X | None
+    if origin is list:
+        return {"type": "array", **({"items": _schema(args[0], where)} if args else {})}
+    if origin is dict:
+        return {"type": "object", **({"additionalProperties": _schema(args[1], where)} if args else {})}
+    raise TypeError(
+        f"{where}: cannot describe type {hint!r} in JSON schema "
+        "(use str, int, float, bool, list, dict, Literal or X | None)"
+    )
+
+
+def _docstring(fn: Callable[..., Any]) -> tuple[str, dict[str, str]]:
+    """The description (the text before ``Args:``) and each argument's line under ``Args:``."""
+    doc = inspect.getdoc(fn) or ""
+    head, _, rest = doc.partition("\nArgs:")
+    args: dict[str, str] = {}
+    name = ""
+    for line in rest.splitlines():
+        if not line.strip():
+            continue
+        if re.match(r"^\S", line):  # Returns:, Raises: ...: the Args section is over
+            break
+        if (m := _ARG_LINE.match(line)) and line.startswith("    ") and not line.startswith("        "):
+            name, args[m.group(1)] = m.group(1), m.group(2).strip()
+        elif name:
+            args[name] = f"{args[name]} {line.strip()}".strip()
+    return head.strip(), args
+
+
+def function_tool(fn: Callable[..., Any], *, name: str = "", inline: bool = False) -> Tool:
+    """A :class:`Tool` calling ``fn`` (sync or async), named ``name`` or its ``__name__``, its
+    parameters' JSON schema from the annotations (every parameter needs one) and its docstring."""
+    label = name or fn.__name__
+    description, docs = _docstring(fn)
+    hints = typing.get_type_hints(fn)
+    properties: dict[str, Any] = {}
+    required = []
+    for p in inspect.signature(fn).parameters.values():
+        if p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD):
+            continue
+        if p.name not in hints:
+            raise TypeError(f"tool {label!r}: parameter {p.name!r} has no type annotation")
+        properties[p.name] = _schema(hints[p.name], f"tool {label!r}, parameter {p.name!r}")
+        if p.name in docs:
+            properties[p.name]["description"] = docs[p.name]
+        if p.default is p.empty:
+            required.append(p.name)
+    parameters = {"type": "object", "properties": properties, **({"required": required} if required else {})}
+    return Tool(label, fn, description, parameters, inline)

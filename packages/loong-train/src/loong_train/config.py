@@ -34,6 +34,7 @@ from loong_train.tasks.data import DataConfig, get_dotted
 from loong_train.tasks.env import EnvConfig
 from loong_train.tasks.reasoning_gym import ReasoningGymConfig
 from loong_train.tasks.reward import RewardConfig
+from loong_train.tasks.verifiers import VerifiersConfig
 from loong_train.workers.agent import AgentConfig, WhiteboxAgentConfig
 from loong_transfermesh.config import TransportConfig
 
@@ -74,7 +75,8 @@ class ModelConfig(_Section):
 
 
 class WarmstartConfig(_Section):
-    """Supervised warm start on synthetic demonstrations, stopped early once the *sampled*
+    """Supervised warm start on the task's demonstrations (``demonstration(item)``: the calculator's
+    expert episodes, a data row's reference answer, an environment row's expert turns), stopped early once the *sampled*
     (temperature 1) success on probe tasks reaches ``target_success``.
 
     ``label_smoothing`` spreads that much target mass over the vocabulary: the policy learns the
@@ -90,6 +92,7 @@ class WarmstartConfig(_Section):
     target_success: float = 0.15
     eval_every: int = 100
     eval_tasks: int = 128
+    threads: int = 0  # torch threads of the warm start (it runs before any actor); 0: the recipe's
 
 
 class RolloutConfig(_Section):
@@ -186,6 +189,7 @@ class Recipe(_Section):
     reward: RewardConfig = RewardConfig()
     reasoning_gym: ReasoningGymConfig = ReasoningGymConfig()
     environment: EnvConfig = EnvConfig()
+    verifiers: VerifiersConfig = VerifiersConfig()
     transport: TransportConfig = TransportConfig()
     log: LogConfig = LogConfig()
     ray_address: str = ""
@@ -194,7 +198,11 @@ class Recipe(_Section):
     def task_tables(self) -> TaskTables:
         """The tables the recipe's task is built from (:func:`loong_train.tasks.build_task`)."""
         return TaskTables(
-            data=self.data, reward=self.reward, reasoning_gym=self.reasoning_gym, environment=self.environment
+            data=self.data,
+            reward=self.reward,
+            reasoning_gym=self.reasoning_gym,
+            environment=self.environment,
+            verifiers=self.verifiers,
         )
 
     def __post_init__(self) -> None:
@@ -269,7 +277,7 @@ def load_recipe(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) 
 
 
 def _absolute_paths(recipe: Recipe) -> Recipe:
-    """Data files, a reward file and an environment file, relative to the directory the run starts
+    """Data files, a reward file, an environment file and a taskset file, relative to the directory the run starts
     in, made absolute: Ray workers may run in another directory."""
     d, replace = recipe.data, msgspec.structs.replace
     data = replace(
@@ -279,7 +287,8 @@ def _absolute_paths(recipe: Recipe) -> Recipe:
     )
     reward = replace(recipe.reward, fn=_absolute_spec(recipe.reward.fn))
     env = replace(recipe.environment, cls=_absolute_spec(recipe.environment.cls))
-    return replace(recipe, data=data, reward=reward, environment=env)
+    taskset = replace(recipe.verifiers, taskset=_absolute_spec(recipe.verifiers.taskset))
+    return replace(recipe, data=data, reward=reward, environment=env, verifiers=taskset)
 
 
 def _absolute_spec(spec: str) -> str:

@@ -145,6 +145,10 @@ class RunDir:
 
     def on_rollout(self, result: dict[str, Any]) -> None:
         self.rollout_busy += result["end"] - result["start"]
+        for t in result["trajectories"]:  # counted per step in metrics ("failed", "timeouts")
+            if t.status in (EpisodeStatus.FAILED, EpisodeStatus.TIMEOUT):
+                row = t.info.get("task_id", "?")
+                log.warning("episode %s (row %s) %s: %s", t.sample_id, row, t.status, t.info.get("error"))
         self.trace.span(
             "rollout",
             "rollout",

@@ -11,7 +11,9 @@ of the tiny recipes (:mod:`loong_train.tiny.calc`, :mod:`loong_train.tiny.calc_d
 - ``env``: the user's multi-turn environment (``[environment]``) on the rows of ``[data]``:
   :mod:`loong_train.tasks.env`;
 - ``reasoning_gym:<dataset>``, ``reasoning_gym`` (a weighted composite): reasoning-gym's procedural
-  datasets, configured by ``[reasoning_gym]``: :mod:`loong_train.tasks.reasoning_gym`.
+  datasets, configured by ``[reasoning_gym]``: :mod:`loong_train.tasks.reasoning_gym`;
+- ``verifiers``: a single-turn verifiers v1 taskset (``[verifiers]``), scored by its own rewards:
+  :mod:`loong_train.tasks.verifiers`.
 
 Tasks built from recipe tables get them as :class:`TaskTables`.
 
@@ -29,6 +31,7 @@ from loong_train.tasks.data import DataConfig
 from loong_train.tasks.env import EnvConfig
 from loong_train.tasks.reasoning_gym import PREFIX, ReasoningGymConfig
 from loong_train.tasks.reward import RewardConfig
+from loong_train.tasks.verifiers import VerifiersConfig
 
 __all__ = ["SHIPPED", "AgentCommand", "Item", "Task", "TaskTables", "build_task", "task_problem"]
 
@@ -39,17 +42,20 @@ SHIPPED: dict[str, tuple[str, dict]] = {
     "calc-mul": ("loong_train.tiny.calc_domains:CalcDomainsTask", {"domains": ("mul",)}),
     "data": ("loong_train.tasks.data:DataTask", {}),
     "env": ("loong_train.tasks.env:EnvTask", {}),
+    "verifiers": ("loong_train.tasks.verifiers:VerifiersTask", {}),
 }
 
 
 class TaskTables(msgspec.Struct, frozen=True, kw_only=True):
     """The recipe tables a task is built from: ``[data]`` and ``[reward]`` (``task = "data"``),
-    ``[environment]`` (``task = "env"``, with ``[data]``), ``[reasoning_gym]``. Other tasks ignore them."""
+    ``[environment]`` (``task = "env"``, with ``[data]``), ``[reasoning_gym]``, ``[verifiers]``.
+    Other tasks ignore them."""
 
     data: DataConfig = DataConfig()
     environment: EnvConfig = EnvConfig()
     reward: RewardConfig = RewardConfig()
     reasoning_gym: ReasoningGymConfig = ReasoningGymConfig()
+    verifiers: VerifiersConfig = VerifiersConfig()
 
 
 def task_problem(name: str) -> str:
@@ -76,6 +82,8 @@ def build_task(name: str, tables: TaskTables | None = None) -> Task:
         kwargs = {"data": tables.data, "reward": tables.reward}
     elif name == "env":
         kwargs = {"env": tables.environment, "data": tables.data, "reward": tables.reward}
+    elif name == "verifiers":
+        kwargs = {"config": tables.verifiers}
     module, attr = path.split(":")
     try:
         factory = getattr(importlib.import_module(module), attr)

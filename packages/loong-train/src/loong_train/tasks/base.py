@@ -13,9 +13,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import msgspec
 
-from loong_agentflow import ToolRegistry
+from loong_agentflow import ChatML, ToolRegistry
 
-__all__ = ["AgentCommand", "Item", "Task"]
+__all__ = ["AgentCommand", "Item", "Task", "answer_demonstration"]
 
 Item = dict[str, Any]
 """One task item: plain data that crosses processes inside an ``EpisodeSpec``. ``"messages"`` (the
@@ -90,3 +90,14 @@ class Task(Protocol):
 # A task may also define ``agent() -> loong_agentflow.Agent``: the white-box agent that runs its
 # episodes (an environment task's :class:`~loong_agentflow.EnvAgent`). Without it, episodes are a
 # :class:`~loong_agentflow.ToolAgent` over ``tools()`` and ``reward``.
+#
+# A task may also define ``demonstration(item) -> [(text, is_model), ...]``: an expert episode of
+# ``item`` laid out exactly as its agent lays out the token buffer, which the tiny warm start
+# (:mod:`loong_train.tiny.warmstart`) trains on; and ``probe(n, seed) -> [Item]``, the items whose
+# sampled success stops it (without it: ``n`` items of a training stream).
+
+
+def answer_demonstration(item: Item, answer: str) -> list[tuple[str, bool]]:
+    """A single-turn expert episode: the prompt as :class:`~loong_agentflow.ToolAgent` renders it,
+    then ``answer`` and the end of turn, the model's tokens."""
+    return [(ChatML.prompt(item["messages"]), False), (f"{answer}{ChatML.END}", True)]

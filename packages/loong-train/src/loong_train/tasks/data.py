@@ -32,7 +32,7 @@ import msgspec
 
 from loong_agentflow import ToolRegistry
 from loong_core.config import ConfigError
-from loong_train.tasks.base import AgentCommand, Item
+from loong_train.tasks.base import AgentCommand, Item, answer_demonstration
 from loong_train.tasks.reward import RewardConfig, load_reward
 
 __all__ = ["DataConfig", "DataTask", "get_dotted", "read_rows"]
@@ -96,7 +96,51 @@ def get_dotted(row: dict[str, Any], dotted: str) -> Any:
     return value
 
 
-class DataTask:
+def split_held_out(items: list[Item], fraction: float, seed: int, what: str) -> tuple[list[Item], list[Item]]:
+    """``(held_out, train)``: a seeded ``fraction`` of ``items`` (at least one) and the rest, in order."""
+    order = list(range(len(items)))
+    random.Random(seed).shuffle(order)
+    cut = max(1, round(len(items) * fraction))
+    if cut >= len(items):
+        raise ConfigError(
+            f"{what} hold {len(items)} rows: too few to hold out {fraction:.0%} and train on the rest "
+            "(add rows or give held-out ones)"
+        )
+    return [items[i] for i in order[:cut]], [items[i] for i in sorted(order[cut:])]
+
+
+def shuffled_cycle(items: list[Item], seed: int, held_out: Sequence[Item]) -> Iterator[Item]:
+    """``items`` without any of ``held_out`` (by id), endlessly, each pass in a seeded order."""
+    banned = {item["id"] for item in held_out}
+    rows = [item for item in items if item["id"] not in banned]
+    rng = random.Random(seed)
+    while True:
+        order = list(range(len(rows)))
+        rng.shuffle(order)
+        yield from (rows[i] for i in order)
+
+
+class RowsTask:
+    """What a task over a list of items shares: ``self.train`` and ``self.eval`` (held out), an
+    endless seeded stream of the training items, no tools, no agent program of its own."""
+
+    train: list[Item]
+    eval: list[Item]
+
+    def held_out(self, n: int) -> list[Item]:
+        return self.eval[:n]
+
+    def train_stream(self, seed: int, held_out: Sequence[Item]) -> Iterator[Item]:
+        return shuffled_cycle(self.train, seed, held_out)
+
+    def tools(self) -> ToolRegistry:
+        return ToolRegistry([])
+
+    def agent_command(self) -> AgentCommand | None:
+        return None
+
+
+class DataTask(RowsTask):
     """A :class:`~loong_train.tasks.Task` over the user's rows and reward function (no tools)."""
 
     def __init__(self, data: DataConfig, reward: RewardConfig) -> None:
@@ -110,15 +154,7 @@ class DataTask:
         if data.eval_files:
             held = [self._item(rid, row) for f in data.eval_files for rid, row in read_rows(Path(f))]
         else:
-            order = list(range(len(train)))
-            random.Random(data.split_seed).shuffle(order)
-            cut = max(1, round(len(train) * data.eval_fraction))
-            if cut >= len(train):
-                raise ConfigError(
-                    f"data.train_files hold {len(train)} rows: too few to hold out {data.eval_fraction:.0%} "
-                    "and train on the rest (add rows or give data.eval_files)"
-                )
-            held, train = [train[i] for i in order[:cut]], [train[i] for i in sorted(order[cut:])]
+            held, train = split_held_out(train, data.eval_fraction, data.split_seed, "data.train_files")
         self.train, self.eval = train, held
         self.reward_fn.check(train[0])
 
@@ -140,26 +176,16 @@ class DataTask:
             item["tags"] = tags
         return item
 
-    def held_out(self, n: int) -> list[Item]:
-        return self.eval[:n]
-
-    def train_stream(self, seed: int, held_out: Sequence[Item]) -> Iterator[Item]:
-        banned = {item["id"] for item in held_out}
-        rows = [item for item in self.train if item["id"] not in banned]
-        rng = random.Random(seed)
-        while True:
-            order = list(range(len(rows)))
-            rng.shuffle(order)
-            yield from (rows[i] for i in order)
-
-    def tools(self) -> ToolRegistry:
-        return ToolRegistry([])
-
     def reward(self, item: Item, answer: str) -> float:
         return self.reward_fn.score(item, answer)
 
-    def agent_command(self) -> AgentCommand | None:
-        return None
+    def demonstration(self, item: Item) -> list[tuple[str, bool]]:
+        """The row's reference answer as the final turn (rows without one cannot be demonstrated)."""
+        if item["answer"] is None:
+            raise ConfigError(
+                f"{item['id']}: no answer at data.answer_key {self.config.answer_key!r} to warm-start on"
+            )
+        return answer_demonstration(item, str(item["answer"]))
 
 
 def _messages(rid: str, prompt: Any, key: str) -> list[dict[str, str]]:

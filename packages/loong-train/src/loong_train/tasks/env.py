@@ -10,7 +10,13 @@ rows each episode starts from (any JSON objects: no prompt key is needed, the en
   ``step(action) -> StepResult``, ``close()``, sync or async) or ``"gym"`` (a gymnasium-style
   text env, ``reset(seed=row.get("seed"), options=row) -> (observation, info)`` and
   ``step(action) -> (observation, reward, terminated, truncated, info)``, through
-  :class:`loong_agentflow.GymTextEnv`; ``system`` is its system message).
+  :class:`loong_agentflow.GymTextEnv`; ``system`` is its system message);
+- ``demonstration_key``: the row key holding an expert's assistant turns (a list of strings), what
+  the tiny warm start trains on: they are played against the environment (and its tools) and the
+  transcript is laid out exactly as a real episode's tokens (:class:`loong_agentflow.ScriptedEpisode`).
+
+An environment's ``tools()`` (typed functions or its bound methods) are run by the framework
+when the model calls them (:class:`loong_agentflow.EnvAgent`).
 
 The episode's reward is the sum of its steps' rewards, so ``[reward] fn`` must stay unset (one
 source of reward, no silent precedence). Episodes are white-box: the framework renders the
@@ -21,13 +27,14 @@ before the run starts; an environment that raises fails its episode, not the run
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
 
-from loong_agentflow import EnvAgent, GymTextEnv
+from loong_agentflow import EnvAgent, GymTextEnv, ScriptedEpisode
 from loong_core.config import ConfigError
 from loong_train.tasks.base import Item
 from loong_train.tasks.data import DataConfig, DataTask
@@ -44,6 +51,7 @@ class EnvConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     kwargs: dict[str, Any] = {}
     api: Literal["loong", "gym"] = "loong"
     system: str = ""
+    demonstration_key: str = "demonstration"
 
 
 class EnvTask(DataTask):
@@ -89,6 +97,23 @@ class EnvTask(DataTask):
     def reward(self, item: Item, answer: str) -> float:
         raise RuntimeError("an environment task's rewards come from its environment's steps")
 
+    def demonstration(self, item: Item) -> list[tuple[str, bool]]:
+        """The row's expert turns played against a fresh environment, as ``(text, is_model)`` pieces."""
+        key = self.env_config.demonstration_key
+        turns = item["row"].get(key)
+        if not isinstance(turns, list) or not turns or not all(isinstance(t, str) for t in turns):
+            raise ConfigError(
+                f"{item['id']}: the warm start needs the row's expert turns at {key!r} "
+                f"(environment.demonstration_key), a list of strings; got {turns!r}"
+            )
+        scripted = ScriptedEpisode(item, turns)
+        asyncio.run(self.agent().run(scripted))
+        if scripted.exhausted:
+            raise ConfigError(
+                f"{item['id']}: the environment was not done after the {len(turns)} turns at {key!r}"
+            )
+        return scripted.pieces
+
 
 class _RowEnvironment:
     """The user's environment, reset with the data row rather than Loong's item around it. Its
@@ -102,6 +127,10 @@ class _RowEnvironment:
 
     def step(self, action: str) -> Any:
         return self.env.step(action)
+
+    def tools(self) -> list[Any]:
+        tools = getattr(self.env, "tools", None)
+        return list(tools()) if tools is not None else []
 
     def close(self) -> Any:
         close = getattr(self.env, "close", None)

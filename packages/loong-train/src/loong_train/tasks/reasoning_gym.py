@@ -36,7 +36,7 @@ import msgspec
 
 from loong_agentflow import ToolRegistry
 from loong_core.config import ConfigError
-from loong_train.tasks.base import AgentCommand, Item
+from loong_train.tasks.base import AgentCommand, Item, answer_demonstration
 
 __all__ = ["PREFIX", "ReasoningGymConfig", "ReasoningGymTask"]
 
@@ -165,3 +165,8 @@ class ReasoningGymTask:
 
     def agent_command(self) -> AgentCommand | None:
         return None
+
+    def demonstration(self, item: Item) -> list[tuple[str, bool]]:
+        """The dataset's own answer, in ``<answer>`` tags or plain (``answer_format``)."""
+        tagged = self.config.answer_format == "tags"
+        return answer_demonstration(item, f"<answer>{item['answer']}</answer>" if tagged else item["answer"])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import json
 import logging
 from pathlib import Path
@@ -24,8 +25,7 @@ from loong_train.config import Recipe
 from loong_train.engines.embedded.engine import EmbeddedEngine
 from loong_train.models.decoder import CausalLM, DecoderConfig
 from loong_train.models.tokenizer import HFCodec, load_tokenizer
-from loong_train.tasks import build_task
-from loong_train.tiny.calc import CalcTask
+from loong_train.tasks import Task, TaskTables, build_task
 from loong_train.tiny.tokenizer import build_tokenizer
 
 __all__ = ["build_tiny", "prepare_model", "sampled_success"]
@@ -45,8 +45,11 @@ def build_tiny(path: Path, recipe: Recipe) -> Path:
     return path
 
 
-def sampled_success(model: CausalLM, tokenizer, recipe: Recipe, tasks: list[dict], seed: int) -> float:
-    """Mean reward of one temperature-``T`` episode per task (held-out or probe tasks)."""
+def sampled_success(
+    model: CausalLM, tokenizer, recipe: Recipe, tasks: list[dict], seed: int, task: Task | None = None
+) -> float:
+    """Mean reward of one temperature-``T`` episode per task (held-out or probe tasks) of the
+    recipe's ``task`` (built from the recipe when not given)."""
     engine = EmbeddedEngine(model, seed=seed, pad_id=tokenizer.pad_token_id)
     r = recipe.rollout
     sampling = SamplingParams(
@@ -57,14 +60,14 @@ def sampled_success(model: CausalLM, tokenizer, recipe: Recipe, tasks: list[dict
     )
     specs = [EpisodeSpec(f"probe-{i}", f"probe-{i}", t) for i, t in enumerate(tasks)]
     limits = EpisodeLimits(max_turns=r.max_turns, max_model_tokens=r.max_model_tokens)
-    task = build_task(recipe.task, recipe.task_tables)
-    agent = ToolAgent(task.tools(), task.reward)
+    task = task or build_task(recipe.task, recipe.task_tables)
+    agent = task.agent() if hasattr(task, "agent") else ToolAgent(task.tools(), task.reward)
     trajs = asyncio.run(run_episodes(agent, specs, engine, HFCodec(tokenizer), sampling, limits))
     model.train()
     return sum(t.reward for t in trajs) / len(trajs)
 
 
-def _sft_batch(codec: HFCodec, task: CalcTask, items: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
+def _sft_batch(codec: HFCodec, task: Task, items: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
     rows = []
     for item in items:
         ids, mask = [], []
@@ -95,14 +98,18 @@ def warm_start(path: Path, recipe: Recipe) -> dict:
     """Supervised steps until sampled success reaches the target; saves the model in place."""
     w = recipe.warmstart
     torch.manual_seed(recipe.seed)
-    torch.set_num_threads(recipe.threads)
+    torch.set_num_threads(w.threads or recipe.threads)
     tokenizer = load_tokenizer(path)
     codec, model = HFCodec(tokenizer), CausalLM.from_pretrained(path).train()
     opt = torch.optim.AdamW(model.parameters(), lr=w.lr, betas=(0.9, 0.99))
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, w.warmup_steps)))
-    task = _demonstrated(recipe.task)
-    probe = task.probe(w.eval_tasks, seed=recipe.seed + 7)  # a probe set, not the held-out eval
-    stream = task.train_stream(recipe.seed + 1, task.held_out(recipe.eval.num_tasks))
+    task = _demonstrated(recipe)
+    held_out = task.held_out(recipe.eval.num_tasks)
+    if hasattr(task, "probe"):
+        probe = task.probe(w.eval_tasks, seed=recipe.seed + 7)  # a probe set, not the held-out eval
+    else:
+        probe = list(itertools.islice(task.train_stream(recipe.seed + 7, held_out), w.eval_tasks))
+    stream = task.train_stream(recipe.seed + 1, held_out)
     success, step = 0.0, 0
     bar = tqdm(range(1, w.steps + 1), desc="warm start", unit="step", leave=False)
     for step in bar:
@@ -113,7 +120,7 @@ def warm_start(path: Path, recipe: Recipe) -> dict:
         opt.step()
         sched.step()
         if step % w.eval_every == 0:
-            success = sampled_success(model, tokenizer, recipe, probe, seed=step)
+            success = sampled_success(model, tokenizer, recipe, probe, seed=step, task=task)
             bar.set_postfix(loss=f"{loss.item():.3f}", sampled_success=f"{success:.2f}")
             log.info("warm start step %d: loss %.4f, sampled success %.3f", step, loss.item(), success)
             if success >= w.target_success:
@@ -123,15 +130,24 @@ def warm_start(path: Path, recipe: Recipe) -> dict:
     return {"steps": step, "sampled_success": success}
 
 
-def _demonstrated(name: str) -> CalcTask:
-    """The task ``name`` when the warm start can train on it (it has demonstrations and probes)."""
-    task = build_task(name)
-    if not isinstance(task, CalcTask):
+def _demonstrated(recipe: Recipe) -> Task:
+    """The recipe's task when the warm start can train on it (it has demonstrations)."""
+    task = build_task(recipe.task, recipe.task_tables)
+    if not hasattr(task, "demonstration"):
         raise ValueError(
-            f"the tiny warm start trains on a task's demonstrations; task {name!r} has none: "
+            f"the tiny warm start trains on a task's demonstrations; task {recipe.task!r} has none "
+            "(a task defines demonstration(item), see loong_train.tasks.base): "
             "set warmstart.steps = 0 or model.path to a checkpoint"
         )
     return task
+
+
+def _file_digests(recipe: Recipe) -> dict[str, str]:
+    """sha256 of every file the task tables name (data files, ``file.py`` specs), by path."""
+    t = recipe.task_tables
+    specs = [t.reward.fn, t.environment.cls, t.verifiers.taskset]
+    paths = [*t.data.train_files, *t.data.eval_files, *(s.rpartition(":")[0] for s in specs)]
+    return {p: hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in paths if p and Path(p).is_file()}
 
 
 def prepare_model(recipe: Recipe, cache_dir: Path) -> Path:
@@ -142,9 +158,11 @@ def prepare_model(recipe: Recipe, cache_dir: Path) -> Path:
     r = recipe.rollout
     episodes = [r.temperature, r.top_p, r.max_new_tokens, r.max_turns, r.max_model_tokens]
     parts = [recipe.model, recipe.warmstart, episodes, recipe.seed, recipe.task, recipe.eval.num_tasks]
+    if recipe.task_tables != TaskTables():  # the tables a task is built from ([data], [reasoning_gym], ...)
+        parts += [recipe.task_tables, _file_digests(recipe)]  # and what is in the files they name
     key_src = json.dumps(msgspec.to_builtins(parts))
     key = hashlib.sha256(key_src.encode()).hexdigest()[:16]
-    path = cache_dir / f"tiny-{recipe.task}-{key}"
+    path = cache_dir / f"tiny-{recipe.task.replace(':', '-')}-{key}"
     if (path / "warmstart.json").exists():
         return path
     build_tiny(path, recipe)
