@@ -155,3 +155,71 @@ def test_a_llama_checkpoint_trains_through_the_torch_backend_and_the_embedded_en
     assert [r["step"] for r in rows] == [1, 2, 3] and rows[0]["mismatch_kl"] < 1e-9
     final = transformers.AutoModelForCausalLM.from_pretrained(out / "checkpoints" / "final")
     assert type(final).__name__ == "LlamaForCausalLM"
+
+
+def _checkpoint(path, short=0):
+    """A tiny Loong checkpoint with the char tokenizer: what a user's directory holds."""
+    from loong_train.models.tokenizer import load_tokenizer
+    from loong_train.tiny.tokenizer import build_tokenizer
+
+    build_tokenizer(path)
+    config = DecoderConfig(vocab_size=len(load_tokenizer(path)) - short, hidden_size=32, intermediate_size=48,
+                           num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16)  # fmt: skip
+    model = CausalLM(config)
+    model.init_weights(seed=0)
+    model.save_pretrained(path)
+    return path
+
+
+def _shard(path):
+    import json
+
+    (path / "model.safetensors").rename(path / "model-00001-of-00002.safetensors")
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    weight_map = {n: f"model-0000{1 + i}-of-00002.safetensors" for i, n in enumerate(names)}
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+
+
+def _remote(path):
+    import json
+
+    config = json.loads((path / "config.json").read_text())
+    config |= {"model_type": "my_decoder", "auto_map": {"AutoModelForCausalLM": "modeling.MyDecoder"}}
+    (path / "config.json").write_text(json.dumps(config))
+
+
+@pytest.mark.parametrize(
+    ("break_it", "error"),
+    [
+        (lambda p: (p / "config.json").unlink(), r"no config\.json \(expected a Hugging Face checkpoint directory\)"),
+        (lambda p: (p / "model.safetensors").unlink(), r"has no weights: expected model\.safetensors or model\.safetensors\.index\.json"),
+        (_shard, r"model\.safetensors\.index\.json lists shards the directory lacks: model-00002-of-00002\.safetensors"),
+        (_remote, r"model_type 'my_decoder' needs the checkpoint's own code \(auto_map \['AutoModelForCausalLM'\]\).*never runs"),
+        (lambda p: (p / "tokenizer.json").unlink(), r"the tokenizer does not load"),
+    ],
+)  # fmt: skip
+def test_a_checkpoint_the_workers_could_not_load_is_refused_naming_the_file(tmp_path, break_it, error):
+    from loong_core.config import ConfigError
+    from loong_train.models.checkpoint import check_checkpoint
+
+    path = _checkpoint(tmp_path)
+    assert check_checkpoint(path).vocab_size == 103  # 96 characters, 3 special and 4 tool tokens
+    break_it(path)
+    with pytest.raises(ConfigError, match=error):
+        check_checkpoint(path)
+
+
+def test_a_tokenizer_larger_than_the_models_vocabulary_is_refused_before_any_work(tmp_path):
+    import ray
+
+    from loong_core.config import ConfigError
+    from loong_train.config import load_recipe
+    from loong_train.controller import run
+
+    path = _checkpoint(tmp_path / "model", short=3)  # the char tokenizer has 103 tokens
+    recipe = load_recipe("tiny-calc-agent", [f"model.path={path}"])
+    with pytest.raises(
+        ConfigError, match=r"the tokenizer has 103 tokens but config\.json's vocab_size is 100"
+    ):
+        run(recipe, tmp_path / "run", tmp_path / "cache")
+    assert not ray.is_initialized() and not (tmp_path / "run").exists()

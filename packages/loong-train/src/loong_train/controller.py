@@ -29,6 +29,7 @@ from loong_train.backends.base import BackendOptions
 from loong_train.backends.config import require_installed
 from loong_train.config import Recipe
 from loong_train.evaluator import Evaluator
+from loong_train.models.checkpoint import check_checkpoint
 from loong_train.pipeline import GroupSource, Pipeline
 from loong_train.run import checkpoint
 from loong_train.run.checkpoint import Checkpoint
@@ -55,6 +56,7 @@ def run(recipe: Recipe, out: Path, cache: Path, resume: bool = False) -> Path:
     task = _preflight(recipe)
     held_out = task.held_out(recipe.eval.num_tasks)
     model_path = str(prepare_model(recipe, cache))
+    check_checkpoint(model_path)  # what the workers would fail on, before Ray starts
     recipe = prepare_teachers(recipe, cache, Path(model_path))  # OPD recipes: build their teachers
     ckpt = checkpoint.latest(out, recipe) if resume else None
     evaluator = _evaluator(recipe, held_out, ckpt)

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["ARCHITECTURES", "CausalLM", "DecoderConfig", "KVCache", "load_hf_weights"]
+__all__ = ["ARCHITECTURES", "CausalLM", "DecoderConfig", "KVCache", "load_hf_weights", "weight_files"]
 
 ARCHITECTURES = {
     "qwen3": "CausalLM",
@@ -41,18 +41,32 @@ ARCHITECTURES = {
 }
 
 
-def load_hf_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """Every tensor of a Hugging Face checkpoint directory: ``model.safetensors``, or the shards
-    that ``model.safetensors.index.json`` lists (Qwen3-1.7B and larger ship sharded)."""
-    from safetensors.torch import load_file
-
+def weight_files(path: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory: ``model.safetensors``, or the shards that
+    ``model.safetensors.index.json`` lists (Qwen3-1.7B and larger ship sharded); raises
+    ValueError naming what is missing."""
     path = Path(path)
     index = path / "model.safetensors.index.json"
     if not index.exists():
-        return load_file(str(path / "model.safetensors"))
+        if not (path / "model.safetensors").is_file():
+            raise ValueError(
+                f"{path} has no weights: expected model.safetensors or model.safetensors.index.json "
+                "and its shards (pytorch_model.bin is not read: save with safe_serialization)"
+            )
+        return [path / "model.safetensors"]
+    shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    if missing := [s for s in shards if not (path / s).is_file()]:
+        raise ValueError(f"{path}: {index.name} lists shards the directory lacks: {', '.join(missing)}")
+    return [path / s for s in shards]
+
+
+def load_hf_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a Hugging Face checkpoint directory (:func:`weight_files`)."""
+    from safetensors.torch import load_file
+
     weights: dict[str, torch.Tensor] = {}
-    for shard in sorted(set(json.loads(index.read_text())["weight_map"].values())):
-        weights.update(load_file(str(path / shard)))
+    for file in weight_files(path):
+        weights.update(load_file(str(file)))
     return weights
 
 
