@@ -16,6 +16,7 @@ from loong_agentflow import (
     ChatML,
     EpisodeLimits,
     EpisodeSpec,
+    Reward,
     Tool,
     ToolAgent,
     ToolCall,
@@ -150,6 +151,7 @@ def _spec(i: int, content: str, expect: str = "") -> EpisodeSpec:
         f"s{i}",
         f"g{i}",
         {
+            "id": f"row-{i}",
             "messages": [{"role": "system", "content": "You add."}, {"role": "user", "content": content}],
             "expect": expect,
         },
@@ -318,3 +320,21 @@ def test_a_raising_reward_function_fails_the_episode() -> None:
     [traj] = asyncio.run(run_episodes(agent, [_spec(0, "add 1 2")], ScriptedEngine(), CODEC, SAMPLING))
     assert traj.status is EpisodeStatus.FAILED and traj.info["error"] == "KeyError: 'expect'"
     assert traj.num_model_tokens > 0  # the transcript so far is kept
+    assert traj.info["task_id"] == "row-0"  # the run's log names the row
+
+
+def test_a_rewards_other_numbers_reach_the_trajectorys_metrics() -> None:
+    def graded(task: dict, answer: str) -> Reward:
+        return Reward(0.5, {"length": float(len(answer)), "format": 1.0})
+
+    agent = ToolAgent(ToolRegistry([Tool("add", _add)]), graded)
+    [traj] = asyncio.run(run_episodes(agent, [_spec(0, "add 1 2")], ScriptedEngine(), CODEC, SAMPLING))
+    answer = CODEC.decode(traj.spans[-1].token_ids).removesuffix("<|im_end|>")
+    assert traj.status is EpisodeStatus.OK and traj.reward == 0.5 and type(traj.reward) is float
+    assert traj.metrics == {"length": float(len(answer)), "format": 1.0}
+    [plain] = asyncio.run(
+        run_episodes(
+            ToolAgent(ToolRegistry([]), lambda t, a: 1.0), [_spec(1, "hi")], ScriptedEngine(), CODEC, SAMPLING
+        )
+    )
+    assert plain.metrics == {}

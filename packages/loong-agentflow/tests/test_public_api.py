@@ -21,6 +21,7 @@ def test_exports_are_pinned():
         "ProxyConfig",
         "ProxyServer",
         "ProxySession",
+        "Reward",
         "SGLangClientConfig",
         "SGLangEngine",
         "SGLangError",

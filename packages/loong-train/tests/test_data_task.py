@@ -84,6 +84,8 @@ def test_a_reward_gets_what_it_names_sync_or_async(tmp_path, data):
     item = task.held_out(1)[0]
     assert fn.names == ("completion", "answer", "prompt", "messages", "metadata", "row")
     assert task.reward(item, item["answer"]) == 1.0 and task.reward(item, "x") == 0.0
+    # the dict's other numbers ride along as the episode's metrics (reward/length in the run's)
+    assert task.reward(item, "xyz").metrics == {"length": 3.0}
 
 
 @pytest.mark.parametrize(
@@ -157,7 +159,7 @@ def score(completion, answer, prompt):
         f.write(json.dumps({"prompt": prompt, "answer": answer}) + "\\n")
     if int(answer) % 2 == 0:
         raise ValueError(f"no score for {answer}")
-    return {"score": 1.0 if completion else 0.5}
+    return {"score": 1.0 if completion else 0.5, "chars": len(completion)}
 """
 
 USER_RECIPE = """
@@ -206,6 +208,9 @@ def test_a_users_data_reward_and_recipe_train_from_their_own_directory(tmp_path)
     # an untrained model: finished episodes earn the user's 1.0 or 0.5, truncated ones 0 (exact
     # match would give 0 throughout); each call got a row's own prompt and answer
     assert any(r["reward_mean"] > 0 for r in rows)
+    # the reward's other key, a step mean over the episodes that finished (truncated ones are not scored)
+    chars = [r["reward/chars"] for r in rows if "reward/chars" in r]
+    assert chars and all(c >= 0 for c in chars)
     calls = [json.loads(line) for line in (tmp_path / "calls.jsonl").read_text().splitlines()]
     pairs = {(r["prompt"], r["answer"]) for r in ROWS}
     assert calls and all((c["prompt"], c["answer"]) in pairs for c in calls)
@@ -296,3 +301,13 @@ def test_a_cached_warm_start_is_keyed_by_what_the_task_files_hold(tmp_path, data
     assert list(before) == [str(data)]
     _write(data, ROWS[:-1])  # one row fewer: another warm start
     assert _file_digests(load_recipe(str(tmp_path / "recipe.toml"))) != before
+
+
+def test_episode_numbers_become_step_means_over_the_episodes_that_carry_them():
+    from loong_core.records import SpanSource, TokenSpan, Trajectory
+    from loong_train.run.writer import _episode_metrics
+
+    prompt = [TokenSpan(token_ids=[1], source=SpanSource.PROMPT)]
+    carried = [{"len": 2.0, "fmt": 1.0}, {"len": 4.0}, {}, {"len": math.nan}]
+    trajs = [Trajectory(f"s{i}", "g", prompt, metrics=m) for i, m in enumerate(carried)]
+    assert _episode_metrics(trajs) == {"reward/fmt": 1.0, "reward/len": 3.0}  # NaN left out

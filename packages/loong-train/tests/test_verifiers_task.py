@@ -79,6 +79,7 @@ def test_tasks_become_items_split_without_overlap_and_score_by_their_weights(tas
         {"role": "user", "content": "What is 1 + 2?"},
     ]
     assert task.reward(item, "3") == pytest.approx(1.0 + 0.25)  # exact and short
+    assert task.reward(item, "12").metrics == {"exact": 0.0, "short": 1.0}  # each, for reward/<name>
     assert task.reward(item, " 3 ") == pytest.approx(1.25)  # verifiers strips the reply
     assert task.reward(item, "4") == pytest.approx(0.25)
     assert task.reward(item, "three") == 0.0

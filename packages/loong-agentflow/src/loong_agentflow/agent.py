@@ -33,6 +33,7 @@ __all__ = [
     "Episode",
     "EpisodeLimits",
     "EpisodeSpec",
+    "Reward",
     "ScriptedEpisode",
     "ToolAgent",
     "run_episodes",
@@ -81,6 +82,7 @@ class Episode:
         self.buffer = TokenBuffer(codec)
         self.truncated = False
         self.turns = 0
+        self.metrics: dict[str, float] = {}  # the episode's numbers for the run's metrics
         self.seed = spec.seed if _takes_seed(engine) else None
 
     @property
@@ -123,6 +125,7 @@ class Episode:
             status=status,
             tags=dict(self.spec.tags),
             info=info or {},
+            metrics=dict(self.metrics),
         )
 
 
@@ -165,6 +168,18 @@ class Agent(Protocol):
     async def run(self, episode: Episode) -> float: ...
 
 
+class Reward(float):
+    """A reward with other numbers beside it, which the episode's trajectory carries into the run's
+    metrics (``Reward(0.5, {"format": 1.0})``); anywhere a reward is a float, so is this."""
+
+    metrics: dict[str, float]
+
+    def __new__(cls, value: float, metrics: dict[str, float] | None = None) -> Reward:
+        out = super().__new__(cls, value)
+        out.metrics = dict(metrics or {})
+        return out
+
+
 class ChatML:
     """ChatML text pieces matching Loong's chat template (and Qwen's), so the token buffer
     decodes to exactly what ``tokenizer.apply_chat_template`` renders for the same messages."""
@@ -193,7 +208,8 @@ class ChatML:
 class ToolAgent:
     """A Hermes-format tool-using agent: call tools until the model answers without a call.
 
-    ``reward_fn(task, final_answer)`` scores the last assistant turn's text.
+    ``reward_fn(task, final_answer)`` scores the last assistant turn's text (a float, or a
+    :class:`Reward` whose other numbers go into the trajectory's ``metrics``).
     """
 
     def __init__(self, tools: ToolRegistry, reward_fn: Callable[[dict[str, Any], str], float]) -> None:
@@ -207,7 +223,9 @@ class ToolAgent:
                 return 0.0
             calls = parse_tool_calls(text)
             if not calls:
-                return float(self.reward_fn(episode.task, ChatML.strip_end(text)))
+                score = self.reward_fn(episode.task, ChatML.strip_end(text))
+                episode.metrics.update(getattr(score, "metrics", {}))  # a Reward's other numbers
+                return float(score)
             episode.observe(ChatML.tool_turn(await self.tools.run(calls)))
 
 

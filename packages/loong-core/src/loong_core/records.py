@@ -94,6 +94,7 @@ class Trajectory(msgspec.Struct):
     Invariants: ``spans`` is non-empty and starts with a non-model span (the prompt);
     ``sample_id`` is unique across a run (the ledger key); ``group_id`` names the GRPO group
     (all samples of one prompt). The loss mask is derived from spans: model tokens 1, others 0.
+    ``metrics``: the episode's own numbers for the run's metrics (a reward's other keys).
     """
 
     sample_id: str
@@ -104,6 +105,7 @@ class Trajectory(msgspec.Struct):
     turn_rewards: list[float] = []
     tags: dict[str, str] = {}
     info: dict[str, str] = {}
+    metrics: dict[str, float] = {}
 
     @property
     def token_ids(self) -> list[int]:

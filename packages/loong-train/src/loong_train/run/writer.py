@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import time
 from collections import Counter
@@ -174,6 +175,7 @@ class RunDir:
             "truncated": statuses[EpisodeStatus.TRUNCATED],
             "response_tokens_mean": sum(t.num_model_tokens for t in ok) / max(1, len(ok)),
             "mixed_version_samples": sum(map(crossed_update, trajs)),  # partial rollouts
+            **_episode_metrics(ok),
         }
         self.batch_ids = {
             "groups": list(dict.fromkeys(t.group_id for t in trajs)),
@@ -342,3 +344,14 @@ def _keep_until(path: Path, step: int) -> None:
     tmp = path.with_suffix(".tmp")
     tmp.write_text("".join(keep))
     tmp.replace(path)
+
+
+def _episode_metrics(trajs: list[Trajectory]) -> dict[str, float]:
+    """``reward/<key>``: the mean of each finite number the episodes carry (a reward's other keys)
+    over the episodes that carry it."""
+    values: dict[str, list[float]] = {}
+    for t in trajs:
+        for k, v in t.metrics.items():
+            if math.isfinite(v):
+                values.setdefault(k, []).append(v)
+    return {f"reward/{k}": sum(v) / len(v) for k, v in sorted(values.items())}

@@ -10,7 +10,8 @@ any of these parameters, by name (anything else is a start-up error naming the p
 - ``answer``: the row's reference answer (``data.answer_key``; ``None`` when the row has none);
 - ``metadata``: the row's ``data.metadata_key`` value (``{}`` when absent); ``row``: the whole row.
 
-It returns a number or a dict with a numeric ``"score"`` (other keys are ignored for now). A
+It returns a number or a dict with a numeric ``"score"``; the dict's other numeric keys are logged
+as metrics (``reward/<key>``: their mean over each step's trained episodes). A
 function that raises, runs longer than ``timeout_s`` or returns NaN or a non-number fails that
 episode (``status = "failed"``, the error in the trajectory's info), never the run. Unset ``fn``:
 exact match, ``float(completion.strip() == str(answer).strip())``.
@@ -45,6 +46,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from loong_agentflow import Reward
 from loong_core.config import ConfigError
 from loong_train.tasks.objects import load_object
 
@@ -166,7 +168,14 @@ class RewardFn:
             raise ValueError(
                 f"reward {self.label} returned {out!r}, expected a finite number or {{'score': x}}"
             )
-        return float(value)
+        if not isinstance(out, dict):
+            return float(value)
+        numbers = {  # the dict's other numeric keys: logged as reward/<key>
+            k: float(v)
+            for k, v in out.items()
+            if k != "score" and isinstance(v, int | float) and not isinstance(v, bool)
+        }
+        return Reward(value, numbers)
 
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         out = self.fn(*args, **kwargs)

@@ -12,6 +12,7 @@ Every task of the taskset becomes an item: its ``prompt`` (text or messages) aft
 ``system_prompt``, ids from the task's ``id`` (or its index). An episode's reward is what
 verifiers computes for the final assistant turn: the weighted sum of the task's ``@vf.reward``
 methods (and the rewards its ``TaskConfig`` adds), on a trace of the prompt and that reply.
+Each of the task's rewards and metrics is logged too (``reward/<name>``, the step's mean).
 Scoring runs off the episode's event loop with a time limit (``timeout_s``); a reward that
 raises or gives no score fails the episode, never the run. Rewards that need a sandbox runtime
 are skipped by verifiers (a single-turn taskset here runs no sandbox), and LLM judges need their
@@ -31,6 +32,7 @@ from typing import Any
 
 import msgspec
 
+from loong_agentflow import Reward
 from loong_core.config import ConfigError
 from loong_train.tasks.base import Item
 from loong_train.tasks.data import RowsTask, split_held_out
@@ -127,7 +129,7 @@ class VerifiersTask(RowsTask):
             messages = [{"role": "system", "content": data.system_prompt}, *messages]
         return {"id": rid, "messages": messages, "source": index}
 
-    def reward(self, item: Item, answer: str) -> float:
+    def reward(self, item: Item, answer: str) -> Reward:
         call = self._pool.submit(asyncio.run, self._score(item, answer))
         try:
             value = call.result(timeout=self.timeout_s)
@@ -135,9 +137,9 @@ class VerifiersTask(RowsTask):
             raise TimeoutError(f"verifiers rewards of {self.label} ran past {self.timeout_s}s") from None
         if not isinstance(value, int | float) or not math.isfinite(value):
             raise ValueError(f"verifiers rewards of {self.label} gave {value!r} for task {item['id']}")
-        return float(value)
+        return value
 
-    async def _score(self, item: Item, answer: str) -> float | None:
+    async def _score(self, item: Item, answer: str) -> Reward | None:
         vf, task = self.vf, self.tasks[item["source"]]
         kinds = {"system": vf.SystemMessage, "user": vf.UserMessage, "assistant": vf.AssistantMessage}
         messages = [kinds[m["role"]](content=m["content"]) for m in item["messages"]]
@@ -156,4 +158,8 @@ class VerifiersTask(RowsTask):
             raise RuntimeError(f"verifiers scoring of task {item['id']}: {e}") from e
         if trace.errors:
             raise RuntimeError(f"verifiers scoring of task {item['id']}: {trace.errors[0]}")
-        return trace.reward
+        if trace.reward is None:
+            return None
+        scores = {name: r.score for name, r in trace.rewards.items() if r is not None and r.score is not None}
+        numbers = {**scores, **{k: v for k, v in trace.metrics.items() if v is not None}}
+        return Reward(trace.reward, numbers)  # each reward and metric: reward/<name> in the run's metrics
