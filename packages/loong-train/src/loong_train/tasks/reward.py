@@ -168,6 +168,8 @@ class RewardFn:
             raise ValueError(
                 f"reward {self.label} returned {out!r}, expected a finite number or {{'score': x}}"
             )
+        if isinstance(out, Reward):  # a task's own scorer (verifiers) hands its numbers over as they are
+            return out
         if not isinstance(out, dict):
             return float(value)
         numbers = {  # the dict's other numeric keys: logged as reward/<key>

@@ -21,12 +21,8 @@ own endpoint. Multi-turn verifiers environments run as black-box agents (``[agen
 
 from __future__ import annotations
 
-import asyncio
 import importlib
 import inspect
-import math
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +33,7 @@ from loong_core.config import ConfigError
 from loong_train.tasks.base import Item
 from loong_train.tasks.data import RowsTask, split_held_out
 from loong_train.tasks.objects import load_object
+from loong_train.tasks.reward import RewardFn
 
 __all__ = ["VerifiersConfig", "VerifiersTask"]
 
@@ -109,8 +106,8 @@ class VerifiersTask(RowsTask):
         items = [self._item(i, t) for i, t in enumerate(self.tasks)]
         what = f"verifiers.taskset {config.taskset!r}"
         self.eval, self.train = split_held_out(items, config.eval_fraction, config.split_seed, what)
-        self.label, self.timeout_s = config.taskset, config.timeout_s
-        self._pool = ThreadPoolExecutor(4, thread_name_prefix="verifiers")
+        # off the event loop under timeout_s, a finite number or the episode fails (as [reward] fn)
+        self.scorer = RewardFn(self._score, ("row", "completion"), config.timeout_s, f"verifiers {what}")
 
     def _item(self, index: int, task: Any) -> Item:
         data = task.data
@@ -129,23 +126,16 @@ class VerifiersTask(RowsTask):
             messages = [{"role": "system", "content": data.system_prompt}, *messages]
         return {"id": rid, "messages": messages, "source": index}
 
-    def reward(self, item: Item, answer: str) -> Reward:
-        call = self._pool.submit(asyncio.run, self._score(item, answer))
-        try:
-            value = call.result(timeout=self.timeout_s)
-        except FutureTimeout:
-            raise TimeoutError(f"verifiers rewards of {self.label} ran past {self.timeout_s}s") from None
-        if not isinstance(value, int | float) or not math.isfinite(value):
-            raise ValueError(f"verifiers rewards of {self.label} gave {value!r} for task {item['id']}")
-        return value
+    def reward(self, item: Item, answer: str) -> float:
+        return self.scorer.score(item, answer)
 
-    async def _score(self, item: Item, answer: str) -> Reward | None:
-        vf, task = self.vf, self.tasks[item["source"]]
+    async def _score(self, row: Item, completion: str) -> Reward | None:
+        vf, task = self.vf, self.tasks[row["source"]]
         kinds = {"system": vf.SystemMessage, "user": vf.UserMessage, "assistant": vf.AssistantMessage}
-        messages = [kinds[m["role"]](content=m["content"]) for m in item["messages"]]
+        messages = [kinds[m["role"]](content=m["content"]) for m in row["messages"]]
         nodes = [vf.MessageNode(message=m, parent=i - 1 if i else None) for i, m in enumerate(messages)]
         reply = vf.MessageNode(
-            message=vf.AssistantMessage(content=answer), parent=len(nodes) - 1, sampled=True
+            message=vf.AssistantMessage(content=completion), parent=len(nodes) - 1, sampled=True
         )
         trace = vf.Trace(
             task=vf.TraceTask(type=type(task).__name__, data=task.data, key=task.key, hash=task.hash),
@@ -155,9 +145,9 @@ class VerifiersTask(RowsTask):
         try:
             await task.score(trace)
         except Exception as e:  # the episode fails, with the task named in the run's log
-            raise RuntimeError(f"verifiers scoring of task {item['id']}: {e}") from e
+            raise RuntimeError(f"verifiers scoring of task {row['id']}: {e}") from e
         if trace.errors:
-            raise RuntimeError(f"verifiers scoring of task {item['id']}: {trace.errors[0]}")
+            raise RuntimeError(f"verifiers scoring of task {row['id']}: {trace.errors[0]}")
         if trace.reward is None:
             return None
         scores = {name: r.score for name, r in trace.rewards.items() if r is not None and r.score is not None}
