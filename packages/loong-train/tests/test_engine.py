@@ -6,16 +6,29 @@ Continuous batching (rows joining and leaving, pause, versions) is tested in
 
 import asyncio
 
+import pytest
 import torch
-from train_testkit import tiny_qwen3
+from train_testkit import tiny_generic, tiny_qwen3
 
 from loong_core.protocols import SamplingParams
 from loong_core.records import SpanSource
 from loong_train.engines.embedded.engine import EmbeddedEngine
 
 
+@pytest.fixture(params=["fast", "gpt2"], autouse=True)
+def _family(request, monkeypatch):
+    """Every test runs on Loong's decoder (a tiny Qwen3) and on the generic path (a tiny GPT-2
+    through ``transformers``, whose full forward is then the reference)."""
+    monkeypatch.setitem(_FAMILY, "name", request.param)
+
+
+_FAMILY = {"name": "fast"}
+
+
 def _model(seed=0):
-    return tiny_qwen3(seed, vocab_size=40)
+    if _FAMILY["name"] == "fast":
+        return tiny_qwen3(seed, vocab_size=40)
+    return tiny_generic(_FAMILY["name"], seed, vocab_size=40)
 
 
 def test_batched_logprobs_equal_unpadded_full_forward():

@@ -135,3 +135,51 @@ def wandb_history(run_dir: Path) -> list[dict[str, float]]:
                 items = record.history.item
                 rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in items})
     return rows
+
+
+GENERIC = {  # tiny configs of models only the generic path runs (transformers' own classes)
+    "gpt2": ("GPT2Config", {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 512}),
+    "phi": (
+        "PhiConfig",
+        {
+            "hidden_size": 64,
+            "intermediate_size": 96,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "partial_rotary_factor": 0.5,
+        },
+    ),
+}
+
+
+def tiny_generic_checkpoint(
+    path: Path, family: str = "gpt2", seed: int = 0, std: float = 0.3, vocab_size: int = 40
+):
+    """Save a random-init tiny ``transformers`` model of ``family`` (one only the generic path
+    runs) to ``path``; returns the reference model itself, in eval mode."""
+    import torch
+    import transformers
+
+    config_class, shape = GENERIC[family]
+    torch.manual_seed(seed)
+    reference = transformers.AutoModelForCausalLM.from_config(
+        getattr(transformers, config_class)(
+            vocab_size=vocab_size, bos_token_id=0, eos_token_id=vocab_size - 1, **shape
+        )
+    )
+    with torch.no_grad():  # larger weights than transformers' init, so sampled tokens vary
+        for p in reference.parameters():
+            p.normal_(0, std)
+    reference.eval().save_pretrained(path)
+    return reference
+
+
+def tiny_generic(family: str = "gpt2", seed: int = 0, std: float = 0.3, vocab_size: int = 40):
+    """:func:`tiny_generic_checkpoint` loaded back on the generic path (``HFCausalLM``)."""
+    import tempfile
+
+    from loong_train.models.generic import HFCausalLM
+
+    with tempfile.TemporaryDirectory() as path:
+        tiny_generic_checkpoint(Path(path), family, seed, std, vocab_size)
+        return HFCausalLM.from_pretrained(path)

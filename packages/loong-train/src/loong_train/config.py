@@ -63,9 +63,14 @@ class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=
 
 
 class ModelConfig(_Section):
-    """An HF checkpoint directory, or (``path = ""``) a tiny Qwen3 built from these sizes."""
+    """An HF checkpoint directory, or (``path = ""``) a tiny Qwen3 built from these sizes.
+
+    ``trust_remote_code``: run a checkpoint whose ``config.json`` names its own modeling code
+    (``auto_map``), as ``transformers`` does with the same switch; off, such a checkpoint is refused.
+    """
 
     path: str = ""
+    trust_remote_code: bool = False
     hidden_size: int = 128
     intermediate_size: int = 384
     num_hidden_layers: int = 4

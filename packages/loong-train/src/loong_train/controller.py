@@ -24,9 +24,10 @@ import ray
 from tqdm import tqdm
 
 from loong_agentflow import EpisodeLimits
+from loong_core.config import ConfigError
 from loong_core.window import StalenessWindow
 from loong_train.backends.base import BackendOptions
-from loong_train.backends.config import require_installed
+from loong_train.backends.config import TorchBackendConfig, require_installed
 from loong_train.config import Recipe
 from loong_train.evaluator import Evaluator
 from loong_train.models.checkpoint import check_checkpoint
@@ -56,7 +57,7 @@ def run(recipe: Recipe, out: Path, cache: Path, resume: bool = False) -> Path:
     task = _preflight(recipe)
     held_out = task.held_out(recipe.eval.num_tasks)
     model_path = str(prepare_model(recipe, cache))
-    check_checkpoint(model_path)  # what the workers would fail on, before Ray starts
+    _check_model(recipe, model_path)  # what the workers would fail on, before Ray starts
     recipe = prepare_teachers(recipe, cache, Path(model_path))  # OPD recipes: build their teachers
     ckpt = checkpoint.latest(out, recipe) if resume else None
     evaluator = _evaluator(recipe, held_out, ckpt)
@@ -133,8 +134,20 @@ def trainer_options(recipe: Recipe) -> dict[str, Any]:
         loss=recipe.loss,
         temperature=recipe.rollout.temperature,
         threads=recipe.threads,
+        trust_remote_code=recipe.model.trust_remote_code,
     )
     return {"options": options, "seed": recipe.seed, "opd": recipe.opd, "receivers": recipe.rollout.workers}
+
+
+def _check_model(recipe: Recipe, model_path: str) -> None:
+    """The checkpoint loads (:func:`check_checkpoint`), and the train backend covers its family."""
+    choice = check_checkpoint(model_path, recipe.model.trust_remote_code)
+    if choice.path == "generic" and not isinstance(recipe.train.backend, TorchBackendConfig):
+        raise ConfigError(
+            f"train.backend.type = {recipe.train.backend.type!r} maps the weights of Loong's decoder "
+            f"families only; model.path {model_path} takes the generic path ({choice.reason}): "
+            'use train.backend.type = "torch"'
+        )
 
 
 def _preflight(recipe: Recipe) -> Task:
@@ -194,6 +207,7 @@ def _start(
             log_dir=str(log_dir),
             task=recipe.task,
             tables=recipe.task_tables,
+            trust_remote_code=recipe.model.trust_remote_code,
         )
         for i in range(r.workers)
     ]

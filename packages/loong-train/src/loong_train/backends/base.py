@@ -68,7 +68,7 @@ class TrainBackend(Protocol):
 class BackendOptions(msgspec.Struct, frozen=True, kw_only=True):
     """What a backend is built with: its ``[train.backend]`` table, the optimizer settings of
     ``[train]``, the ``[loss]`` table, the rollout temperature (logprobs are of
-    ``logits / temperature``, as the engines sample) and its threads."""
+    ``logits / temperature``, as the engines sample), its threads and ``[model] trust_remote_code``."""
 
     backend: BackendConfig = TorchBackendConfig()
     lr: float = 1e-4
@@ -78,6 +78,7 @@ class BackendOptions(msgspec.Struct, frozen=True, kw_only=True):
     loss: LossConfig = LossConfig()
     temperature: float = 1.0
     threads: int = 1
+    trust_remote_code: bool = False
 
 
 def build_backend(model_path: str, options: BackendOptions) -> TrainBackend:
@@ -105,4 +106,4 @@ def build_backend(model_path: str, options: BackendOptions) -> TrainBackend:
         )
     from loong_train.backends.torch_backend import TorchBackend
 
-    return TorchBackend.from_pretrained(model_path, **common)
+    return TorchBackend.from_pretrained(model_path, trust_remote_code=options.trust_remote_code, **common)

@@ -21,6 +21,7 @@ import torch
 from loong_core.records import TrainBatch
 from loong_train.algo.config import LossConfig
 from loong_train.algo.losses import policy_loss
+from loong_train.models.auto import load_causal_lm
 from loong_train.models.decoder import CausalLM
 
 __all__ = ["TorchBackend", "token_logprobs"]
@@ -65,10 +66,16 @@ class TorchBackend:
         self.loss_cfg = loss or LossConfig()
         self.reference = _frozen_copy(model) if self.loss_cfg.kl_coef > 0 else None
         self.steps = 0
+        self.trust_remote_code = False
 
     @classmethod
-    def from_pretrained(cls, path: str | Path, **kwargs: Any) -> TorchBackend:
-        return cls(CausalLM.from_pretrained(path), **kwargs)
+    def from_pretrained(
+        cls, path: str | Path, trust_remote_code: bool = False, **kwargs: Any
+    ) -> TorchBackend:
+        """The checkpoint at ``path`` on the implementation :func:`load_causal_lm` picks."""
+        backend = cls(load_causal_lm(path, trust_remote_code), **kwargs)
+        backend.trust_remote_code = trust_remote_code
+        return backend
 
     def tensors(self, batch: TrainBatch) -> dict[str, torch.Tensor]:
         lens = batch.row_lens
@@ -131,7 +138,7 @@ class TorchBackend:
     def load_state(self, path: str | Path) -> None:
         """Weights copied in place (the optimizer keeps its parameters; a KL reference stays the
         initial model), then ``optimizer.pt``."""
-        self.model.load_state_dict(CausalLM.from_pretrained(path).state_dict())
+        self.model.load_state_dict(load_causal_lm(path, self.trust_remote_code).state_dict())
         state = torch.load(Path(path) / "optimizer.pt", weights_only=False)
         self.opt.load_state_dict(state["opt"])
         self.sched.load_state_dict(state["sched"])

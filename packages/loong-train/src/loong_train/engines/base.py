@@ -53,18 +53,32 @@ class WorkerEngine(Protocol):
 
 
 def build_engine(
-    config: EngineConfig, model_path: str, *, seed: int, pad_id: int, worker_id: int = 0, log_dir: str = ""
+    config: EngineConfig,
+    model_path: str,
+    *,
+    seed: int,
+    pad_id: int,
+    worker_id: int = 0,
+    log_dir: str = "",
+    trust_remote_code: bool = False,
 ) -> WorkerEngine:
     """The engine ``config.type`` names, serving the checkpoint at ``model_path`` (a server logs
-    into ``log_dir``)."""
+    into ``log_dir``) on the implementation :func:`~loong_train.models.auto.load_causal_lm` picks."""
     if isinstance(config, SGLangEngineConfig):
         from loong_train.engines.sglang.rollout import SGLangRollout
 
-        return SGLangRollout(model_path, config, worker_id=worker_id, log_dir=log_dir, seed=seed)
+        return SGLangRollout(
+            model_path,
+            config,
+            worker_id=worker_id,
+            log_dir=log_dir,
+            seed=seed,
+            trust_remote_code=trust_remote_code,
+        )
     from loong_train.engines.embedded.engine import EmbeddedEngine
-    from loong_train.models.decoder import CausalLM
+    from loong_train.models.auto import load_causal_lm
 
-    return EmbeddedEngine(CausalLM.from_pretrained(model_path), seed=seed, pad_id=pad_id)
+    return EmbeddedEngine(load_causal_lm(model_path, trust_remote_code), seed=seed, pad_id=pad_id)
 
 
 def build_host(engine: WorkerEngine) -> EngineHost | None:

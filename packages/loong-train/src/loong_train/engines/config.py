@@ -101,7 +101,9 @@ class SGLangEngineConfig(_Engine, tag="sglang"):
         if problem := _gpu_problem(self):
             raise ValueError(problem)
 
-    def server(self, model_path: str, worker_id: int, log_dir: str, seed: int) -> SGLangServerConfig:
+    def server(
+        self, model_path: str, worker_id: int, log_dir: str, seed: int, trust_remote_code: bool = False
+    ) -> SGLangServerConfig:
         """The supervisor's config for worker ``worker_id``."""
         python = self.python or sys.executable
         env: dict[str, str] = {}
@@ -114,6 +116,8 @@ class SGLangEngineConfig(_Engine, tag="sglang"):
         else:
             launcher = [python, "-m", "loong_train.cli", "serve-sglang"]
             flags = ["--seed", str(seed), "--threads", "1"]
+        if trust_remote_code:
+            flags.append("--trust-remote-code")
         return SGLangServerConfig(
             model_path=model_path,
             command=self.command or launcher,

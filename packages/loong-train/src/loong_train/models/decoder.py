@@ -108,9 +108,10 @@ class DecoderConfig:
         rope = data.get("rope_parameters") or data.get("rope_scaling") or {}
         if "rope_theta" not in cfg and "rope_theta" in rope:
             cfg["rope_theta"] = rope["rope_theta"]
-        cfg["rope_scaling"] = (
-            rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None
-        )
+        rope_type = rope.get("rope_type", rope.get("type", "default"))
+        if rope_type not in ("default", "linear", "llama3"):
+            raise ValueError(f"rope scaling {rope_type!r} is not implemented (linear and llama3 are)")
+        cfg["rope_scaling"] = rope if rope_type != "default" else None
         if "head_dim" not in cfg:
             cfg["head_dim"] = data["hidden_size"] // data["num_attention_heads"]
         if kind == "qwen2":  # Qwen2 always biases q, k, v (its config has no attention_bias key)

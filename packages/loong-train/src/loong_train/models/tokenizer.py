@@ -7,7 +7,7 @@ import shutil
 from pathlib import Path
 from typing import Any
 
-__all__ = ["HFCodec", "copy_model_files", "end_of_turn_ids", "load_tokenizer"]
+__all__ = ["HFCodec", "copy_model_files", "end_of_turn_ids", "load_tokenizer", "pad_token_id"]
 
 _MODEL_FILES = (
     "tokenizer",
@@ -60,3 +60,12 @@ def end_of_turn_ids(tokenizer: Any, model_path: str | Path) -> list[int]:
     if tokenizer.eos_token_id is None:
         raise ValueError(f"{model_path}: neither generation_config.json nor the tokenizer names an eos token")
     return [tokenizer.eos_token_id]
+
+
+def pad_token_id(tokenizer: Any) -> int:
+    """The id that pads batched prompts: the tokenizer's pad token, else its eos token (GPT-2 and
+    Llama tokenizers have no pad token), else 0. Padding is masked, so any valid id serves."""
+    for candidate in (tokenizer.pad_token_id, tokenizer.eos_token_id):
+        if candidate is not None:
+            return int(candidate)
+    return 0

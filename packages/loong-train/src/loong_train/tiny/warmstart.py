@@ -38,7 +38,7 @@ def build_tiny(path: Path, recipe: Recipe) -> Path:
     build_tokenizer(path)
     vocab = len(load_tokenizer(path))
     sizes = msgspec.structs.asdict(recipe.model)
-    sizes.pop("path")
+    del sizes["path"], sizes["trust_remote_code"]
     model = CausalLM(DecoderConfig(vocab_size=vocab, **sizes))
     model.init_weights(recipe.seed)
     model.save_pretrained(path)
@@ -157,7 +157,8 @@ def prepare_model(recipe: Recipe, cache_dir: Path) -> Path:
     # everything that changes the warm start or its stopping point (the probe episodes)
     r = recipe.rollout
     episodes = [r.temperature, r.top_p, r.max_new_tokens, r.max_turns, r.max_model_tokens]
-    parts = [recipe.model, recipe.warmstart, episodes, recipe.seed, recipe.task, recipe.eval.num_tasks]
+    model = {k: v for k, v in msgspec.to_builtins(recipe.model).items() if k != "trust_remote_code"}
+    parts = [model, recipe.warmstart, episodes, recipe.seed, recipe.task, recipe.eval.num_tasks]
     if recipe.task_tables != TaskTables():  # the tables a task is built from ([data], [reasoning_gym], ...)
         parts += [recipe.task_tables, _file_digests(recipe)]  # and what is in the files they name
     key_src = json.dumps(msgspec.to_builtins(parts))

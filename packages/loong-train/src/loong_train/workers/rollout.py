@@ -25,7 +25,7 @@ from loong_core.protocols import SamplingParams
 from loong_core.records import WeightManifest
 from loong_train.engines.base import build_engine, build_host
 from loong_train.engines.config import EmbeddedEngineConfig, EngineConfig
-from loong_train.models.tokenizer import HFCodec, end_of_turn_ids, load_tokenizer
+from loong_train.models.tokenizer import HFCodec, end_of_turn_ids, load_tokenizer, pad_token_id
 from loong_train.tasks import TaskTables, build_task
 from loong_train.workers.agent import AgentConfig, BlackboxAgentConfig, BlackBoxHost
 from loong_transfermesh import TransportConfig, catch_up, open_receiver
@@ -60,6 +60,7 @@ class RolloutWorker:
         version: int = 0,
         task: str = "calc",
         tables: TaskTables | None = None,
+        trust_remote_code: bool = False,
     ) -> None:
         torch.set_num_threads(threads)
         self.worker_id, self._model_path = worker_id, model_path
@@ -69,9 +70,10 @@ class RolloutWorker:
             engine or EmbeddedEngineConfig(),
             model_path,
             seed=seed,
-            pad_id=tokenizer.pad_token_id,
+            pad_id=pad_token_id(tokenizer),
             worker_id=worker_id,
             log_dir=log_dir,
+            trust_remote_code=trust_remote_code,
         )
         stop = end_of_turn_ids(tokenizer, model_path)
         self.sampling = SamplingParams(**sampling, stop_token_ids=stop)

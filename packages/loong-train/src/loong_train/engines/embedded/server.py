@@ -451,14 +451,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--api-key", default=None, help="require Authorization: Bearer <key>")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument(
+        "--trust-remote-code", action="store_true", help="run a checkpoint's own modeling code (auto_map)"
+    )
     args = parser.parse_args(argv)
     if (args.model_dir is None) == (args.model_path is None):
         parser.error("give the model directory once: MODEL_DIR or --model-path MODEL_DIR")
     args.model_dir = args.model_dir or args.model_path
-    from loong_train.models.decoder import CausalLM
+    from loong_train.models.auto import load_causal_lm
 
     torch.set_num_threads(args.threads)
-    engine = EmbeddedEngine(CausalLM.from_pretrained(args.model_dir), seed=args.seed)
+    engine = EmbeddedEngine(load_causal_lm(args.model_dir, args.trust_remote_code), seed=args.seed)
     print(f"serve-sglang: {args.model_dir} on http://{args.host}:{args.port}", flush=True)
     serve(engine, args.host, args.port, args.api_key, str(args.model_dir))
     return 0

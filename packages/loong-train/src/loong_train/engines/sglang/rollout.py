@@ -48,7 +48,7 @@ from loong_core.protocols import SamplingParams
 from loong_core.records import TokenSpan
 from loong_train.engines.config import SGLangEngineConfig
 from loong_train.engines.sglang.supervisor import SGLangSupervisor
-from loong_train.models.decoder import CausalLM
+from loong_train.models.auto import load_causal_lm
 from loong_transfermesh import SGLangPusherConfig, SGLangUpdateError, SGLangWeightPusher
 
 __all__ = ["SGLangRollout"]
@@ -73,15 +73,23 @@ class SGLangRollout:
     mid_call_updates = False
 
     def __init__(
-        self, model_path: str, config: SGLangEngineConfig, *, worker_id: int, log_dir: str, seed: int
+        self,
+        model_path: str,
+        config: SGLangEngineConfig,
+        *,
+        worker_id: int,
+        log_dir: str,
+        seed: int,
+        trust_remote_code: bool = False,
     ) -> None:
         self.config = config
-        self.model = CausalLM.from_pretrained(model_path)  # the host copy TransferMesh fills
+        self.model = load_causal_lm(model_path, trust_remote_code)  # the host copy TransferMesh fills
         self._version = 0
         self._pusher: SGLangWeightPusher | None = None
         self._push_lock = threading.Lock()  # updates come from the worker and the supervisor
         self.supervisor = SGLangSupervisor(
-            config.server(model_path, worker_id, log_dir, seed), on_restart=self._push_again
+            config.server(model_path, worker_id, log_dir, seed, trust_remote_code),
+            on_restart=self._push_again,
         )
         self.supervisor.start()
         self._loop = asyncio.new_event_loop()
