@@ -34,6 +34,15 @@ def tiny_dir(tmp_path_factory, recipe):
 
 
 @pytest.fixture(scope="session")
+def bpe_dir(tmp_path_factory):
+    """The same tiny model with ``[model] tokenizer = "bpe"``: a byte-level BPE trained on the calc
+    task's text."""
+    return build_tiny(
+        tmp_path_factory.mktemp("tiny-bpe"), load_recipe("tiny-calc-agent", ['model.tokenizer="bpe"'])
+    )
+
+
+@pytest.fixture(scope="session")
 def tiny_cache(tmp_path_factory):
     """A model cache shared by the slow runs of the shipped recipe: the first warm-starts into it.
     ``LOONG_TEST_CACHE=DIR`` keeps it across sessions (to rerun slow tests while developing)."""

@@ -124,8 +124,11 @@ def _decode(tokenizer, ids: list[int]) -> str:
 
 
 @pytest.mark.integration
-def test_sdk_agent_episodes_are_token_exact_on_the_tiny_policy(tiny_dir, tmp_path):
-    worker = _worker(tiny_dir, CHAT_AGENT)
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_sdk_agent_episodes_are_token_exact_on_the_tiny_policy(kind, request, tmp_path):
+    """With either tokenizer: the byte-level BPE's random-init samples include byte tokens that
+    decode only together (or never, into U+FFFD), which the proxy must neither re-tokenize nor lose."""
+    worker = _worker(request.getfixturevalue({"char": "tiny_dir", "bpe": "bpe_dir"}[kind]), CHAT_AGENT)
     tokenizer = worker.blackbox.proxy.renderer.tokenizer
     specs = [
         EpisodeSpec(

@@ -10,27 +10,28 @@ import random
 
 import pytest
 import torch
-from train_testkit import tiny_generic, tiny_qwen3
+from train_testkit import tiny_hf, tiny_qwen3
 
 from loong_core.protocols import SamplingParams
 from loong_train.engines.embedded.batching import BatchStats, Request, RunningBatch
 from loong_train.engines.embedded.engine import EmbeddedEngine
 
 
-@pytest.fixture(params=["fast", "gpt2"], autouse=True)
+@pytest.fixture(params=["qwen3", "qwen2", "llama", "gpt2"], autouse=True)
 def _family(request, monkeypatch):
-    """Every test runs on Loong's decoder (a tiny Qwen3) and on the generic path (a tiny GPT-2
-    through ``transformers``, whose full forward is then the reference)."""
+    """Every test runs on Loong's decoder (a tiny Qwen3 of its own; a Qwen2 with q/k/v biases and
+    a Llama with llama3 rope scaling, built by ``transformers``) and on the generic path (a tiny
+    GPT-2 through ``transformers``, whose full forward is then the reference)."""
     monkeypatch.setitem(_FAMILY, "name", request.param)
 
 
-_FAMILY = {"name": "fast"}
+_FAMILY = {"name": "qwen3"}
 
 
 def _model(seed=0):
-    if _FAMILY["name"] == "fast":
+    if _FAMILY["name"] == "qwen3":
         return tiny_qwen3(seed, vocab_size=40)
-    return tiny_generic(_FAMILY["name"], seed, vocab_size=40)
+    return tiny_hf(_FAMILY["name"], seed, vocab_size=40)
 
 
 def _forward_logprobs(model, prompt, tokens, temperature=1.0):

@@ -6,7 +6,7 @@ import re
 
 import pytest
 import torch
-from train_testkit import GENERIC, tiny_generic_checkpoint
+from train_testkit import GENERIC, tiny_hf_checkpoint
 
 from loong_train.models.decoder import CausalLM, DecoderConfig
 
@@ -157,7 +157,7 @@ def test_a_transformers_checkpoint_trains_through_the_torch_backend_and_the_embe
             transformers.LlamaConfig(**{**SHAPE, "vocab_size": vocab}, tie_word_embeddings=True)
         ).save_pretrained(ckpt)
     else:
-        tiny_generic_checkpoint(ckpt, family, std=0.02, vocab_size=vocab)
+        tiny_hf_checkpoint(ckpt, family, std=0.02, vocab_size=vocab)
     sets = [f"model.path={ckpt}", "train.steps=3", "train.batch_groups=2", "rollout.group_size=2",
             "rollout.max_new_tokens=12", "rollout.max_model_tokens=24", "eval.every=3", "eval.num_tasks=4"]  # fmt: skip
     out = run(load_recipe("tiny-calc-agent", sets), tmp_path / "run", tmp_path / "cache")
@@ -175,7 +175,7 @@ def test_the_generic_path_trains_on_the_gradients_transformers_computes(tmp_path
     from loong_train.backends.torch_backend import TorchBackend
     from loong_train.models.auto import load_causal_lm
 
-    reference = tiny_generic_checkpoint(tmp_path, "gpt2", std=0.02, vocab_size=37)  # eval: no dropout
+    reference = tiny_hf_checkpoint(tmp_path, "gpt2", std=0.02, vocab_size=37)  # eval: no dropout
     ids = torch.randint(0, 37, (2, 6), generator=torch.Generator().manual_seed(3))
     adv = torch.tensor([[0.0, 0.7, 0.7, 0.7, 0.7, 0.0], [0.0, -1.3, -1.3, -1.3, 0.0, 0.0]])
     mask = (adv != 0).float()
@@ -207,7 +207,7 @@ def test_a_generic_model_with_the_megatron_backend_is_refused_naming_both(tmp_pa
     from loong_train.tiny.tokenizer import build_tokenizer
 
     build_tokenizer(tmp_path / "gpt2")
-    tiny_generic_checkpoint(tmp_path / "gpt2", "gpt2", vocab_size=103)
+    tiny_hf_checkpoint(tmp_path / "gpt2", "gpt2", vocab_size=103)
     recipe = load_recipe(
         "tiny-calc-agent", [f"model.path={tmp_path / 'gpt2'}", 'train.backend.type="megatron"']
     )
@@ -338,7 +338,7 @@ def test_a_model_only_transformers_implements_runs_and_exports_back_bit_exactly(
     from loong_train.models.auto import load_causal_lm
     from loong_train.models.generic import HFCausalLM
 
-    reference = tiny_generic_checkpoint(tmp_path / "hf", family, vocab_size=101)
+    reference = tiny_hf_checkpoint(tmp_path / "hf", family, vocab_size=101)
     ours = load_causal_lm(tmp_path / "hf")
     assert isinstance(ours, HFCausalLM) and ours.config.model_type == family
     ids = torch.randint(0, 101, (2, 40), generator=torch.Generator().manual_seed(1))
@@ -393,3 +393,52 @@ def test_remote_code_runs_only_with_the_switch(tmp_path):
     ids = torch.randint(0, 103, (1, 20), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         torch.testing.assert_close(ours(ids), llama(ids).logits, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama", "mistral", "gpt2", "phi"])
+def test_the_engine_samples_each_familys_transformers_logprobs(tmp_path, family):
+    """Whatever path a family takes, the embedded engine's logprobs (left-padded batch, rows
+    joining mid-batch, a pause and resume in between) equal those of ``transformers``' own model
+    run on each finished sequence alone."""
+    import asyncio
+
+    import transformers
+
+    from loong_core.protocols import SamplingParams
+    from loong_train.engines.embedded.engine import EmbeddedEngine
+    from loong_train.models.auto import load_causal_lm
+
+    if family in FAMILIES:
+        config_class, extra = FAMILIES[family]
+        torch.manual_seed(0)
+        reference = transformers.AutoModelForCausalLM.from_config(
+            getattr(transformers, config_class)(**SHAPE, **extra)
+        )
+        with torch.no_grad():
+            for p in reference.parameters():
+                p.normal_(0, 0.3)
+        reference.eval().save_pretrained(tmp_path)
+    else:
+        reference = tiny_hf_checkpoint(tmp_path, family, vocab_size=SHAPE["vocab_size"])
+    engine = EmbeddedEngine(load_causal_lm(tmp_path), seed=0, max_batch=3)
+    prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [4], [9, 9, 2, 7], [3, 1]]
+    sampling = SamplingParams(max_new_tokens=40)
+
+    async def run():
+        first = [asyncio.create_task(engine.generate(p, sampling)) for p in prompts[:3]]
+        while engine.stats.steps < 5:
+            await asyncio.sleep(0)
+        engine.pause()
+        await engine.wait_idle()
+        later = [asyncio.create_task(engine.generate(p, sampling)) for p in prompts[3:]]  # join on resume
+        await asyncio.sleep(0.01)
+        engine.resume()
+        return await asyncio.gather(*first, *later)
+
+    spans = asyncio.run(run())
+    for prompt, span in zip(prompts, spans, strict=True):
+        ids = torch.tensor([prompt + span.token_ids])
+        with torch.no_grad():
+            logp = torch.log_softmax(reference(ids).logits.double(), -1)[0, len(prompt) - 1 : -1]
+        want = logp.gather(-1, torch.tensor(span.token_ids)[:, None]).squeeze(-1)
+        torch.testing.assert_close(torch.tensor(span.logprobs, dtype=torch.float64), want, rtol=0, atol=1e-5)

@@ -5,7 +5,8 @@ pipeline stages, tied and untied embeddings, a vocabulary that needs padding).
 
 Integration: TP=1 (one micro-batch), TP=2 (untied embeddings, padded vocabulary, 2 micro-batches),
 PP=2 (tied embeddings split over stages; decoupled PPO with TIS and a KL reference; 3
-micro-batches through 1F1B) and DP=2 load a random-init tiny Qwen3 and must match the torch
+micro-batches through 1F1B) and DP=2 load a random-init tiny Qwen3, and TP=2 a tiny Qwen2 (q/k/v
+biases) and a tiny Llama (no QK-norm, llama3 rope scaling); each must match the torch
 backend in fp32, each within a relative difference of 1e-5: token logprobs, the loss, gradient
 norm and (clipped) gradients of one optimizer step, the logprobs and loss after it; the exported
 HF weights equal the checkpoint exactly, and the updated weights agree to a tenth of the
@@ -43,8 +44,20 @@ LOSSES = {
 }
 
 
-def _model(tied: bool, layers: int = 2) -> CausalLM:
+FAMILIES = {  # what differs from Qwen3 (QK-norm, no biases)
+    "qwen3": {},
+    "qwen2": {"model_type": "qwen2", "attention_bias": True},  # q/k/v biases, no QK-norm
+    "llama": {  # no QK-norm, no biases, llama3 rope scaling with megatron-core's fixed factors
+        "model_type": "llama",
+        "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+    },
+}  # fmt: skip
+
+
+def _model(tied: bool, layers: int = 2, family: str = "qwen3") -> CausalLM:
     cfg = DecoderConfig(
+        **FAMILIES[family],
         vocab_size=VOCAB,
         hidden_size=32,
         intermediate_size=64,
@@ -81,11 +94,12 @@ def _batch() -> TrainBatch:
 # -- unit: the weight conversion ---------------------------------------------------------------
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
 @pytest.mark.parametrize("tp", [1, 2])
 @pytest.mark.parametrize("pp", [1, 2])
 @pytest.mark.parametrize("tied", [True, False])
-def test_hf_to_megatron_round_trips_through_megatron_to_hf(tp, pp, tied):
-    model = _model(tied, layers=4)
+def test_hf_to_megatron_round_trips_through_megatron_to_hf(tp, pp, tied, family):
+    model = _model(tied, layers=4, family=family)
     hf = model.hf_state_dict()
     layout = MegatronLayout.from_hf_config(model.config.to_hf(), tp=tp)
     padded, per_stage, back = 38 if tp == 2 else 37, 4 // pp, {}
@@ -114,11 +128,13 @@ def test_hf_to_megatron_round_trips_through_megatron_to_hf(tp, pp, tied):
 
 # -- integration: megatron processes vs the torch backend ------------------------------------
 
-CONFIGS = {  # name: (tp, pp, dp, tied embeddings, loss, micro-batch rows); two-rank ones first
-    "tp2": (2, 1, 1, False, "default", 2),  # 3 rows -> 2 micro-batches, the second padded
-    "pp2": (1, 2, 1, True, "decoupled+kl", 1),  # 3 micro-batches through the 1F1B schedule
-    "dp2": (1, 1, 2, False, "default", 1),  # rows 0-1 on rank 0, row 2 and a pad row on rank 1
-    "tp1": (1, 1, 1, True, "default", 0),  # the whole batch as one micro-batch
+CONFIGS = {  # name: (tp, pp, dp, tied embeddings, loss, micro-batch rows, family); two-rank ones first
+    "tp2": (2, 1, 1, False, "default", 2, "qwen3"),  # 3 rows -> 2 micro-batches, the second padded
+    "pp2": (1, 2, 1, True, "decoupled+kl", 1, "qwen3"),  # 3 micro-batches through the 1F1B schedule
+    "dp2": (1, 1, 2, False, "default", 1, "qwen3"),  # rows 0-1 on rank 0, row 2 and a pad row on rank 1
+    "tp2-qwen2": (2, 1, 1, False, "default", 2, "qwen2"),  # q/k/v biases split with their rows
+    "tp2-llama": (2, 1, 1, True, "default", 0, "llama"),  # no QK-norm; llama3 rope scaling
+    "tp1": (1, 1, 1, True, "default", 0, "qwen3"),  # the whole batch as one micro-batch
 }
 
 
@@ -152,7 +168,7 @@ def _free_port() -> int:
 def _launch(root: Path, names: list[str], device: str) -> dict:
     """Run ``names`` (two-rank configurations first) in worker processes; their results."""
     for name in names:
-        _model(CONFIGS[name][3]).save_pretrained(root / name)
+        _model(CONFIGS[name][3], family=CONFIGS[name][6]).save_pretrained(root / name)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     world, port = max(_world(n) for n in names), _free_port()
     procs = [
@@ -230,6 +246,29 @@ def _check(name: str, meg: dict, root: Path) -> None:
 
 
 # -- the trainer's ``train.backend = "megatron"`` ------------------------------------------------
+
+
+def test_a_model_megatron_cannot_train_is_refused_before_ray_starts(tmp_path):
+    import ray
+
+    from loong_core.config import ConfigError
+    from loong_train.config import load_recipe
+    from loong_train.controller import run
+    from loong_train.models.tokenizer import load_tokenizer
+    from loong_train.tiny.tokenizer import build_tokenizer
+
+    path = build_tokenizer(tmp_path / "llama")
+    scaling = {**FAMILIES["llama"]["rope_scaling"], "original_max_position_embeddings": 32}
+    config = DecoderConfig(vocab_size=len(load_tokenizer(path)), model_type="llama", rope_scaling=scaling,
+                           hidden_size=32, intermediate_size=64, num_hidden_layers=2, head_dim=16)  # fmt: skip
+    CausalLM(config).save_pretrained(path)
+    recipe = load_recipe("tiny-calc-agent", [f"model.path={path}", 'train.backend.type="megatron"'])
+    with pytest.raises(
+        ConfigError,
+        match=r"'megatron' cannot train .* llama3 rope scaling with \{'original_max_position_embeddings': 32\}",
+    ):
+        run(recipe, tmp_path / "run", tmp_path / "cache")
+    assert not ray.is_initialized()
 
 
 def test_recipe_selects_the_megatron_backend_and_explains_a_missing_install(monkeypatch):
@@ -323,7 +362,7 @@ def _worker(rank: int, world: int, port: int, root: str, names: list[str], devic
     if device == "cuda":
         torch.cuda.set_device(rank)
     for name in names:
-        tp, pp, _, _, loss, rows = CONFIGS[name]
+        tp, pp, _, _, loss, rows, _ = CONFIGS[name]
         if _world(name) != world:
             dist.destroy_process_group()
             if rank >= _world(name):

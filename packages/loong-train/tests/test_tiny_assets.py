@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from loong_agentflow import ChatML, ToolResult
+from loong_train.config import load_recipe
 from loong_train.models.decoder import CausalLM
 from loong_train.models.tokenizer import HFCodec, load_tokenizer
 from loong_train.tiny import calc
-from loong_train.tiny.warmstart import build_tiny, sft_loss
+from loong_train.tiny.warmstart import build_tiny, sft_loss, tokenizer_corpus
 
 
 def _digest(path):
@@ -32,9 +33,45 @@ def test_tokenizer_round_trips_text_and_keeps_special_tokens_whole(tiny_dir):
     assert len(ids) == len(text) - sum(len(s) - 1 for s in specials)  # one id per char, one per special
 
 
-def test_agent_token_layout_equals_the_chat_template(tiny_dir):
-    """The white-box agent's pieces decode to exactly what apply_chat_template renders."""
-    tok = load_tokenizer(tiny_dir)
+def test_bpe_tokenizer_is_learned_from_the_task_and_encodes_any_text(tmp_path, bpe_dir):
+    """The byte-level BPE: deterministic, within its vocabulary budget, special and tool tags
+    whole, several characters per token on the task's own text, and any UTF-8 text round-trips,
+    a multi-byte character spanning tokens that only decode together."""
+    recipe = load_recipe("tiny-calc-agent", ['model.tokenizer="bpe"'])
+    assert (build_tiny(tmp_path / "again", recipe) / "tokenizer.json").read_text() == (
+        bpe_dir / "tokenizer.json"
+    ).read_text()
+    tok = load_tokenizer(bpe_dir)
+    assert 259 < len(tok) <= recipe.model.bpe_vocab_size
+    assert tok.convert_ids_to_tokens([0, 1, 2]) == ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    texts = tokenizer_corpus(recipe, 200)
+    chars = tokens = 0
+    for text in texts:
+        ids = tok.encode(text, add_special_tokens=False)
+        assert tok.decode(ids) == text
+        for tag in ("<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "<tool_response>"):
+            assert text.count(tag) == ids.count(tok.convert_tokens_to_ids(tag))
+        chars, tokens = chars + len(text), tokens + len(ids)
+    assert chars / tokens > 3  # measured 4.3 characters per token on the calc transcripts
+    text = "héllo wörld, 世界 🙂 <tool_call>{}</tool_call>"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert tok.decode(ids) == text
+    emoji = tok.encode("🙂", add_special_tokens=False)
+    assert len(emoji) == 4  # never in the task's text: one token per UTF-8 byte
+    assert [tok.decode(emoji[:n]) for n in (1, 2, 3)] == ["\ufffd"] * 3 and tok.decode(emoji) == "🙂"
+
+
+def test_a_bpe_vocabulary_too_small_for_the_bytes_is_refused_naming_the_key(tmp_path):
+    recipe = load_recipe("tiny-calc-agent", ['model.tokenizer="bpe"', "model.bpe_vocab_size=200"])
+    with pytest.raises(ValueError, match=r"bpe_vocab_size 200 is too small: a byte-level BPE holds 256 byte"):
+        build_tiny(tmp_path, recipe)
+
+
+@pytest.mark.parametrize("kind", ["char", "bpe"])
+def test_agent_token_layout_equals_the_chat_template(kind, tiny_dir, bpe_dir):
+    """The white-box agent's pieces decode to exactly what apply_chat_template renders, and
+    encoding them piece by piece gives the tokens of the whole transcript, with either tokenizer."""
+    tok = load_tokenizer({"char": tiny_dir, "bpe": bpe_dir}[kind])
     task = calc.eval_tasks(1)[0]
     pieces = "".join(text for text, _ in calc.demonstration(task))
     messages = [

@@ -137,49 +137,49 @@ def wandb_history(run_dir: Path) -> list[dict[str, float]]:
     return rows
 
 
-GENERIC = {  # tiny configs of models only the generic path runs (transformers' own classes)
+HF_FAMILIES = {  # tiny transformers configs: two fast families with their config-driven features, two generic
+    "qwen2": ("Qwen2Config", {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+                              "num_attention_heads": 4, "num_key_value_heads": 2}),
+    "llama": ("LlamaConfig", {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+                              "num_attention_heads": 4, "num_key_value_heads": 2, "rope_parameters": {
+                                  "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
+                                  "rope_theta": 500000.0}}),
     "gpt2": ("GPT2Config", {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 512}),
-    "phi": (
-        "PhiConfig",
-        {
-            "hidden_size": 64,
-            "intermediate_size": 96,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 4,
-            "partial_rotary_factor": 0.5,
-        },
-    ),
-}
+    "phi": ("PhiConfig", {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+                          "num_attention_heads": 4, "partial_rotary_factor": 0.5}),
+}  # fmt: skip
+GENERIC = ("gpt2", "phi")  # families only the generic path runs
 
 
-def tiny_generic_checkpoint(
+def tiny_hf_checkpoint(
     path: Path, family: str = "gpt2", seed: int = 0, std: float = 0.3, vocab_size: int = 40
 ):
-    """Save a random-init tiny ``transformers`` model of ``family`` (one only the generic path
-    runs) to ``path``; returns the reference model itself, in eval mode."""
+    """Save a random-init tiny ``transformers`` model of ``family`` (:data:`HF_FAMILIES`) to
+    ``path``; returns the reference model itself, in eval mode."""
     import torch
     import transformers
 
-    config_class, shape = GENERIC[family]
+    config_class, shape = HF_FAMILIES[family]
     torch.manual_seed(seed)
     reference = transformers.AutoModelForCausalLM.from_config(
         getattr(transformers, config_class)(
             vocab_size=vocab_size, bos_token_id=0, eos_token_id=vocab_size - 1, **shape
         )
     )
-    with torch.no_grad():  # larger weights than transformers' init, so sampled tokens vary
+    with torch.no_grad():  # larger weights than transformers' init (biases too), so sampled tokens vary
         for p in reference.parameters():
             p.normal_(0, std)
     reference.eval().save_pretrained(path)
     return reference
 
 
-def tiny_generic(family: str = "gpt2", seed: int = 0, std: float = 0.3, vocab_size: int = 40):
-    """:func:`tiny_generic_checkpoint` loaded back on the generic path (``HFCausalLM``)."""
+def tiny_hf(family: str = "gpt2", seed: int = 0, std: float = 0.3, vocab_size: int = 40):
+    """:func:`tiny_hf_checkpoint` loaded back on the path Loong picks for it (fast or generic)."""
     import tempfile
 
-    from loong_train.models.generic import HFCausalLM
+    from loong_train.models.auto import load_causal_lm
 
     with tempfile.TemporaryDirectory() as path:
-        tiny_generic_checkpoint(Path(path), family, seed, std, vocab_size)
-        return HFCausalLM.from_pretrained(path)
+        tiny_hf_checkpoint(Path(path), family, seed, std, vocab_size)
+        return load_causal_lm(path)

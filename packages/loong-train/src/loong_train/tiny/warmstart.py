@@ -19,7 +19,7 @@ import msgspec
 import torch
 from tqdm import tqdm
 
-from loong_agentflow import EpisodeLimits, EpisodeSpec, ToolAgent, run_episodes
+from loong_agentflow import ChatML, EpisodeLimits, EpisodeSpec, ToolAgent, run_episodes
 from loong_core.protocols import SamplingParams
 from loong_train.config import Recipe
 from loong_train.engines.embedded.engine import EmbeddedEngine
@@ -28,21 +28,34 @@ from loong_train.models.tokenizer import HFCodec, load_tokenizer
 from loong_train.tasks import Task, TaskTables, build_task
 from loong_train.tiny.tokenizer import build_tokenizer
 
-__all__ = ["build_tiny", "prepare_model", "sampled_success"]
+__all__ = ["build_tiny", "prepare_model", "sampled_success", "tokenizer_corpus"]
 
 log = logging.getLogger("loong.warmstart")
 
 
 def build_tiny(path: Path, recipe: Recipe) -> Path:
-    """A random-init tiny Qwen3 + char tokenizer, saved as a Hugging Face directory."""
-    build_tokenizer(path)
+    """A random-init tiny Qwen3 + the recipe's local tokenizer, saved as a Hugging Face directory."""
+    m = recipe.model
+    corpus = tokenizer_corpus(recipe) if m.tokenizer == "bpe" else []
+    build_tokenizer(path, m.tokenizer, corpus, m.bpe_vocab_size)
     vocab = len(load_tokenizer(path))
-    sizes = msgspec.structs.asdict(recipe.model)
-    del sizes["path"], sizes["trust_remote_code"]
+    sizes = msgspec.structs.asdict(m)
+    for key in ("path", "trust_remote_code", "tokenizer", "bpe_vocab_size"):
+        del sizes[key]
     model = CausalLM(DecoderConfig(vocab_size=vocab, **sizes))
     model.init_weights(recipe.seed)
     model.save_pretrained(path)
     return path
+
+
+def tokenizer_corpus(recipe: Recipe, n: int = 2000) -> list[str]:
+    """The text a BPE tokenizer for ``recipe`` is trained on: ``n`` training items of its task as
+    the model will see them (the demonstration's transcript; the prompt for a task without one)."""
+    task = build_task(recipe.task, recipe.task_tables)
+    items = itertools.islice(task.train_stream(recipe.seed + 3, task.held_out(recipe.eval.num_tasks)), n)
+    if hasattr(task, "demonstration"):
+        return ["".join(text for text, _ in task.demonstration(item)) for item in items]
+    return [ChatML.prompt(item["messages"]) for item in items]
 
 
 def sampled_success(
