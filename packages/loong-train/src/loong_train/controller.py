@@ -142,12 +142,22 @@ def trainer_options(recipe: Recipe) -> dict[str, Any]:
 def _check_model(recipe: Recipe, model_path: str) -> None:
     """The checkpoint loads (:func:`check_checkpoint`), and the train backend covers its family."""
     choice = check_checkpoint(model_path, recipe.model.trust_remote_code)
-    if choice.path == "generic" and not isinstance(recipe.train.backend, TorchBackendConfig):
+    if isinstance(recipe.train.backend, TorchBackendConfig):
+        return
+    if choice.path == "generic":
         raise ConfigError(
             f"train.backend.type = {recipe.train.backend.type!r} maps the weights of Loong's decoder "
             f"families only; model.path {model_path} takes the generic path ({choice.reason}): "
             'use train.backend.type = "torch"'
         )
+    import json
+
+    from loong_train.backends.megatron.backend import megatron_problem
+    from loong_train.models.decoder import DecoderConfig
+
+    config = DecoderConfig.from_hf(json.loads((Path(model_path) / "config.json").read_text()))
+    if problem := megatron_problem(config):
+        raise ConfigError(f"train.backend.type = 'megatron' cannot train model.path {model_path}: {problem}")
 
 
 def _preflight(recipe: Recipe) -> Task:

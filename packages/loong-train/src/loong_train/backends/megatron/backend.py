@@ -8,9 +8,11 @@ Face naming. It is SPMD: each of the ``tp * pp`` ranks of an initialised ``torch
 world builds one ``MegatronBackend`` and makes the same calls in the same order; results
 (logprobs, metrics, weights) are returned on every rank.
 
-Model. A Hugging Face Qwen3 config becomes a ``TransformerConfig`` + ``GPTModel`` with the
-local (torch-native) layer spec: RMSNorm, per-head RMSNorm on queries and keys, SwiGLU, rotary
-embedding (rotate-half, ``rope_theta``), no biases, tied or untied embeddings. Weights are loaded
+Model. A Hugging Face config of a fast decoder family (Qwen3, Qwen2, Llama, Mistral) becomes a
+``TransformerConfig`` + ``GPTModel`` with the local (torch-native) layer spec: RMSNorm, SwiGLU,
+rotary embedding (rotate-half, ``rope_theta``, ``linear`` or Llama 3.1's ``llama3`` scaling),
+tied or untied embeddings; per-head RMSNorm on queries and keys for Qwen3, q/k/v biases for
+Qwen2 (:func:`megatron_problem` names what it cannot build). Weights are loaded
 with :func:`~loong_train.backends.megatron.weights.hf_to_megatron` and exported by gathering the
 tensor-parallel shards, converting them with :func:`loong_transfermesh.megatron_to_hf`, and
 broadcasting each pipeline stage's tensors to the other stages.
@@ -60,7 +62,7 @@ from loong_train.backends.torch_backend import mismatch_stats
 from loong_train.models.decoder import DecoderConfig
 from loong_transfermesh import MegatronLayout
 
-__all__ = ["MegatronBackend", "init_model_parallel"]
+__all__ = ["MegatronBackend", "init_model_parallel", "megatron_problem"]
 
 
 def init_model_parallel(tp: int, pp: int, seed: int = 0) -> None:
@@ -76,8 +78,42 @@ def init_model_parallel(tp: int, pp: int, seed: int = 0) -> None:
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
+_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def megatron_problem(cfg: DecoderConfig) -> str:
+    """Why the megatron backend cannot train a model of this config ('' when it can).
+
+    It covers the fast decoder families: Qwen3 (QK-norm), Qwen2 (q/k/v biases), Llama and Mistral,
+    with rope scaling ``linear`` or ``llama3`` as megatron-core implements it (its llama3 form
+    fixes ``low_freq_factor`` 1, ``high_freq_factor`` 4 and ``original_max_position_embeddings``
+    8192, the values of Llama 3.1 and 3.2). Other biases have no place in its layer spec here.
+    """
+    if cfg.mlp_bias or (cfg.attention_bias and cfg.model_type != "qwen2"):
+        return (
+            f"{cfg.model_type} with mlp_bias / attention_bias: the local layer spec here has q/k/v "
+            "biases only (Qwen2's)"
+        )
+    scaling = cfg.rope_scaling or {}
+    odd = {k: scaling.get(k) for k, v in _LLAMA3_FIXED.items() if scaling.get(k) != v}
+    if scaling.get("rope_type", scaling.get("type")) == "llama3" and odd:
+        return f"llama3 rope scaling with {odd}: megatron-core's fixes {_LLAMA3_FIXED}"
+    return ""
+
+
+def _rope_args(cfg: DecoderConfig) -> dict:
+    """GPTModel's rope keywords for the config's rope scaling (see :func:`megatron_problem`)."""
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "llama3":
+        return {"rope_scaling": True, "rope_scaling_factor": float(scaling["factor"])}
+    if kind == "linear":  # positions divided by the factor: the same as every frequency
+        return {"seq_len_interpolation_factor": float(scaling["factor"])}
+    return {}
+
+
 def transformer_config(cfg: DecoderConfig, tp: int, pp: int):
-    """The megatron-core ``TransformerConfig`` of a Qwen3 model, fused CUDA kernels off."""
+    """The megatron-core ``TransformerConfig`` of a decoder-family model, fused CUDA kernels off."""
     from megatron.core.transformer import TransformerConfig
 
     if cfg.num_hidden_layers % pp:
@@ -91,7 +127,8 @@ def transformer_config(cfg: DecoderConfig, tp: int, pp: int):
         kv_channels=cfg.head_dim,
         normalization="RMSNorm",
         layernorm_epsilon=cfg.rms_norm_eps,
-        qk_layernorm=True,
+        qk_layernorm=cfg.qk_norm,
+        add_qkv_bias=cfg.attention_bias,
         gated_linear_unit=True,
         activation_func=F.silu,
         add_bias_linear=False,
@@ -134,11 +171,8 @@ class MegatronBackend:
 
         self.ps = ps
         self.cfg = DecoderConfig.from_hf(dict(hf_config))
-        if self.cfg.model_type != "qwen3":  # the layer spec and weight layout below are Qwen3's
-            raise ValueError(
-                f"the megatron backend maps Qwen3 checkpoints only, got model_type {self.cfg.model_type!r}: "
-                "train it with train.backend.type = 'torch'"
-            )
+        if problem := megatron_problem(self.cfg):
+            raise ValueError(f"the megatron backend cannot train this model: {problem}")
         self.tp = ps.get_tensor_model_parallel_world_size()
         self.pp = ps.get_pipeline_model_parallel_world_size()
         self.tp_rank = ps.get_tensor_model_parallel_rank()
@@ -187,7 +221,9 @@ class MegatronBackend:
         with cpu_compat():
             model = GPTModel(
                 config=transformer_config(c, self.tp, self.pp),
-                transformer_layer_spec=get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm"),
+                transformer_layer_spec=get_gpt_layer_local_spec(
+                    qk_layernorm=c.qk_norm, normalization="RMSNorm"
+                ),
                 vocab_size=self.padded_vocab,
                 max_sequence_length=c.max_position_embeddings,
                 pre_process=self.ps.is_pipeline_first_stage(),
@@ -195,6 +231,7 @@ class MegatronBackend:
                 share_embeddings_and_output_weights=c.tie_word_embeddings,
                 position_embedding_type="rope",
                 rotary_base=c.rope_theta,
+                **_rope_args(c),
             )
         self._load_into(model, hf_weights)
         return model.train()

@@ -1,4 +1,4 @@
-"""Hugging Face Qwen3 weights <-> megatron-core GPTModel shards (local layer spec).
+"""Hugging Face decoder-family weights <-> megatron-core GPTModel shards (local layer spec).
 
 :func:`gather_hf_weights` exports: it all-gathers each tensor-parallel parameter over the TP
 group, converts the stage with :func:`loong_transfermesh.megatron_to_hf`, and broadcasts every
@@ -6,10 +6,11 @@ stage's tensors over the pipeline group, so each rank ends with the whole model.
 
 :func:`hf_to_megatron` is the inverse of ``megatron_to_hf``: given the full Hugging Face state
 dict, build the state dict of one (tensor-parallel rank, pipeline stage) of a GPTModel built
-with ``get_gpt_layer_local_spec(qk_layernorm=True, normalization="RMSNorm")``. What it does,
+with ``get_gpt_layer_local_spec(qk_layernorm=..., normalization="RMSNorm")`` (QK-norm for Qwen3,
+q/k/v biases for Qwen2, neither for Llama and Mistral). What it does,
 per tensor (``G`` query groups, ``P = heads / G`` query heads per group, ``d`` head dim):
 
-- ``linear_qkv.weight``: per group g the rows of its P query heads, then its key head, then its
+- ``linear_qkv.weight`` (and ``.bias``): per group g the rows of its P query heads, then its key head, then its
   value head; rank r keeps groups ``[r G / tp, (r + 1) G / tp)``.
 - ``linear_fc1.weight``: rank r's slice of gate rows, then its slice of up rows.
 - ``linear_proj`` and ``linear_fc2`` (row parallel): column slice r of ``o_proj`` / ``down_proj``.
@@ -86,7 +87,7 @@ def _layer(
     hf: Mapping[str, torch.Tensor], layout: MegatronLayout, rank: int, src: str, dst: str
 ) -> dict[str, torch.Tensor]:
     tp = layout.tp
-    out = {dst + m: hf[src + h] for m, h in _REPLICATED.items()}
+    out = {dst + m: hf[src + h] for m, h in _REPLICATED.items() if src + h in hf}  # QK-norm: Qwen3 only
     out |= {dst + m: hf[src + h].chunk(tp, dim=1)[rank] for m, h in _ROW_PARALLEL.items()}
     gate, up = hf[src + "mlp.gate_proj.weight"], hf[src + "mlp.up_proj.weight"]
     out[dst + "mlp.linear_fc1.weight"] = torch.cat([gate.chunk(tp)[rank], up.chunk(tp)[rank]])
