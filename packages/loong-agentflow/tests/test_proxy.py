@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 
 import httpx
 import pytest
@@ -260,6 +261,85 @@ def test_bad_requests_get_openai_error_bodies():
     run(main())
 
 
+def _nested(depth: int) -> dict:
+    return json.loads('{"a": ' * depth + "1" + "}" * depth)
+
+
+HOSTILE = {  # name: (endpoint, body, expected param); each got a 500 or a 200 with bad data before
+    "temperature_1e-50": ("/chat/completions", {"messages": USER, "temperature": 1e-50}, "temperature"),
+    "temperature_5e-324": ("/chat/completions", {"messages": USER, "temperature": 5e-324}, "temperature"),
+    "temperature_9": ("/chat/completions", {"messages": USER, "temperature": 9}, "temperature"),
+    "tools_nested_3000": ("/chat/completions", {"messages": USER, "tools": "DEEP"}, None),
+    "tools_nested_100": (
+        "/chat/completions",
+        {"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "parameters": _nested(100)}}]},
+        "tools",
+    ),
+    "response_format_nested": ("/chat/completions", {"messages": USER, "response_format": _nested(80)}, "response_format"),
+    "max_tokens_huge": ("/chat/completions", {"messages": USER, "max_tokens": 10**9}, "max_tokens"),
+    "max_tokens_past_context": ("/chat/completions", {"messages": USER, "max_tokens": 490}, "messages"),
+    "prompt_past_context": ("/chat/completions", {"messages": [{"role": "user", "content": "x" * 600}]}, "messages"),
+    "ids_out_of_vocab": ("/completions", {"prompt": [1000]}, "prompt"),
+    "ids_negative": ("/completions", {"prompt": [3, -1]}, "prompt"),
+    "ids_int64_max": ("/completions", {"prompt": [2**63 - 1]}, "prompt"),
+    "ids_empty": ("/completions", {"prompt": []}, "prompt"),
+    "text_empty": ("/completions", {"prompt": ""}, "prompt"),
+}  # fmt: skip
+
+
+def test_hostile_requests_get_openai_4xx_bodies_and_record_nothing():
+    """Requests that got a 500 (or a 200 with garbage) get a 400 naming what is wrong; none of
+    them reaches the engine or the session's calls, and the proxy serves on."""
+
+    async def main():
+        engine = BigramEngine(ScriptedBigramPolicy(["ok"]))
+        config = ProxyConfig(context_length=512, vocab_size=120, max_tokens_limit=4096)
+        async with ProxyServer(engine, ChatMLRenderer(CODEC), config) as proxy:
+            session = proxy.open_session(_spec())
+            async with await _client(proxy, session.api_key) as c:
+                answers = {}
+                for name, (path, body, _) in HOSTILE.items():
+                    if body.get("tools") == "DEEP":  # deeper than any decoder recursion
+                        deep = '{"a": ' * 3000 + "1" + "}" * 3000
+                        raw = (
+                            '{"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function", '
+                        )
+                        raw += '"function": {"name": "f", "parameters": ' + deep + "}}]}"
+                        answers[name] = await c.post(
+                            path, content=raw, headers={"content-type": "application/json"}
+                        )
+                    else:
+                        answers[name] = await c.post(path, json=body)
+                ok = await c.post("/chat/completions", json={"messages": USER})
+        for name, (_, _, param) in HOSTILE.items():
+            r = answers[name]
+            assert r.status_code == 400, (name, r.status_code, r.text)
+            err = r.json()["error"]
+            assert set(err) == {"message", "type", "param", "code"}, name
+            assert err["param"] == param, (name, err)
+        assert "512 tokens" in answers["max_tokens_past_context"].json()["error"]["message"]
+        assert answers["prompt_past_context"].json()["error"]["code"] == "context_length_exceeded"
+        assert "[1000]" in answers["ids_out_of_vocab"].json()["error"]["message"]
+        assert ok.status_code == 200 and len(session.calls) == 1  # only the valid call was recorded
+
+    run(main())
+
+
+def test_without_max_tokens_the_default_is_clamped_to_the_context_left():
+    async def main():
+        engine = BigramEngine(ScriptedBigramPolicy(["x" * 300]))
+        prompt_len = len(ChatMLRenderer(CODEC).render(USER, None))
+        config = ProxyConfig(context_length=prompt_len + 7, default_max_tokens=1024)
+        async with ProxyServer(engine, ChatMLRenderer(CODEC), config) as proxy:
+            session = proxy.open_session(_spec())
+            async with await _client(proxy, session.api_key) as c:
+                r = await c.post("/chat/completions", json={"messages": USER})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 7
+        assert r.json()["choices"][0]["finish_reason"] == "length"
+
+    run(main())
+
+
 class BlockingEngine:
     """Blocks in generate until released; records cancellations."""
 
@@ -296,6 +376,37 @@ def _our_tasks() -> list[asyncio.Task]:
         for t in asyncio.all_tasks()
         if "generate" in repr(t.get_coro()) or "_disconnected" in repr(t.get_coro())
     ]
+
+
+def test_a_client_that_hangs_up_mid_body_ends_quietly(caplog):
+    """A request whose client closes the connection halfway through its body: no traceback in
+    the log (one debug line), nothing recorded, and the proxy serves on."""
+
+    async def main():
+        engine = BigramEngine(ScriptedBigramPolicy(["ok"]))
+        async with ProxyServer(engine, ChatMLRenderer(CODEC)) as proxy:
+            session = proxy.open_session(_spec())
+            for _ in range(3):
+                _, writer = await asyncio.open_connection("127.0.0.1", proxy.port)
+                head = (
+                    "POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    f"Authorization: Bearer {session.api_key}\r\nContent-Length: 5000\r\n\r\n"
+                )
+                writer.write(head.encode() + b'{"messages": [{"role": "user", "content": "')
+                await writer.drain()
+                await asyncio.sleep(0.05)
+                writer.close()
+                await writer.wait_closed()
+            await asyncio.sleep(0.1)
+            async with await _client(proxy, session.api_key) as c:
+                ok = await c.post("/chat/completions", json={"messages": USER})
+        assert ok.status_code == 200 and len(session.calls) == 1
+
+    with caplog.at_level(logging.DEBUG):
+        run(main())
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING], caplog.text
+    assert "Exception in ASGI application" not in caplog.text and "Traceback" not in caplog.text
+    assert caplog.text.count("the client disconnected while sending the request") == 3
 
 
 @pytest.mark.parametrize("stream", [False, True])

@@ -132,41 +132,6 @@ def test_configs_it_cannot_run_are_refused_by_name(tmp_path, config, error):
         CausalLM.from_pretrained(tmp_path / "nowhere")
 
 
-@pytest.mark.integration
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_a_transformers_checkpoint_trains_through_the_torch_backend_and_the_embedded_engine(tmp_path, family):
-    """Three RL steps of a random-init tiny Llama (the fast path) and GPT-2 (the generic path),
-    built by transformers with the char tokenizer: the engine generates with it, the trainer
-    trains it, and the final checkpoint loads back into transformers as the same class, holding
-    the trainer's last weights (the pushed weights the engine served at the end)."""
-    import json
-
-    import transformers
-
-    from loong_train.config import load_recipe
-    from loong_train.controller import run
-    from loong_train.models.tokenizer import load_tokenizer
-    from loong_train.tiny.tokenizer import build_tokenizer
-
-    ckpt = tmp_path / family
-    build_tokenizer(ckpt)
-    vocab = len(load_tokenizer(ckpt))
-    if family == "llama":
-        torch.manual_seed(0)
-        transformers.LlamaForCausalLM(
-            transformers.LlamaConfig(**{**SHAPE, "vocab_size": vocab}, tie_word_embeddings=True)
-        ).save_pretrained(ckpt)
-    else:
-        tiny_hf_checkpoint(ckpt, family, std=0.02, vocab_size=vocab)
-    sets = [f"model.path={ckpt}", "train.steps=3", "train.batch_groups=2", "rollout.group_size=2",
-            "rollout.max_new_tokens=12", "rollout.max_model_tokens=24", "eval.every=3", "eval.num_tasks=4"]  # fmt: skip
-    out = run(load_recipe("tiny-calc-agent", sets), tmp_path / "run", tmp_path / "cache")
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2, 3] and rows[0]["mismatch_kl"] < 1e-9
-    final = transformers.AutoModelForCausalLM.from_pretrained(out / "checkpoints" / "final")
-    assert type(final).__name__ == {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}[family]
-
-
 def test_the_generic_path_trains_on_the_gradients_transformers_computes(tmp_path):
     """One policy-gradient step of the torch backend on a GPT-2: the gradient of every parameter
     equals the one autograd gives through the transformers model itself for the hand-written

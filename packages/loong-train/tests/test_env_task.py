@@ -56,7 +56,7 @@ class _Echo:
         from loong_core.records import SpanSource, TokenSpan
 
         ids = self.codec.encode(self.replies.pop(0) + "<|im_end|>")
-        return TokenSpan(token_ids=ids, source=SpanSource.MODEL, logprobs=[-0.5] * len(ids))
+        return TokenSpan(token_ids=ids, source=SpanSource.MODEL, logprobs=[-0.5] * len(ids), weight_version=0)
 
     def pause(self):
         pass

@@ -16,6 +16,7 @@ from loong_train.controller import run
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)
+@pytest.mark.xdist_group("tiny-calc-warm-start")  # with the regression test: one warm start for both
 def test_tiny_calc_agent_improves_held_out_success(tmp_path, tiny_cache):
     recipe = load_recipe("tiny-calc-agent", ["train.steps=40"])
     out = run(recipe, tmp_path / "run", tiny_cache)

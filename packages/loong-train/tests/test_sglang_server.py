@@ -224,7 +224,7 @@ def test_flush_cache_is_refused_while_an_in_place_pause_holds_running_requests(m
             client = SGLangEngine(SGLangClientConfig(url=url, pause_mode="in_place"))
             http = httpx.AsyncClient(base_url=url, timeout=30)
             try:
-                task = asyncio.create_task(client.generate(PROMPT, SamplingParams(max_new_tokens=2000)))
+                task = asyncio.create_task(client.generate(PROMPT, SamplingParams(max_new_tokens=500)))
                 while state.engine.running == 0:
                     assert not task.done()
                     await asyncio.sleep(0.005)
@@ -269,6 +269,13 @@ def test_flush_cache_is_refused_while_an_in_place_pause_holds_running_requests(m
         ("/generate", {"input_ids": [1, 2], "top_logprobs_num": -1}, "top_logprobs_num"),
         ("/generate", {"input_ids": [1, 2], "top_logprobs_num": "4"}, "top_logprobs_num"),
         ("/generate", {"text": "hi"}, "text"),
+        # SGLang's TestRequestLengthValidation: prompt + max_new_tokens past the context is a 400
+        ("/generate", {"input_ids": [1] * 500, "sampling_params": {"max_new_tokens": 13}}, "input_ids"),
+        (
+            "/generate",
+            {"input_ids": [1, 2], "sampling_params": {"temperature": 1e-50}},
+            "sampling_params.temperature",
+        ),
         ("/pause_generation", {"mode": "later"}, "mode"),
         (
             "/update_weights_from_distributed",

@@ -145,6 +145,8 @@ HF_FAMILIES = {  # tiny transformers configs: two fast families with their confi
                                   "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                   "high_freq_factor": 4.0, "original_max_position_embeddings": 32,
                                   "rope_theta": 500000.0}}),
+    "mistral": ("MistralConfig", {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+                                  "num_attention_heads": 4, "num_key_value_heads": 2, "sliding_window": None}),
     "gpt2": ("GPT2Config", {"n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 512}),
     "phi": ("PhiConfig", {"hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
                           "num_attention_heads": 4, "partial_rotary_factor": 0.5}),
@@ -153,10 +155,16 @@ GENERIC = ("gpt2", "phi")  # families only the generic path runs
 
 
 def tiny_hf_checkpoint(
-    path: Path, family: str = "gpt2", seed: int = 0, std: float = 0.3, vocab_size: int = 40
+    path: Path,
+    family: str = "gpt2",
+    seed: int = 0,
+    std: float = 0.3,
+    vocab_size: int = 40,
+    eos: int | None = None,
 ):
     """Save a random-init tiny ``transformers`` model of ``family`` (:data:`HF_FAMILIES`) to
-    ``path``; returns the reference model itself, in eval mode."""
+    ``path`` (``eos``: its end-of-turn id, by default the last id); returns the reference model
+    itself, in eval mode."""
     import torch
     import transformers
 
@@ -164,7 +172,10 @@ def tiny_hf_checkpoint(
     torch.manual_seed(seed)
     reference = transformers.AutoModelForCausalLM.from_config(
         getattr(transformers, config_class)(
-            vocab_size=vocab_size, bos_token_id=0, eos_token_id=vocab_size - 1, **shape
+            vocab_size=vocab_size,
+            bos_token_id=0,
+            eos_token_id=vocab_size - 1 if eos is None else eos,
+            **shape,
         )
     )
     with torch.no_grad():  # larger weights than transformers' init (biases too), so sampled tokens vary

@@ -126,7 +126,7 @@ class Episode:
             tags=dict(self.spec.tags),
             info=info or {},
             metrics=dict(self.metrics),
-        )
+        ).checked()
 
 
 class ScriptedEpisode:

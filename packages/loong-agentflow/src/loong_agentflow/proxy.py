@@ -38,6 +38,7 @@ Lifecycle::
 from __future__ import annotations
 
 import asyncio
+import logging
 import secrets
 import socket
 from collections.abc import Sequence
@@ -46,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 from starlette.routing import Route
 
@@ -77,6 +78,8 @@ if TYPE_CHECKING:
 
 __all__ = ["ProxyConfig", "ProxyServer"]
 
+log = logging.getLogger("loong.proxy")
+
 _JSON = "application/json"
 _json = msgspec.json.Encoder()
 
@@ -89,6 +92,12 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     400, because the engine samples. ``max_session_model_tokens`` (0 = unlimited) caps the model
     tokens of one episode; a call past it is a 400 ``context_length_exceeded`` and the episode is
     marked truncated.
+
+    Limits of the model (0: unknown, not checked): ``context_length``, its positions: a prompt
+    that fills them, or a ``max_tokens`` that would run past them, is a 400
+    ``context_length_exceeded`` naming the numbers; without ``max_tokens`` the default is clamped
+    to what is left, as OpenAI does. ``vocab_size``: token-id prompts must lie in ``[0,
+    vocab_size)``. ``max_tokens_limit`` bounds any ``max_tokens`` whatever the context.
     """
 
     host: str = "127.0.0.1"
@@ -100,6 +109,9 @@ class ProxyConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     max_session_model_tokens: int = 0
     temperature: float | None = None
     top_p: float | None = None
+    context_length: int = 0
+    vocab_size: int = 0
+    max_tokens_limit: int = 1 << 20
 
 
 class RewardRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -236,11 +248,17 @@ class ProxyServer:
         if declared is not None and (not declared.isdigit() or int(declared) > limit):
             raise ApiError(413, f"Request body exceeds {limit} bytes.", code="request_too_large")
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise ApiError(413, f"Request body exceeds {limit} bytes.", code="request_too_large")
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise ApiError(413, f"Request body exceeds {limit} bytes.", code="request_too_large")
+                chunks.append(chunk)
+        except ClientDisconnect:  # it hung up before sending its body: nobody reads the answer
+            log.debug(
+                "%s %s: the client disconnected while sending the request", request.method, request.url.path
+            )
+            raise ApiError(499, "The client closed the request.", code="client_disconnected") from None
         return b"".join(chunks)
 
     async def _http_error(self, request: Request, exc: Exception) -> Response:
@@ -248,7 +266,11 @@ class ProxyServer:
         return _error(ApiError(status, f"{request.method} {request.url.path}: {exc}", code=str(status)))
 
     def _sampling(
-        self, req: ChatRequest | CompletionRequest, session: ProxySession, max_tokens: int | None
+        self,
+        req: ChatRequest | CompletionRequest,
+        session: ProxySession,
+        max_tokens: int | None,
+        prompt_len: int,
     ) -> SamplingParams:
         cfg = self.config
         temperature = cfg.temperature or (1.0 if req.temperature is None else req.temperature)
@@ -258,7 +280,24 @@ class ProxyServer:
                 "Unsupported value for parameter 'temperature': 0 (greedy); the engine samples.",
                 param="temperature",
             )
+        if max_tokens is not None and max_tokens > cfg.max_tokens_limit:
+            raise ApiError(
+                400,
+                f"max_tokens is {max_tokens}; this server allows at most {cfg.max_tokens_limit}.",
+                param="max_tokens",
+            )
         max_new = max_tokens or cfg.default_max_tokens
+        if context := cfg.context_length:
+            if prompt_len >= context or (max_tokens is not None and prompt_len + max_tokens > context):
+                raise ApiError(
+                    400,
+                    f"This model's maximum context length is {context} tokens. However, you requested "
+                    f"{prompt_len + (max_tokens or 0)} tokens ({prompt_len} in the prompt, "
+                    f"{max_tokens or 0} in the completion).",
+                    param="messages" if isinstance(req, ChatRequest) else "prompt",
+                    code="context_length_exceeded",
+                )
+            max_new = min(max_new, context - prompt_len)  # the default, clamped to what is left
         if session.max_model_tokens:
             left = session.max_model_tokens - session.model_tokens
             if left <= 0:
@@ -284,6 +323,16 @@ class ProxyServer:
             max_new_tokens=max_new,
             stop_token_ids=stop_ids,
         )
+
+    def _token_prompt(self, ids: list[int]) -> list[int]:
+        vocab = self.config.vocab_size
+        if bad := [t for t in ids if t < 0 or (vocab and t >= vocab)][:3]:
+            raise ApiError(
+                400,
+                f"Invalid 'prompt': token ids {bad} are outside the vocabulary [0, {vocab or 'inf'}).",
+                param="prompt",
+            )
+        return ids
 
     @staticmethod
     def _stops(req: ChatRequest | CompletionRequest) -> list[str]:
@@ -338,7 +387,7 @@ class ProxyServer:
                 prompt = prompt + self.renderer.continuation(new, req.tools)
                 tool_only = all(m["role"] == "tool" for m in new)
                 observation = SpanSource.TOOL if tool_only else SpanSource.ENV
-            sampling = self._sampling(req, session, req.max_completion_tokens or req.max_tokens)
+            sampling = self._sampling(req, session, req.max_completion_tokens or req.max_tokens, len(prompt))
             stops = self._stops(req)
             spans = await self._call_engine(request, session, prompt, sampling, req.n)
             if spans is None:
@@ -393,8 +442,10 @@ class ProxyServer:
                 else:
                     prompt = parent[0] + (self.renderer.encode(parent[1]) if parent[1] else [])
             else:
-                prompt = req.prompt
-            sampling = self._sampling(req, session, req.max_tokens or 16)
+                prompt = self._token_prompt(req.prompt)
+            if not prompt:
+                raise ApiError(400, "Invalid 'prompt': it is empty.", param="prompt")
+            sampling = self._sampling(req, session, req.max_tokens or 16, len(prompt))
             stops = self._stops(req)
             spans = await self._call_engine(request, session, prompt, sampling, req.n)
             if spans is None:

@@ -164,8 +164,9 @@ class ProxySession:
         }
         if self.errors:
             base["proxy_errors"] = "; ".join(self.errors[-3:])
-        return [
-            Trajectory(
+        out = []
+        for i, spans in enumerate(rows):
+            row = Trajectory(
                 sample_id=spec.sample_id if i == 0 else f"{spec.sample_id}#{i}",
                 group_id=spec.group_id,
                 spans=spans,
@@ -175,8 +176,8 @@ class ProxySession:
                 tags=dict(spec.tags),
                 info={**base, "row": str(i)},
             )
-            for i, spans in enumerate(rows)
-        ]
+            out.append(row.checked() if spans else row)  # an empty row: the agent got no answer
+        return out
 
 
 def build_rows(calls: list[CallRecord]) -> list[list[TokenSpan]]:

@@ -16,6 +16,8 @@ from typing import Any
 
 import msgspec
 
+from loong_core.protocols import MIN_TEMPERATURE
+
 __all__ = [
     "ApiError",
     "ChatRequest",
@@ -129,10 +131,23 @@ _UNKNOWN = re.compile(r"unknown field `([^`]+)`")
 _AT = re.compile(r"at `\$\.?([^`\[]*)")
 
 
+MAX_JSON_DEPTH = 64
+"""How deeply the free-form fields (``tools``, ``tool_choice``, ``response_format``) may nest."""
+
+
+def _depth(value: Any, limit: int) -> int:
+    """The nesting depth of ``value`` (lists and dicts), counted no further than ``limit + 1``."""
+    if limit < 0 or not isinstance(value, dict | list):
+        return 0
+    children = value.values() if isinstance(value, dict) else value
+    return 1 + max((_depth(c, limit - 1) for c in children), default=0)
+
+
 def decode_request(body: bytes, kind: type[msgspec.Struct]) -> Any:
-    """Decode a request body; raises :class:`ApiError` 400 for bad JSON, unknown or mistyped fields."""
+    """Decode a request body; raises :class:`ApiError` 400 for bad JSON, unknown or mistyped
+    fields, and JSON nested deeper than :data:`MAX_JSON_DEPTH` in the free-form fields."""
     try:
-        return msgspec.json.decode(body, type=kind)
+        req = msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as e:
         msg = str(e)
         if m := _UNKNOWN.search(msg):
@@ -145,6 +160,14 @@ def decode_request(body: bytes, kind: type[msgspec.Struct]) -> Any:
         raise ApiError(400, f"Invalid request: {msg}", param=where.group(1) if where else None) from None
     except msgspec.DecodeError as e:
         raise ApiError(400, f"The request body is not valid JSON ({e}).", code="invalid_json") from None
+    except RecursionError:
+        raise ApiError(
+            400, f"The request body nests deeper than {MAX_JSON_DEPTH} levels.", code="invalid_json"
+        ) from None
+    for name in ("tools", "tool_choice", "response_format"):
+        if _depth(getattr(req, name, None), MAX_JSON_DEPTH) > MAX_JSON_DEPTH:
+            raise ApiError(400, f"Invalid '{name}': nested deeper than {MAX_JSON_DEPTH} levels.", param=name)
+    return req
 
 
 def unsupported(req: ChatRequest | CompletionRequest, max_n: int) -> None:
@@ -157,7 +180,13 @@ def unsupported(req: ChatRequest | CompletionRequest, max_n: int) -> None:
         ("seed", req.seed is not None, "the engine does not take per-request seeds"),
         ("max_tokens", req.max_tokens is not None and req.max_tokens < 1, "must be >= 1"),
         ("top_p", req.top_p is not None and not 0 < req.top_p <= 1, "must be in (0, 1]"),
-        ("temperature", req.temperature is not None and req.temperature < 0, "must be >= 0"),
+        (
+            "temperature",
+            req.temperature is not None
+            and req.temperature != 0
+            and not MIN_TEMPERATURE <= req.temperature <= 2,
+            f"must be 0 or in [{MIN_TEMPERATURE}, 2] (below {MIN_TEMPERATURE} logprobs stop being finite numbers)",
+        ),
     ]
     if isinstance(req.stop, list):
         checks.append(("stop", len(req.stop) > 4, "at most 4 stop sequences"))

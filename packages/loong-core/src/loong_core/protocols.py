@@ -5,13 +5,18 @@ Backends live in the packages above loong-core and are chosen by a ``type`` fiel
 
 from __future__ import annotations
 
+import math
 from typing import Protocol, runtime_checkable
 
 import msgspec
 
 from loong_core.records import TokenSpan
 
-__all__ = ["RolloutEngine", "SamplingParams"]
+__all__ = ["MIN_TEMPERATURE", "RolloutEngine", "SamplingParams"]
+
+MIN_TEMPERATURE = 1e-3
+"""The lowest sampling temperature: below it ``logits / T`` can overflow to inf for a model's
+larger logits (then logprobs are NaN), and sampling is greedy in all but name."""
 
 
 class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -28,8 +33,8 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     stop_token_ids: list[int] = []
 
     def __post_init__(self) -> None:
-        if self.temperature <= 0:
-            raise ValueError(f"temperature must be > 0, got {self.temperature}")
+        if not (math.isfinite(self.temperature) and self.temperature >= MIN_TEMPERATURE):
+            raise ValueError(f"temperature must be a number >= {MIN_TEMPERATURE}, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.max_new_tokens < 1:

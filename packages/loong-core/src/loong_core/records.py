@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import itertools
+import math
 from collections.abc import Iterable
 from typing import TypeVar
 
@@ -75,11 +76,18 @@ class TokenSpan(msgspec.Struct, frozen=True):
             return list(self.versions)
         return [self.weight_version] * len(self.token_ids)
 
-    def validate(self) -> None:
+    def validate(self, vocab_size: int = 0) -> None:
+        """The invariants above; every id a token of the vocabulary (``[0, vocab_size)``, or just
+        non-negative when ``vocab_size`` is 0) and every logprob a finite number."""
         n = len(self.token_ids)
+        top = vocab_size or 2**63
+        if bad := [t for t in self.token_ids if not (isinstance(t, int) and 0 <= t < top)][:3]:
+            raise ValueError(f"{self.source} span holds token ids outside [0, {vocab_size or 'inf'}): {bad}")
         if self.is_model:
             if len(self.logprobs) != n:
                 raise ValueError(f"model span has {n} tokens but {len(self.logprobs)} logprobs")
+            if not all(math.isfinite(lp) for lp in self.logprobs):
+                raise ValueError("model span holds a non-finite logprob (NaN or inf)")
             if self.weight_version < 0:
                 raise ValueError("model span needs weight_version >= 0")
             if self.versions and len(self.versions) != n:
@@ -144,11 +152,45 @@ class Trajectory(msgspec.Struct):
         versions = [v for s in self.spans if s.is_model for v in s.token_versions()]
         return min(versions) if versions else -1
 
-    def validate(self) -> None:
+    def validate(self, vocab_size: int = 0) -> None:
+        """Raises ValueError naming the first broken invariant: the span layout, an id outside the
+        vocabulary, a non-finite logprob, reward, turn reward or metric."""
         if not self.spans or self.spans[0].is_model:
             raise ValueError(f"trajectory {self.sample_id}: must start with a prompt span")
-        for span in self.spans:
-            span.validate()
+        try:
+            for span in self.spans:
+                span.validate(vocab_size)
+        except ValueError as e:
+            raise ValueError(f"trajectory {self.sample_id}: {e}") from None
+        numbers = {
+            "reward": self.reward,
+            **{f"turn_rewards[{i}]": r for i, r in enumerate(self.turn_rewards)},
+        }
+        numbers |= {f"metrics[{k!r}]": v for k, v in self.metrics.items()}
+        if bad := [k for k, v in numbers.items() if not math.isfinite(v)]:
+            raise ValueError(f"trajectory {self.sample_id}: {bad[0]} is not a finite number")
+
+    def checked(self, vocab_size: int = 0) -> Trajectory:
+        """This trajectory, or, when it breaks an invariant of :meth:`validate` (a NaN logprob
+        from an engine, a reward that is not a finite number, an id outside the vocabulary), the
+        :meth:`failed` episode that says why: nothing invalid is recorded for training."""
+        try:
+            self.validate(vocab_size)
+        except ValueError as e:
+            return self.failed(f"invalid trajectory: {e}")
+        return self
+
+    def failed(self, reason: str) -> Trajectory:
+        """This episode as a failed one that carries nothing to train on (an empty prompt span,
+        reward 0) and says why in ``info["error"]``: what a trajectory that does not validate becomes."""
+        return Trajectory(
+            sample_id=self.sample_id,
+            group_id=self.group_id,
+            spans=[TokenSpan(token_ids=[], source=SpanSource.PROMPT)],
+            status=EpisodeStatus.FAILED,
+            tags=dict(self.tags),
+            info={**self.info, "error": reason},
+        )
 
 
 class TrainBatch(msgspec.Struct):

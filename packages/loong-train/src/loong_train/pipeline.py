@@ -19,6 +19,7 @@ its restarts are spent) ends the run.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -120,10 +121,14 @@ class Pipeline:
     restarts: int = 0
     reissued: int = 0  # groups whose generation was lost and issued again
     restarted: int = 0  # episodes a weight update restarted (rollout.engine.partial = "restart")
+    vocab_size: int = 0  # the model's, from config.json: token ids past it fail their row
 
     def __post_init__(self) -> None:
         if not self.pids:
             self.pids = ray.get([w.pid.remote() for w in self.workers])
+        config = Path(self.model_path) / "config.json"
+        if not self.vocab_size and self.model_path and config.is_file():
+            self.vocab_size = int(json.loads(config.read_text()).get("vocab_size") or 0)
 
     @property
     def window(self) -> StalenessWindow:
@@ -185,10 +190,11 @@ class Pipeline:
         return [("applied", a) for a in self.applied()] + events  # a step's line sees them
 
     def on_rollout(self, groups: list[str], result: dict[str, Any]) -> None:
-        trajectories: list[Trajectory] = result["trajectories"]
+        # a row that breaks a record invariant fails (the run directory logs and counts it), not the run
+        trajectories = [t.checked(self.vocab_size) for t in result["trajectories"]]
+        result["trajectories"] = trajectories
         by_group: dict[str, list[Trajectory]] = {g: [] for g in groups}
         for t in trajectories:
-            t.validate()
             by_group[t.group_id].append(t)
         for group_id, trajs in by_group.items():
             versions = [t.oldest_version for t in trajs if t.oldest_version >= 0]

@@ -100,11 +100,14 @@ class BlackBoxHost:
         limits: EpisodeLimits,
         task: Task,
     ) -> None:
+        model = getattr(engine, "model", None)  # the served model's limits, when this process holds it
         config = ProxyConfig(
             temperature=sampling.temperature,
             top_p=sampling.top_p,
             default_max_tokens=sampling.max_new_tokens,
             max_session_model_tokens=limits.max_model_tokens,
+            context_length=getattr(model.config, "max_position_embeddings", 0) if model else 0,
+            vocab_size=getattr(model.config, "vocab_size", 0) if model else 0,
         )
         self.proxy = ProxyServer(engine, HFChatRenderer(tokenizer), config)
         self.loop = asyncio.new_event_loop()

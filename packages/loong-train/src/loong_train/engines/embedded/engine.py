@@ -36,8 +36,10 @@ until its longest row finishes); it exists as the benchmark's baseline.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections.abc import Sequence
 
+import msgspec
 import torch
 
 from loong_core.protocols import SamplingParams
@@ -96,8 +98,11 @@ class EmbeddedEngine:
         return len(self._queue)
 
     def request_seed(self, n: int) -> int:
-        """The generator seed of request number ``n``."""
-        return (self.seed * 2**32 + n) % 2**64
+        """The generator seed of request number ``n``: a 32-bit hash of (engine seed, n), since
+        torch's CPU generator keeps only the low 32 bits of a seed (engines seeded apart must not
+        share streams)."""
+        digest = hashlib.blake2b(f"{self.seed}:{n}".encode(), digest_size=4).digest()
+        return int.from_bytes(digest, "little")
 
     def pause(self) -> None:
         """Hold between decode steps (the step in flight finishes) until ``resume``."""
@@ -192,6 +197,17 @@ class EmbeddedEngine:
         self.set_version(version)
 
     def _request(self, input_ids: list[int], sampling: SamplingParams, seed: int | None) -> Request:
+        """A request, after refusing a prompt the model cannot take (ValueError: it fails alone,
+        before it joins a batch) and capping ``max_new_tokens`` at the model's positions."""
+        vocab, positions = self.model.config.vocab_size, self.model.config.max_position_embeddings
+        if not input_ids:
+            raise ValueError("the prompt is empty: it needs at least one token id")
+        if bad := [t for t in input_ids if not 0 <= t < vocab][:3]:
+            raise ValueError(f"prompt token ids outside the vocabulary [0, {vocab}): {bad}")
+        if positions and len(input_ids) >= positions:
+            raise ValueError(f"the prompt has {len(input_ids)} tokens; the model has {positions} positions")
+        if positions and len(input_ids) + sampling.max_new_tokens > positions:  # never past the last position
+            sampling = msgspec.structs.replace(sampling, max_new_tokens=positions - len(input_ids))
         seed = self.request_seed(self._requests) if seed is None else seed
         self._requests += 1
         return Request(list(input_ids), sampling, torch.Generator().manual_seed(seed))

@@ -149,6 +149,13 @@ class SGLangServer:
             sampling, max_new = sampling_params(
                 sp, "sampling_params" + (suffix if isinstance(raw, list) else "")
             )
+            positions = self.engine.model.config.max_position_embeddings
+            if positions and len(prompt) + max_new > positions:  # SGLang's check, SGLang's 400
+                raise BadRequest(
+                    "input_ids" + suffix,
+                    f"the prompt has {len(prompt)} tokens and max_new_tokens is {max_new}: together more "
+                    f"than the model's context length of {positions}",
+                )
             first = len(prompt) - 1 if start in (None, -1) else start
             if not 0 <= first < len(prompt):
                 raise BadRequest("logprob_start_len", f"must be -1 or in [0, {len(prompt)})")

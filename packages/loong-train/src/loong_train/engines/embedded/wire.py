@@ -11,6 +11,7 @@ message, so ``[1, "x"]`` names ``input_ids``); the message keeps msgspec's full 
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any, TypeVar
 
@@ -19,7 +20,7 @@ import torch
 from starlette.requests import Request
 from starlette.responses import Response
 
-from loong_core.protocols import SamplingParams
+from loong_core.protocols import MIN_TEMPERATURE, SamplingParams
 from loong_core.sglang_api import ErrorResponse, SGLangSamplingParams
 
 __all__ = [
@@ -99,6 +100,11 @@ def sampling_params(sp: SGLangSamplingParams | None, param: str) -> tuple[Sampli
     max_new, temperature = sp.value("max_new_tokens"), sp.value("temperature")
     if temperature == 0:
         raise BadRequest(f"{param}.temperature", "must be > 0 (greedy decoding is not supported here)")
+    if not (math.isfinite(temperature) and temperature >= MIN_TEMPERATURE):
+        raise BadRequest(
+            f"{param}.temperature",
+            f"must be >= {MIN_TEMPERATURE} (below it logprobs stop being finite numbers)",
+        )
     sampling = SamplingParams(
         temperature=temperature,
         top_p=sp.value("top_p"),
