@@ -10,7 +10,7 @@ import random
 
 import pytest
 import torch
-from train_testkit import tiny_hf, tiny_qwen3
+from train_testkit import tiny_family_model
 
 from loong_core.protocols import SamplingParams
 from loong_train.engines.embedded.batching import BatchStats, Request, RunningBatch
@@ -29,9 +29,7 @@ _FAMILY = {"name": "qwen3"}
 
 
 def _model(seed=0):
-    if _FAMILY["name"] == "qwen3":
-        return tiny_qwen3(seed, vocab_size=40)
-    return tiny_hf(_FAMILY["name"], seed, vocab_size=40)
+    return tiny_family_model(_FAMILY["name"], seed, vocab_size=40)
 
 
 def _forward_logprobs(model, prompt, tokens, temperature=1.0):

@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 import torch
-from train_testkit import tiny_hf, tiny_qwen3
+from train_testkit import tiny_family_model
 
 from loong_core.protocols import SamplingParams
 from loong_core.records import SpanSource
@@ -27,9 +27,7 @@ _FAMILY = {"name": "qwen3"}
 
 
 def _model(seed=0):
-    if _FAMILY["name"] == "qwen3":
-        return tiny_qwen3(seed, vocab_size=40)
-    return tiny_hf(_FAMILY["name"], seed, vocab_size=40)
+    return tiny_family_model(_FAMILY["name"], seed, vocab_size=40)
 
 
 def test_batched_logprobs_equal_unpadded_full_forward():

@@ -194,3 +194,10 @@ def tiny_hf(family: str = "gpt2", seed: int = 0, std: float = 0.3, vocab_size: i
     with tempfile.TemporaryDirectory() as path:
         tiny_hf_checkpoint(Path(path), family, seed, std, vocab_size)
         return load_causal_lm(path)
+
+
+def tiny_family_model(family: str, seed: int = 0, vocab_size: int = 40):
+    """A tiny model of ``family``: Loong's own Qwen3 for ``"qwen3"``, else :func:`tiny_hf`."""
+    if family == "qwen3":
+        return tiny_qwen3(seed, vocab_size=vocab_size)
+    return tiny_hf(family, seed, vocab_size=vocab_size)
