@@ -26,6 +26,7 @@ def test_exports_are_pinned():
         "SGLangEngine",
         "SGLangError",
         "ScriptedEpisode",
+        "SkyRLTextEnv",
         "StepResult",
         "TextCodec",
         "TokenBuffer",

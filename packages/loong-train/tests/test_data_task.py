@@ -70,6 +70,33 @@ def test_verl_and_chat_rows_and_eval_files(tmp_path):
     assert item["answer"] == "4"
 
 
+def test_verl_parquet_rows_are_read_as_verl_writes_them(tmp_path):
+    """verl's preprocessing scripts write parquet through pandas (``df.to_parquet``); the rows,
+    nested columns included, come back as they were, with ids counted from 0."""
+    import pandas as pd
+
+    rows = [
+        {
+            "data_source": "openai/gsm8k",
+            "prompt": [{"role": "user", "content": f"{i}+2?"}],
+            "ability": "math",
+            "reward_model": {"style": "rule", "ground_truth": str(i + 2)},
+            "extra_info": {"split": "train", "index": i},
+        }
+        for i in range(6)
+    ]
+    pd.DataFrame(rows).to_parquet(tmp_path / "train.parquet")
+    config = DataConfig(train_files=[str(tmp_path / "train.parquet")], answer_key="reward_model.ground_truth")
+    task = DataTask(config, RewardConfig())
+    items = sorted(task.train + task.held_out(8), key=lambda i: int(i["id"].split(":")[1]))
+    assert [i["id"] for i in items] == [f"train.parquet:{k}" for k in range(6)]
+    assert [i["row"] for i in items] == rows
+    assert items[3]["messages"] == rows[3]["prompt"] and items[3]["answer"] == "5"
+    (tmp_path / "bad.parquet").write_text("not parquet")
+    with pytest.raises(ConfigError, match=r"bad\.parquet: not a readable parquet file"):
+        DataTask(DataConfig(train_files=[str(tmp_path / "bad.parquet")]), RewardConfig())
+
+
 def test_a_reward_gets_what_it_names_sync_or_async(tmp_path, data):
     (tmp_path / "rw.py").write_text(
         textwrap.dedent("""

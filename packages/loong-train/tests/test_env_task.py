@@ -169,3 +169,75 @@ def test_the_shop_example_trains_from_a_copy_of_its_directory(tmp_path):
     rows = [json.loads(line) for line in (work / "runs" / "shop" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1, 2] and all(r["failed"] == 0 for r in rows)
     assert all(0 <= r["reward_mean"] <= 1 for r in rows)
+
+
+def _skyrl_rows(tmp_path, n=10):
+    """SkyRL's gsm8k rows as its own dataset script writes them, in a parquet file (verl's format)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [
+        {
+            "data_source": "openai/gsm8k",
+            "prompt": [{"role": "user", "content": f"What is {k} + 3? Answer as '#### N'."}],
+            "env_class": "gsm8k_multi_turn",
+            "reward_spec": {"method": "rule", "ground_truth": str(k + 3)},
+            "extra_info": {"max_turns": 2, "index": k},
+        }
+        for k in range(n)
+    ]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    return tmp_path / "train.parquet"
+
+
+def test_a_skyrl_gym_environment_runs_unchanged_on_its_own_rows_and_stays_token_exact(tmp_path):
+    """SkyRL-gym's own multi-turn GSM8k env (per-turn rewards: 0.2 / max_turns for a well-formatted
+    wrong answer, 1 for the right one) on SkyRL-shaped rows read from parquet."""
+    from loong_train.models.tokenizer import HFCodec, load_tokenizer
+    from loong_train.tiny.tokenizer import build_tokenizer
+
+    build_tokenizer(tmp_path)
+    tokenizer = load_tokenizer(tmp_path)
+    codec = HFCodec(tokenizer)
+    tables = TaskTables(
+        data=DataConfig(train_files=[str(_skyrl_rows(tmp_path))]),
+        environment=EnvConfig(cls="skyrl_gym.envs.gsm8k.multi_turn_env:GSM8kMultiTurnEnv", api="skyrl"),
+    )
+    task = build_task("env", tables)
+    item = dict(task.held_out(1)[0])
+    assert item["id"].startswith("train.parquet:")
+    row = item["row"]
+    right = row["reward_spec"]["ground_truth"]
+    wrong = str(int(right) + 1)
+    engine = _Echo(codec, [f"#### {wrong}", f"#### {right}"])
+    sampling = SamplingParams(
+        temperature=1.0, max_new_tokens=40, stop_token_ids=[tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    )
+    [traj] = asyncio.run(
+        run_episodes(
+            task.agent(), [EpisodeSpec("e", "g", item)], engine, codec, sampling, EpisodeLimits(4, 400)
+        )
+    )
+    assert traj.reward == pytest.approx(0.2 / 2 + 1.0), traj.info
+    transcript = [
+        *row["prompt"],
+        {"role": "assistant", "content": f"#### {wrong}"},
+        {
+            "role": "user",
+            "content": "Now provide only the final numeric answer in the exact format: '#### ANSWER'.",
+        },
+        {"role": "assistant", "content": f"#### {right}"},
+    ]
+    decoded = tokenizer.decode(traj.token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    assert decoded + "\n" == tokenizer.apply_chat_template(transcript, tokenize=False)
+    model_text = codec.decode([t for t, m in zip(traj.token_ids, traj.loss_mask, strict=True) if m])
+    assert model_text == f"#### {wrong}<|im_end|>#### {right}<|im_end|>"
+
+
+def test_skyrl_constructor_mismatch_is_an_error_before_training(tmp_path):
+    tables = TaskTables(
+        data=DataConfig(train_files=[str(_skyrl_rows(tmp_path))]),
+        environment=EnvConfig(cls=f"{EXAMPLE / 'env.py'}:Shop", api="skyrl"),
+    )
+    with pytest.raises(ConfigError, match=r"builds .*Shop as cls\(env_config=\.\.\., extras=row\)"):
+        build_task("env", tables)

@@ -12,7 +12,7 @@ from loong_agentflow.agent import (
     run_episodes,
 )
 from loong_agentflow.blackbox import AgentProgram, BlackBoxRunner
-from loong_agentflow.env import EnvAgent, Environment, GymTextEnv, StepResult
+from loong_agentflow.env import EnvAgent, Environment, GymTextEnv, SkyRLTextEnv, StepResult
 from loong_agentflow.proxy import ProxyConfig, ProxyServer
 from loong_agentflow.proxy_render import ChatMLRenderer, ChatRenderer, HFChatRenderer
 from loong_agentflow.proxy_session import ProxySession
@@ -35,6 +35,7 @@ __all__ = [
     "EnvAgent",
     "Environment",
     "GymTextEnv",
+    "SkyRLTextEnv",
     "StepResult",
     # black-box agents (OpenAI-compatible proxy)
     "AgentProgram",

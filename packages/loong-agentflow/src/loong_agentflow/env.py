@@ -35,7 +35,10 @@ row is marked truncated). An environment that raises fails the episode (``status
 the error in the trajectory's info), never the run; ``close`` runs in every case.
 
 :class:`GymTextEnv` adapts a gymnasium-style text environment (``reset(seed=, options=) ->
-(observation, info)``, ``step(action) -> (observation, reward, terminated, truncated, info)``).
+(observation, info)``, ``step(action) -> (observation, reward, terminated, truncated, info)``),
+:class:`SkyRLTextEnv` a SkyRL-gym one (``skyrl_gym.envs.base_text_env.BaseTextEnv``: built per
+row, ``init(prompt) -> (messages, metadata)``, ``step(action) -> {"observations", "reward",
+"done", "metadata"}``).
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ from typing import Any, Protocol
 from loong_agentflow.agent import ChatML, Episode, ScriptedEpisode
 from loong_agentflow.tools import Tool, ToolRegistry, function_tool, parse_tool_calls
 
-__all__ = ["EnvAgent", "Environment", "GymTextEnv", "StepResult", "env_tools"]
+__all__ = ["EnvAgent", "Environment", "GymTextEnv", "SkyRLTextEnv", "StepResult", "env_tools"]
 
 
 @dataclass
@@ -156,3 +159,39 @@ class GymTextEnv:
 
     def close(self) -> None:
         self.env.close()
+
+
+class SkyRLTextEnv:
+    """An :class:`Environment` over a SkyRL-gym text env. SkyRL builds one env per dataset row
+    (the row is its constructor's ``extras``), so ``build(row)`` makes it at ``reset``, which
+    hands ``init`` the row's ``prompt_key`` messages (a string is one user message).
+
+    Its steps' rewards are summed like any environment's (SkyRL's per-turn rewards); a step's
+    ``metadata`` becomes its :class:`StepResult`'s info. A ``postprocessed_action`` is ignored: the trajectory
+    keeps the tokens the model sampled, which is what it is trained on."""
+
+    def __init__(self, build: Callable[[dict[str, Any]], Any], prompt_key: str = "prompt") -> None:
+        self.build, self.prompt_key, self.env = build, prompt_key, None
+
+    def reset(self, row: dict[str, Any]) -> list[dict[str, str]]:
+        self.env = self.build(row)
+        prompt = row.get(self.prompt_key)
+        if isinstance(prompt, str):
+            prompt = [{"role": "user", "content": prompt}]
+        if not isinstance(prompt, list):
+            raise ValueError(
+                f"a SkyRL row's {self.prompt_key!r} must be chat messages or a string, got {prompt!r:.80}"
+            )
+        messages, _metadata = self.env.init([dict(m) for m in prompt])
+        return [{"role": m["role"], "content": m["content"]} for m in messages]
+
+    def step(self, action: str) -> StepResult:
+        out = self.env.step(action)
+        done = bool(out["done"])
+        shown = [] if done else [{"role": m["role"], "content": m["content"]} for m in out["observations"]]
+        info = {str(k): str(v) for k, v in (out.get("metadata") or {}).items()}
+        return StepResult(observations=shown, reward=float(out["reward"]), done=done, info=info)
+
+    def close(self) -> None:
+        if self.env is not None:
+            self.env.close()

@@ -86,7 +86,8 @@ class ModelConfig(_Section):
 class WarmstartConfig(_Section):
     """Supervised warm start on the task's demonstrations (``demonstration(item)``: the calculator's
     expert episodes, a data row's reference answer, an environment row's expert turns), stopped early once the *sampled*
-    (temperature 1) success on probe tasks reaches ``target_success``.
+    (temperature 1) success on probe tasks reaches ``target_success`` (with ``target_per_domain``:
+    the success of each domain of a composite task, so the fastest-learned domain does not end it).
 
     ``label_smoothing`` spreads that much target mass over the vocabulary: the policy learns the
     skill (its greedy answers become right) while its temperature-1 samples still fail often
@@ -99,6 +100,7 @@ class WarmstartConfig(_Section):
     warmup_steps: int = 50
     label_smoothing: float = 0.0
     target_success: float = 0.15
+    target_per_domain: bool = False  # true: every tags.domain of the probe set must reach the target
     eval_every: int = 100
     eval_tasks: int = 128
     threads: int = 0  # torch threads of the warm start (it runs before any actor); 0: the recipe's

@@ -2,7 +2,9 @@
 
 The ``[data]`` table names the files and which keys of a row hold what; the ``[reward]`` table
 names the function (:mod:`loong_train.tasks.reward`). A row is a JSON object (a line of a
-``.jsonl`` file, or an element of a ``.json`` file's top-level list):
+``.jsonl`` file, or an element of a ``.json`` file's top-level list) or a row of a ``.parquet``
+file (verl's data format, read with ``pyarrow``: the ``loong-train[parquet]`` extra; nested
+columns become lists and dicts, so verl's rows are taken as they are):
 
 - ``prompt_key`` (default ``"prompt"``): a string (one user message) or a list of chat messages
   ``{"role", "content"}`` (verl's and TRL's conversational rows); ``system_prompt`` is prepended
@@ -38,6 +40,9 @@ from loong_train.tasks.reward import RewardConfig, load_reward
 __all__ = ["DataConfig", "DataTask", "get_dotted", "read_rows"]
 
 
+DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
+
+
 class DataConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The ``[data]`` table (see the module docstring)."""
 
@@ -55,14 +60,20 @@ class DataConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
         if not 0 < self.eval_fraction < 1:
             raise ValueError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
         for name in ("train_files", "eval_files"):
-            if bad := [f for f in getattr(self, name) if not f.endswith((".jsonl", ".json"))]:
-                raise ValueError(f"{name}: {bad} are not .jsonl or .json files")
+            if bad := [f for f in getattr(self, name) if not f.endswith(DATA_SUFFIXES)]:
+                raise ValueError(f"{name}: {bad} are not {', '.join(DATA_SUFFIXES)} files")
 
 
 def read_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
-    """The rows of a ``.jsonl`` or ``.json`` file, each with its id ``"<file name>:<line or index>"``."""
+    """The rows of a ``.jsonl``, ``.json`` or ``.parquet`` file, each with its id
+    ``"<file name>:<line or index>"`` (lines count from 1, list and table rows from 0)."""
     if not path.is_file():
         raise ConfigError(f"data file {path} does not exist")
+    if path.suffix == ".parquet":
+        out = [(f"{path.name}:{i}", row) for i, row in enumerate(_parquet_rows(path))]
+        if not out:
+            raise ConfigError(f"data file {path} has no rows")
+        return out
     text = path.read_text()
     if path.suffix == ".json":
         try:
@@ -84,6 +95,19 @@ def read_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
     if not out:
         raise ConfigError(f"data file {path} has no rows")
     return out
+
+
+def _parquet_rows(path: Path) -> list[dict[str, Any]]:
+    try:
+        import pyarrow.parquet as pq
+    except ImportError as e:
+        raise ConfigError(
+            f"{path}: reading .parquet needs pyarrow: pip install 'loong-train[parquet]'"
+        ) from e
+    try:
+        return pq.read_table(path).to_pylist()
+    except Exception as e:  # pyarrow's errors for a file that is not parquet, or a damaged one
+        raise ConfigError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from e
 
 
 def get_dotted(row: dict[str, Any], dotted: str) -> Any:
@@ -146,7 +170,7 @@ class DataTask(RowsTask):
     def __init__(self, data: DataConfig, reward: RewardConfig) -> None:
         if not data.train_files:
             raise ConfigError(
-                f"this task needs data.train_files (a list of .jsonl or .json files), got {data.train_files}"
+                f"this task needs data.train_files (a list of .jsonl, .json or .parquet files), got {data.train_files}"
             )
         self.config = data
         self.reward_fn = load_reward(reward, Path.cwd())

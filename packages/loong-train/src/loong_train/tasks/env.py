@@ -10,7 +10,11 @@ rows each episode starts from (any JSON objects: no prompt key is needed, the en
   ``step(action) -> StepResult``, ``close()``, sync or async) or ``"gym"`` (a gymnasium-style
   text env, ``reset(seed=row.get("seed"), options=row) -> (observation, info)`` and
   ``step(action) -> (observation, reward, terminated, truncated, info)``, through
-  :class:`loong_agentflow.GymTextEnv`; ``system`` is its system message);
+  :class:`loong_agentflow.GymTextEnv`; ``system`` is its system message) or ``"skyrl"`` (a
+  SkyRL-gym ``BaseTextEnv``, built per row as ``cls(env_config=kwargs, extras=row)`` the way
+  SkyRL builds it, with ``kwargs`` as an omegaconf ``DictConfig``; ``init`` gets the row's
+  ``[data] prompt_key`` messages; through :class:`loong_agentflow.SkyRLTextEnv`), so SkyRL's own
+  dataset rows (``prompt``, ``env_class``, ``reward_spec``, ``extra_info``) are used as they are;
 - ``demonstration_key``: the row key holding an expert's assistant turns (a list of strings), what
   the tiny warm start trains on: they are played against the environment (and its tools) and the
   transcript is laid out exactly as a real episode's tokens (:class:`loong_agentflow.ScriptedEpisode`).
@@ -34,7 +38,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from loong_agentflow import EnvAgent, GymTextEnv, ScriptedEpisode
+from loong_agentflow import EnvAgent, GymTextEnv, ScriptedEpisode, SkyRLTextEnv
 from loong_core.config import ConfigError
 from loong_train.tasks.base import Item
 from loong_train.tasks.data import DataConfig, DataTask
@@ -49,7 +53,7 @@ class EnvConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
 
     cls: str = ""
     kwargs: dict[str, Any] = {}
-    api: Literal["loong", "gym"] = "loong"
+    api: Literal["loong", "gym", "skyrl"] = "loong"
     system: str = ""
     demonstration_key: str = "demonstration"
 
@@ -69,8 +73,16 @@ class EnvTask(DataTask):
         self.env_config = env
         self.cls = load_object(env.cls, Path.cwd(), "environment.cls")
         try:
-            inspect.signature(self.cls).bind(**env.kwargs)
+            if env.api == "skyrl":  # SkyRL's constructor: (env_config, extras)
+                inspect.signature(self.cls).bind(env_config=env.kwargs, extras={})
+            else:
+                inspect.signature(self.cls).bind(**env.kwargs)
         except TypeError as e:
+            if env.api == "skyrl":
+                raise ConfigError(
+                    f"environment.api = 'skyrl' builds {env.cls} as cls(env_config=..., extras=row), "
+                    f"as SkyRL does, and its constructor does not take that: {e}"
+                ) from e
             raise ConfigError(f"environment.kwargs {env.kwargs!r} do not fit {env.cls}: {e}") from e
         except ValueError:  # no introspectable signature: its constructor will say
             pass
@@ -86,9 +98,16 @@ class EnvTask(DataTask):
         return item
 
     def make(self) -> _RowEnvironment:
-        env = self.cls(**self.env_config.kwargs)
-        if self.env_config.api == "gym":
-            env = GymTextEnv(env, system=self.env_config.system)
+        c = self.env_config
+        if c.api == "skyrl":
+            config = _skyrl_config(c.kwargs)
+            env: Any = SkyRLTextEnv(
+                lambda row: self.cls(env_config=config, extras=row), self.config.prompt_key
+            )
+        else:
+            env = self.cls(**c.kwargs)
+            if c.api == "gym":
+                env = GymTextEnv(env, system=c.system)
         return _RowEnvironment(env)
 
     def agent(self) -> EnvAgent:
@@ -113,6 +132,15 @@ class EnvTask(DataTask):
                 f"{item['id']}: the environment was not done after the {len(turns)} turns at {key!r}"
             )
         return scripted.pieces
+
+
+def _skyrl_config(kwargs: dict[str, Any]) -> Any:
+    """SkyRL envs read ``env_config`` by attribute (``env_config.db_file_path``): a DictConfig."""
+    try:
+        from omegaconf import OmegaConf
+    except ImportError:  # skyrl-gym depends on omegaconf; a plain env class may not need it
+        return dict(kwargs)
+    return OmegaConf.create(kwargs)
 
 
 class _RowEnvironment:

@@ -28,7 +28,7 @@ from loong_train.models.tokenizer import HFCodec, load_tokenizer
 from loong_train.tasks import Task, TaskTables, build_task
 from loong_train.tiny.tokenizer import build_tokenizer
 
-__all__ = ["build_tiny", "prepare_model", "sampled_success", "tokenizer_corpus"]
+__all__ = ["build_tiny", "prepare_model", "sampled_success", "success_by_domain", "tokenizer_corpus"]
 
 log = logging.getLogger("loong.warmstart")
 
@@ -63,6 +63,27 @@ def sampled_success(
 ) -> float:
     """Mean reward of one temperature-``T`` episode per task (held-out or probe tasks) of the
     recipe's ``task`` (built from the recipe when not given)."""
+    rewards = _probe_rewards(model, tokenizer, recipe, tasks, seed, task)
+    return sum(rewards) / len(rewards)
+
+
+def success_by_domain(
+    model: CausalLM, tokenizer, recipe: Recipe, tasks: list[dict], seed: int, task: Task | None = None
+) -> dict[str, float]:
+    """:func:`sampled_success` per ``tags.domain`` of ``tasks`` (``""`` for untagged ones)."""
+    return _by_domain(tasks, _probe_rewards(model, tokenizer, recipe, tasks, seed, task))
+
+
+def _by_domain(tasks: list[dict], rewards: list[float]) -> dict[str, float]:
+    groups: dict[str, list[float]] = {}
+    for t, r in zip(tasks, rewards, strict=True):
+        groups.setdefault(t.get("tags", {}).get("domain", ""), []).append(r)
+    return {d: sum(rs) / len(rs) for d, rs in sorted(groups.items())}
+
+
+def _probe_rewards(
+    model: CausalLM, tokenizer, recipe: Recipe, tasks: list[dict], seed: int, task: Task | None
+) -> list[float]:
     engine = EmbeddedEngine(model, seed=seed, pad_id=tokenizer.pad_token_id)
     r = recipe.rollout
     sampling = SamplingParams(
@@ -77,7 +98,7 @@ def sampled_success(
     agent = task.agent() if hasattr(task, "agent") else ToolAgent(task.tools(), task.reward)
     trajs = asyncio.run(run_episodes(agent, specs, engine, HFCodec(tokenizer), sampling, limits))
     model.train()
-    return sum(t.reward for t in trajs) / len(trajs)
+    return [t.reward for t in trajs]
 
 
 def _sft_batch(codec: HFCodec, task: Task, items: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -123,7 +144,7 @@ def warm_start(path: Path, recipe: Recipe) -> dict:
     else:
         probe = list(itertools.islice(task.train_stream(recipe.seed + 7, held_out), w.eval_tasks))
     stream = task.train_stream(recipe.seed + 1, held_out)
-    success, step = 0.0, 0
+    success, domains, step = 0.0, {}, 0
     bar = tqdm(range(1, w.steps + 1), desc="warm start", unit="step", leave=False)
     for step in bar:
         ids, mask = _sft_batch(codec, task, [next(stream) for _ in range(w.batch_size)])
@@ -133,14 +154,22 @@ def warm_start(path: Path, recipe: Recipe) -> dict:
         opt.step()
         sched.step()
         if step % w.eval_every == 0:
-            success = sampled_success(model, tokenizer, recipe, probe, seed=step, task=task)
+            rewards = _probe_rewards(model, tokenizer, recipe, probe, step, task)
+            success, domains = sum(rewards) / len(rewards), _by_domain(probe, rewards)
             bar.set_postfix(loss=f"{loss.item():.3f}", sampled_success=f"{success:.2f}")
-            log.info("warm start step %d: loss %.4f, sampled success %.3f", step, loss.item(), success)
-            if success >= w.target_success:
+            shown = "".join(f", {d} {s:.3f}" for d, s in domains.items() if d)
+            log.info(
+                "warm start step %d: loss %.4f, sampled success %.3f%s", step, loss.item(), success, shown
+            )
+            reached = min(domains.values()) if w.target_per_domain else success
+            if reached >= w.target_success:
                 break
     bar.close()
     model.save_pretrained(path)
-    return {"steps": step, "sampled_success": success}
+    info: dict = {"steps": step, "sampled_success": success}
+    if len(domains) > 1:
+        info["by_domain"] = domains
+    return info
 
 
 def _demonstrated(recipe: Recipe) -> Task:
