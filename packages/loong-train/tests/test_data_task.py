@@ -338,3 +338,124 @@ def test_episode_numbers_become_step_means_over_the_episodes_that_carry_them():
     carried = [{"len": 2.0, "fmt": 1.0}, {"len": 4.0}, {}, {"len": math.nan}]
     trajs = [Trajectory(f"s{i}", "g", prompt, metrics=m) for i, m in enumerate(carried)]
     assert _episode_metrics(trajs) == {"reward/fmt": 1.0, "reward/len": 3.0}  # NaN left out
+
+
+class _RewardService:
+    """A real reward service on loopback: scores exact match, or answers as ``plan`` says
+    (one entry per request: an HTTP status, or "hang"), recording every request."""
+
+    def __init__(self, plan=()):
+        import http.server
+        import threading
+
+        self.plan, self.requests = list(plan), []
+        service = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                service.requests.append((dict(self.headers), body))
+                step = service.plan.pop(0) if service.plan else 200
+                if step == "hang":
+                    threading.Event().wait(1.0)
+                    return
+                if step != 200:
+                    self.send_response(step)
+                    self.end_headers()
+                    self.wfile.write(b"try later" if step >= 500 else b"bad request: no such row")
+                    return
+                score = float(body["completion"].strip() == body["answer"])
+                out = json.dumps({"score": score, "chars": len(body["completion"])}).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.end_headers()
+                self.wfile.write(out)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_port}/score"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def service():
+    made = []
+
+    def make(plan=()):
+        made.append(_RewardService(plan))
+        return made[-1]
+
+    yield make
+    for s in made:
+        s.close()
+
+
+def test_a_reward_service_gets_every_parameter_and_its_key(tmp_path, data, service, monkeypatch):
+    monkeypatch.setenv("MY_REWARD_KEY", "s3cret")
+    svc = service()
+    reward = RewardConfig(url=svc.url, api_key_env="MY_REWARD_KEY")
+    task = DataTask(DataConfig(train_files=[str(data)]), reward)
+    item = task.held_out(1)[0]
+    assert task.reward(item, f" {item['answer']}") == 1.0 and task.reward(item, "no") == 0.0
+    headers, body = svc.requests[0]
+    assert headers["Authorization"] == "Bearer s3cret"
+    assert body == {
+        "completion": f" {item['answer']}",
+        "prompt": item["row"]["prompt"],
+        "messages": [*item["messages"], {"role": "assistant", "content": f" {item['answer']}"}],
+        "answer": item["answer"],
+        "metadata": item["row"]["metadata"],
+        "row": item["row"],
+    }
+    assert task.reward(item, "abc").metrics == {"chars": 3.0}  # other numbers, logged as reward/<key>
+
+
+def test_a_reward_service_is_retried_on_5xx_and_timeouts_but_not_on_4xx(data, service):
+    item = DataTask(DataConfig(train_files=[str(data)]), RewardConfig()).held_out(1)[0]
+
+    def score(plan, **config):
+        svc = service(plan)
+        task = DataTask(DataConfig(train_files=[str(data)]), RewardConfig(url=svc.url, **config))
+        svc.requests.clear()  # building the task sends nothing, but be sure
+        return task, svc
+
+    task, svc = score([503])
+    assert task.reward(item, item["answer"]) == 1.0 and len(svc.requests) == 2  # retried once
+    task, svc = score([400])
+    with pytest.raises(RuntimeError, match=r"answered 400: bad request: no such row"):
+        task.reward(item, item["answer"])
+    assert len(svc.requests) == 1  # a client error is not retried
+    task, svc = score(["hang", "hang"], timeout_s=0.2, retries=1)
+    with pytest.raises(RuntimeError, match=r"failed 2 times"):
+        task.reward(item, item["answer"])
+    assert len(svc.requests) == 2
+    task, svc = score([503, 503, 503], retries=2)
+    with pytest.raises(RuntimeError, match=r"answered 503: try later"):
+        task.reward(item, item["answer"])
+
+
+@pytest.mark.parametrize(
+    ("config", "error"),
+    [
+        ({"url": "http://127.0.0.1:1/s", "fn": "r.py:f"}, r"set fn .* or url .*, not both"),
+        ({"url": "127.0.0.1:1/s"}, r"url must start with http:// or https://"),
+        ({"url": "http://127.0.0.1:1/s", "style": "verl"}, r"style 'verl' is for functions"),
+        ({"url": "http://127.0.0.1:1/s", "retries": -1}, r"retries must be >= 0"),
+    ],
+)
+def test_bad_reward_service_settings_are_errors(config, error):
+    with pytest.raises(ValueError, match=error):
+        RewardConfig(**config)
+
+
+def test_an_unset_key_variable_is_an_error_before_training(data, monkeypatch):
+    monkeypatch.delenv("NO_SUCH_KEY_VAR", raising=False)
+    reward = RewardConfig(url="http://127.0.0.1:1/s", api_key_env="NO_SUCH_KEY_VAR")
+    with pytest.raises(ConfigError, match=r"'NO_SUCH_KEY_VAR', which is not set"):
+        DataTask(DataConfig(train_files=[str(data)]), reward)

@@ -65,10 +65,11 @@ class EnvTask(DataTask):
     def __init__(self, env: EnvConfig, data: DataConfig, reward: RewardConfig) -> None:
         if not env.cls:
             raise ConfigError("task = 'env' needs environment.cls ('pkg.module:Class' or 'file.py:Class')")
-        if reward.fn:
+        if reward.fn or reward.url:
+            key, value = ("fn", reward.fn) if reward.fn else ("url", reward.url)
             raise ConfigError(
-                "task = 'env' takes each episode's reward from its environment's steps: drop reward.fn "
-                f"({reward.fn!r}), or score in the environment's step"
+                f"task = 'env' takes each episode's reward from its environment's steps: drop reward.{key} "
+                f"({value!r}), or score in the environment's step"
             )
         self.env_config = env
         self.cls = load_object(env.cls, Path.cwd(), "environment.cls")

@@ -28,6 +28,14 @@ Functions written for other frameworks run unchanged with ``style``:
 ``"loong"`` (the default) binds by name as above: a function names only what it uses. Whether a
 row's call binds is checked on the first training row when the task is built.
 
+A reward service over HTTP instead of a function: ``url = "http://host:port/score"`` (never
+together with ``fn``). Each episode is one ``POST`` of a JSON object holding all six parameters
+above; the answer is a JSON number or ``{"score": x, ...}``, read like a function's. ``api_key_env``
+names the environment variable holding a key, sent as ``Authorization: Bearer <key>`` (the key
+itself never goes in a recipe). Each request has ``timeout_s``; a refused connection, a timeout or
+a 5xx answer is retried ``retries`` times, 0.5 s, 1 s, ... apart; a 4xx answer, or an answer that
+is not a score, fails the episode at once, with the service's message.
+
 Which reward wins: a black-box agent that posts its own reward (``/v1/sessions/reward``, see
 :mod:`loong_agentflow.blackbox`) overrides ``fn`` for that episode; ``task = "env"`` takes rewards
 from its environment only and refuses an ``fn``.
@@ -37,7 +45,12 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import json
 import math
+import os
+import time
+import urllib.error
+import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -50,24 +63,36 @@ from loong_agentflow import Reward
 from loong_core.config import ConfigError
 from loong_train.tasks.objects import load_object
 
-__all__ = ["PARAMETERS", "RewardConfig", "RewardFn", "load_reward"]
+__all__ = ["PARAMETERS", "RewardConfig", "RewardFn", "RewardService", "load_reward"]
 
 PARAMETERS = ("completion", "prompt", "messages", "answer", "metadata", "row")
 
 
 class RewardConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """``fn``: ``"pkg.module:name"`` or ``"file.py:name"`` (empty: exact match on the answer);
-    ``style``: how it is called (``loong``, ``verl``, ``trl``); ``timeout_s``: how long one call may run."""
+    ``style``: how it is called (``loong``, ``verl``, ``trl``); ``timeout_s``: how long one call may run.
+    ``url``, ``api_key_env``, ``retries``: a reward service instead (see the module docstring)."""
 
     fn: str = ""
     style: Literal["loong", "verl", "trl"] = "loong"
     timeout_s: float = 30.0
+    url: str = ""
+    api_key_env: str = ""
+    retries: int = 2
 
     def __post_init__(self) -> None:
         if self.fn and (self.fn.count(":") < 1 or not all(self.fn.rsplit(":", 1))):
             raise ValueError(f"fn must be 'pkg.module:name' or 'path/to/file.py:name', got {self.fn!r}")
         if self.timeout_s <= 0:
             raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
+        if self.url and self.fn:
+            raise ValueError(f"set fn ({self.fn!r}) or url ({self.url!r}), not both: one source of reward")
+        if self.url and not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"url must start with http:// or https://, got {self.url!r}")
+        if self.url and self.style != "loong":
+            raise ValueError(f"style {self.style!r} is for functions; a url gets every parameter as JSON")
+        if self.retries < 0:
+            raise ValueError(f"retries must be >= 0, got {self.retries}")
 
 
 def exact_match(completion: str, answer: Any) -> float:
@@ -76,7 +101,12 @@ def exact_match(completion: str, answer: Any) -> float:
 
 def load_reward(config: RewardConfig, base: Path) -> RewardFn:
     """The function ``config.fn`` names (files relative to ``base``), checked against
-    :data:`PARAMETERS`; raises ConfigError naming what does not import or bind."""
+    :data:`PARAMETERS`, or the service at ``config.url``; raises ConfigError naming what does not
+    import or bind."""
+    if config.url:
+        service = RewardService(config)
+        waits = 0.5 * (2**config.retries - 1)  # the pauses between attempts
+        return RewardFn(service, PARAMETERS, config.timeout_s * (config.retries + 1) + waits + 1, config.url)
     fn = load_object(config.fn, base, "reward.fn") if config.fn else exact_match
     try:
         signature = inspect.signature(fn)
@@ -182,3 +212,42 @@ class RewardFn:
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         out = self.fn(*args, **kwargs)
         return asyncio.run(out) if inspect.iscoroutine(out) else out
+
+
+class RewardService:
+    """``[reward] url``: one JSON ``POST`` per episode, retried on connection errors, timeouts
+    and 5xx answers (see the module docstring). Called like a reward function, by keyword."""
+
+    def __init__(self, config: RewardConfig) -> None:
+        self.url, self.timeout_s, self.retries = config.url, config.timeout_s, config.retries
+        self.headers = {"Content-Type": "application/json"}
+        if config.api_key_env:
+            key = os.environ.get(config.api_key_env)
+            if not key:
+                raise ConfigError(
+                    f"reward.api_key_env names {config.api_key_env!r}, which is not set in the environment"
+                )
+            self.headers["Authorization"] = f"Bearer {key}"
+
+    def __call__(self, **arguments: Any) -> Any:
+        body = json.dumps(arguments, default=str).encode()
+        for attempt in range(self.retries + 1):
+            request = urllib.request.Request(self.url, data=body, headers=self.headers, method="POST")
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+                    text = response.read()
+                break
+            except urllib.error.HTTPError as e:
+                detail = e.read()[:300].decode(errors="replace")
+                if e.code < 500 or attempt == self.retries:
+                    raise RuntimeError(f"reward service {self.url} answered {e.code}: {detail}") from None
+            except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+                if attempt == self.retries:
+                    raise RuntimeError(
+                        f"reward service {self.url} failed {self.retries + 1} times, last: {e}"
+                    ) from None
+            time.sleep(0.5 * 2**attempt)
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            raise ValueError(f"reward service {self.url} answered {text[:200]!r}, not JSON") from None
