@@ -37,7 +37,7 @@ from loong_train.run.checkpoint import Checkpoint
 from loong_train.run.loggers import require_loggers
 from loong_train.run.writer import RunDir
 from loong_train.scheduler import Scheduler
-from loong_train.tasks import Item, Task, build_task
+from loong_train.tasks import Item, Task, build_task, registered
 from loong_train.tiny.teachers import prepare_teachers
 from loong_train.tiny.warmstart import prepare_model
 from loong_train.workers.agent import BlackboxAgentConfig, agent_program
@@ -215,7 +215,7 @@ def _start(
             agent=recipe.agent,
             engine=r.engine,
             log_dir=str(log_dir),
-            task=recipe.task,
+            task=registered(recipe.task) or recipe.task,  # a task made in code: its factory
             tables=recipe.task_tables,
             trust_remote_code=recipe.model.trust_remote_code,
         )

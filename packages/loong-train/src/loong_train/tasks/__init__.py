@@ -15,7 +15,9 @@ of the tiny recipes (:mod:`loong_train.tiny.calc`, :mod:`loong_train.tiny.calc_d
 - ``verifiers``: a single-turn verifiers v1 taskset (``[verifiers]``), scored by its own rewards:
   :mod:`loong_train.tasks.verifiers`.
 
-Tasks built from recipe tables get them as :class:`TaskTables`.
+Tasks built from recipe tables get them as :class:`TaskTables`. A task made in code (the Python
+API, :func:`loong_train.api.train`) is registered under ``"python:<label>"`` with :func:`register`:
+the driver builds it from the registry, and the rollout workers get its factory itself.
 
 Choosing a task imports nothing: the module is imported when the task is built.
 """
@@ -23,6 +25,7 @@ Choosing a task imports nothing: the module is imported when the task is built.
 from __future__ import annotations
 
 import importlib
+from collections.abc import Callable
 
 import msgspec
 
@@ -33,7 +36,17 @@ from loong_train.tasks.reasoning_gym import PREFIX, ReasoningGymConfig
 from loong_train.tasks.reward import RewardConfig
 from loong_train.tasks.verifiers import VerifiersConfig
 
-__all__ = ["SHIPPED", "AgentCommand", "Item", "Task", "TaskTables", "build_task", "task_problem"]
+__all__ = [
+    "SHIPPED",
+    "AgentCommand",
+    "Item",
+    "Task",
+    "TaskTables",
+    "build_task",
+    "register",
+    "registered",
+    "task_problem",
+]
 
 SHIPPED: dict[str, tuple[str, dict]] = {
     "calc": ("loong_train.tiny.calc:CalcTask", {}),
@@ -58,6 +71,22 @@ class TaskTables(msgspec.Struct, frozen=True, kw_only=True):
     verifiers: VerifiersConfig = VerifiersConfig()
 
 
+_REGISTERED: dict[str, Callable[[], Task]] = {}
+
+
+def register(label: str, factory: Callable[[], Task]) -> str:
+    """Register a task made in code (``factory()`` builds it; it must pickle, as Ray sends it to
+    the rollout workers); returns the name a recipe's ``task`` gives it, ``"python:<label>"``."""
+    name = f"python:{label}"
+    _REGISTERED[name] = factory
+    return name
+
+
+def registered(name: str) -> Callable[[], Task] | None:
+    """The factory registered under ``name`` in this process, or None."""
+    return _REGISTERED.get(name)
+
+
 def task_problem(name: str) -> str:
     """Why ``name`` cannot name a task ("" when it can), checked without importing anything."""
     if name in SHIPPED or name == PREFIX or (name.count(":") == 1 and all(name.split(":"))):
@@ -68,8 +97,12 @@ def task_problem(name: str) -> str:
     )
 
 
-def build_task(name: str, tables: TaskTables | None = None) -> Task:
-    """The task ``name`` names (see the module docstring), built from the recipe's ``tables``."""
+def build_task(name: str | Callable[[], Task], tables: TaskTables | None = None) -> Task:
+    """The task ``name`` names (see the module docstring), built from the recipe's ``tables``; a
+    registered task's factory may be given itself (what a rollout worker receives)."""
+    factory = name if callable(name) else registered(name)
+    if factory is not None:
+        return _checked(factory(), str(name))
     if problem := task_problem(name):
         raise ValueError(problem)
     tables = tables or TaskTables()
@@ -89,7 +122,10 @@ def build_task(name: str, tables: TaskTables | None = None) -> Task:
         factory = getattr(importlib.import_module(module), attr)
     except (ImportError, AttributeError) as e:
         raise ValueError(f"task {name!r}: cannot import {path} ({type(e).__name__}: {e})") from e
-    task = factory(**kwargs)
+    return _checked(factory(**kwargs), f"{name!r}: {path}()")
+
+
+def _checked(task: object, what: str) -> Task:
     if not isinstance(task, Task):
-        raise ValueError(f"task {name!r}: {path}() returned {type(task).__name__}, which is not a Task")
+        raise ValueError(f"task {what} returned {type(task).__name__}, which is not a Task")
     return task

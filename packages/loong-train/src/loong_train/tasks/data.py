@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -167,15 +167,30 @@ class RowsTask:
 class DataTask(RowsTask):
     """A :class:`~loong_train.tasks.Task` over the user's rows and reward function (no tools)."""
 
-    def __init__(self, data: DataConfig, reward: RewardConfig) -> None:
-        if not data.train_files:
+    def __init__(
+        self,
+        data: DataConfig,
+        reward: RewardConfig,
+        *,
+        rows: Sequence[Any] | None = None,
+        eval_rows: Sequence[Any] | None = None,
+        reward_fn: Callable[..., Any] | None = None,
+    ) -> None:
+        """``rows`` / ``eval_rows`` (ids ``rows:<i>``, ``eval_rows:<i>``) stand for the files and
+        ``reward_fn`` for ``reward.fn`` when the task is made in code (:mod:`loong_train.api`)."""
+        if rows is None and not data.train_files:
             raise ConfigError(
                 f"this task needs data.train_files (a list of .jsonl, .json or .parquet files), got {data.train_files}"
             )
         self.config = data
-        self.reward_fn = load_reward(reward, Path.cwd())
-        train = [self._item(rid, row) for f in data.train_files for rid, row in read_rows(Path(f))]
-        if data.eval_files:
+        self.reward_fn = load_reward(reward, Path.cwd(), fn=reward_fn)
+        if rows is not None:
+            train = [self._item(rid, row) for rid, row in _listed(rows, "rows")]
+        else:
+            train = [self._item(rid, row) for f in data.train_files for rid, row in read_rows(Path(f))]
+        if eval_rows is not None:
+            held = [self._item(rid, row) for rid, row in _listed(eval_rows, "eval_rows")]
+        elif data.eval_files:
             held = [self._item(rid, row) for f in data.eval_files for rid, row in read_rows(Path(f))]
         else:
             held, train = split_held_out(train, data.eval_fraction, data.split_seed, "data.train_files")
@@ -210,6 +225,12 @@ class DataTask(RowsTask):
                 f"{item['id']}: no answer at data.answer_key {self.config.answer_key!r} to warm-start on"
             )
         return answer_demonstration(item, str(item["answer"]))
+
+
+def _listed(rows: Sequence[Any], what: str) -> list[tuple[str, Any]]:
+    if not rows:
+        raise ConfigError(f"{what} is empty: a task needs at least one row")
+    return [(f"{what}:{i}", row) for i, row in enumerate(rows)]
 
 
 def _messages(rid: str, prompt: Any, key: str) -> list[dict[str, str]]:

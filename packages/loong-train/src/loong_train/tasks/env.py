@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -62,7 +63,20 @@ class EnvTask(DataTask):
     """A :class:`~loong_train.tasks.Task` whose episodes run the user's environment on the rows of
     ``[data]``; :meth:`agent` is the rollout worker's agent (an :class:`~loong_agentflow.EnvAgent`)."""
 
-    def __init__(self, env: EnvConfig, data: DataConfig, reward: RewardConfig) -> None:
+    def __init__(
+        self,
+        env: EnvConfig,
+        data: DataConfig,
+        reward: RewardConfig,
+        *,
+        cls: type | None = None,
+        rows: Sequence[Any] | None = None,
+        eval_rows: Sequence[Any] | None = None,
+    ) -> None:
+        """``cls``, ``rows`` and ``eval_rows`` stand for ``environment.cls`` and the data files when
+        the task is made in code (:mod:`loong_train.api`)."""
+        if cls is not None:
+            env = msgspec.structs.replace(env, cls=f"<code>:{cls.__qualname__}")
         if not env.cls:
             raise ConfigError("task = 'env' needs environment.cls ('pkg.module:Class' or 'file.py:Class')")
         if reward.fn or reward.url:
@@ -72,7 +86,7 @@ class EnvTask(DataTask):
                 f"({value!r}), or score in the environment's step"
             )
         self.env_config = env
-        self.cls = load_object(env.cls, Path.cwd(), "environment.cls")
+        self.cls = cls if cls is not None else load_object(env.cls, Path.cwd(), "environment.cls")
         try:
             if env.api == "skyrl":  # SkyRL's constructor: (env_config, extras)
                 inspect.signature(self.cls).bind(env_config=env.kwargs, extras={})
@@ -87,7 +101,7 @@ class EnvTask(DataTask):
             raise ConfigError(f"environment.kwargs {env.kwargs!r} do not fit {env.cls}: {e}") from e
         except ValueError:  # no introspectable signature: its constructor will say
             pass
-        super().__init__(data, RewardConfig())
+        super().__init__(data, RewardConfig(), rows=rows, eval_rows=eval_rows)
 
     def _item(self, rid: str, row: Any) -> Item:
         if not isinstance(row, dict):

@@ -99,15 +99,21 @@ def exact_match(completion: str, answer: Any) -> float:
     return float(answer is not None and completion.strip() == str(answer).strip())
 
 
-def load_reward(config: RewardConfig, base: Path) -> RewardFn:
+def load_reward(config: RewardConfig, base: Path, fn: Callable[..., Any] | None = None) -> RewardFn:
     """The function ``config.fn`` names (files relative to ``base``), checked against
-    :data:`PARAMETERS`, or the service at ``config.url``; raises ConfigError naming what does not
-    import or bind."""
+    :data:`PARAMETERS`, or the service at ``config.url``, or ``fn`` itself (a task made in code);
+    raises ConfigError naming what does not import or bind."""
+    if fn is not None:
+        if config.fn or config.url:
+            raise ConfigError("a reward function given in code replaces reward.fn and reward.url: unset them")
+        label = getattr(fn, "__qualname__", repr(fn))
+        config = msgspec.structs.replace(config, fn=f"<code>:{label}")
     if config.url:
         service = RewardService(config)
         waits = 0.5 * (2**config.retries - 1)  # the pauses between attempts
         return RewardFn(service, PARAMETERS, config.timeout_s * (config.retries + 1) + waits + 1, config.url)
-    fn = load_object(config.fn, base, "reward.fn") if config.fn else exact_match
+    if fn is None:
+        fn = load_object(config.fn, base, "reward.fn") if config.fn else exact_match
     try:
         signature = inspect.signature(fn)
     except (TypeError, ValueError) as e:

@@ -11,6 +11,7 @@ import asyncio
 import functools
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -26,7 +27,7 @@ from loong_core.records import WeightManifest
 from loong_train.engines.base import build_engine, build_host
 from loong_train.engines.config import EmbeddedEngineConfig, EngineConfig
 from loong_train.models.tokenizer import HFCodec, end_of_turn_ids, load_tokenizer, pad_token_id
-from loong_train.tasks import TaskTables, build_task
+from loong_train.tasks import Task, TaskTables, build_task
 from loong_train.workers.agent import AgentConfig, BlackboxAgentConfig, BlackBoxHost
 from loong_transfermesh import TransportConfig, catch_up, open_receiver
 
@@ -58,7 +59,7 @@ class RolloutWorker:
         engine: EngineConfig | None = None,
         log_dir: str = "",
         version: int = 0,
-        task: str = "calc",
+        task: str | Callable[[], Task] = "calc",
         tables: TaskTables | None = None,
         trust_remote_code: bool = False,
     ) -> None:
