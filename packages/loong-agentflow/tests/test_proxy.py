@@ -155,6 +155,35 @@ def test_stream_is_openai_sse_and_matches_the_json_answer():
     run(main())
 
 
+def test_token_ids_on_request_are_the_ids_the_trajectory_records():
+    """vLLM's ``return_token_ids``: the prompt's ids and each choice's sampled ids, in JSON, in
+    the stream (chunks concatenate to them) and for text completions, equal to the engine's."""
+
+    async def main():
+        engine = BigramEngine(ScriptedBigramPolicy(SCRIPT))
+        async with ProxyServer(engine, ChatMLRenderer(CODEC)) as proxy:
+            session = proxy.open_session(_spec())
+            async with await _client(proxy, session.api_key) as c:
+                plain = (await c.post("/chat/completions", json={"messages": USER, "top_p": 0.5})).json()
+                req = {"messages": USER, "top_p": 0.5, "return_token_ids": True}
+                body = (await c.post("/chat/completions", json=req)).json()
+                streamed = _sse((await c.post("/chat/completions", json={**req, "stream": True})).text)
+                text = {"prompt": "2+3=", "max_tokens": 4, "top_p": 0.5, "return_token_ids": True}
+                completion = (await c.post("/completions", json=text)).json()
+        assert "prompt_token_ids" not in plain and "token_ids" not in plain["choices"][0]
+        _, (p2, s2), (p3, s3), (p4, s4) = engine.log
+        assert body["prompt_token_ids"] == p2 and body["choices"][0]["token_ids"] == s2.token_ids
+        assert streamed[0]["prompt_token_ids"] == p3 and streamed[0]["choices"] == []
+        ids = [t for e in streamed[1:-1] for t in e["choices"][0]["token_ids"]]
+        assert ids == s3.token_ids
+        choice = completion["choices"][0]
+        assert (
+            choice["prompt_token_ids"] == p4 == CODEC.encode("2+3=") and choice["token_ids"] == s4.token_ids
+        )
+
+    run(main())
+
+
 def test_stop_string_cuts_the_answer_and_the_row_keeps_the_model_tokens():
     async def main():
         engine = BigramEngine(ScriptedBigramPolicy(["one. two. three."]))

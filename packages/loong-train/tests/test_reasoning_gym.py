@@ -119,3 +119,25 @@ def test_the_warm_start_demonstrates_the_datasets_own_answer_in_the_episodes_lay
         ]
         assert task.demonstration(item) == expected
         assert task.reward(item, shown.format(item["answer"])) == 1.0  # what it demonstrates scores
+
+
+def test_the_tiny_reasoning_recipe_never_trains_on_a_held_out_question():
+    """The shipped composite: held-out items are each dataset's first indices, and neither their
+    ids nor their questions appear in what the warm start and RL draw from (the recipe's seeds)."""
+    recipe = load_recipe("tiny-reasoning")
+    task = build_task(recipe.task, recipe.task_tables)
+    held = task.held_out(recipe.eval.num_tasks)
+    assert Counter(i["tags"]["domain"] for i in held) == {
+        "rotate_matrix": 42,
+        "spell_backward": 42,
+        "word_sequence_reversal": 42,
+    }
+    assert all(int(i["id"].split(":")[1]) < recipe.task_tables.reasoning_gym.eval_size for i in held)
+    held_ids = {i["id"] for i in held}
+    held_questions = {i["messages"][-1]["content"] for i in held}
+    for seed in (recipe.seed + 1, recipe.seed + 2, recipe.seed + 7):  # warm start, RL, probes
+        stream = task.train_stream(seed, held)
+        drawn = [next(stream) for _ in range(3000)]
+        assert not held_ids & {i["id"] for i in drawn}
+        assert not held_questions & {i["messages"][-1]["content"] for i in drawn}
+    assert len(held_questions) == len(held)  # no question is held out twice

@@ -9,8 +9,11 @@ Endpoints (all need ``Authorization: Bearer <session key>``; unknown or finished
 
 - ``POST /v1/chat/completions``: ``messages``, ``tools`` (Hermes ``<tool_call>`` format),
   ``stream`` (+ ``stream_options.include_usage``), ``n``, ``temperature``, ``top_p``,
-  ``max_tokens`` / ``max_completion_tokens``, ``stop``, ``logprobs``.
-- ``POST /v1/completions``: ``prompt`` (text or token ids), same sampling fields, ``logprobs`` <= 1.
+  ``max_tokens`` / ``max_completion_tokens``, ``stop``, ``logprobs``, and vLLM's
+  ``return_token_ids`` (the answer carries ``prompt_token_ids`` and ``choices[].token_ids``: the
+  ids the trajectory records; streamed, each chunk carries the ids of what it shows).
+- ``POST /v1/completions``: ``prompt`` (text or token ids), same sampling fields, ``logprobs`` <= 1,
+  ``return_token_ids`` (on each choice, as vLLM answers; not in streamed completions).
 - ``GET /v1/models``: the one served model.
 - ``POST /v1/sessions/reward``: ``{"reward": float, "turn_rewards": [float], "done": bool}`` sets
   the episode's reward from inside the agent (or from its environment); ``done: true`` also ends
@@ -413,10 +416,11 @@ class ProxyServer:
         created, model, logprobs = now(), self.config.model, bool(req.logprobs)
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _EventStream(
-                chat_events(model, len(prompt), choices, self.renderer, logprobs, include_usage, created)
+            events = chat_events(
+                model, prompt, choices, self.renderer, logprobs, include_usage, created, req.return_token_ids
             )
-        body = chat_body(model, len(prompt), choices, self.renderer, logprobs, created)
+            return _EventStream(events)
+        body = chat_body(model, prompt, choices, self.renderer, logprobs, created, req.return_token_ids)
         return Response(_json.encode(body), media_type=_JSON)
 
     async def _call_engine(
@@ -471,9 +475,10 @@ class ProxyServer:
         if req.stream:
             include_usage = bool(req.stream_options and req.stream_options.include_usage)
             return _EventStream(
-                completion_events(model, len(prompt), choices, self.renderer, include_usage, created)
+                completion_events(model, prompt, choices, self.renderer, include_usage, created)
             )
-        body = completion_body(model, len(prompt), choices, self.renderer, bool(req.logprobs), created)
+        logprobs, ids = bool(req.logprobs), req.return_token_ids
+        body = completion_body(model, prompt, choices, self.renderer, logprobs, created, ids)
         return Response(_json.encode(body), media_type=_JSON)
 
     async def _models(self, request: Request) -> Response:

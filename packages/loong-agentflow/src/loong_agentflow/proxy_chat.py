@@ -111,12 +111,15 @@ def _usage(prompt_len: int, choices: Sequence[Choice]) -> dict[str, int]:
 
 def chat_body(
     model: str,
-    prompt_len: int,
+    prompt: list[int],
     choices: Sequence[Choice],
     renderer: ChatRenderer,
     logprobs: bool,
     created: int,
+    token_ids: bool = False,
 ) -> dict[str, Any]:
+    """A chat completion; ``token_ids`` (vLLM's ``return_token_ids``) adds the prompt's token ids
+    and each choice's sampled ones, end token included: exactly what the trajectory records."""
     out = []
     for i, c in enumerate(choices):
         message: dict[str, Any] = {"role": "assistant", "content": c.content, "refusal": None}
@@ -124,15 +127,20 @@ def chat_body(
             message["tool_calls"] = c.tool_calls
         lp = {"content": _logprob_entries(renderer, c.span), "refusal": None} if logprobs else None
         out.append({"index": i, "message": message, "logprobs": lp, "finish_reason": c.finish})
-    return {
+        if token_ids:
+            out[-1]["token_ids"] = list(c.span.token_ids)
+    body = {
         "id": next_id("chatcmpl"),
         "object": "chat.completion",
         "created": created,
         "model": model,
         "choices": out,
-        "usage": _usage(prompt_len, choices),
+        "usage": _usage(len(prompt), choices),
         "system_fingerprint": None,
     }
+    if token_ids:
+        body["prompt_token_ids"] = list(prompt)
+    return body
 
 
 def _pieces(decode: Callable[[list[int]], str], ids: list[int], text: str) -> list[str]:
@@ -153,30 +161,42 @@ def _pieces(decode: Callable[[list[int]], str], ids: list[int], text: str) -> li
 
 def chat_events(
     model: str,
-    prompt_len: int,
+    prompt: list[int],
     choices: Sequence[Choice],
     renderer: ChatRenderer,
     logprobs: bool,
     include_usage: bool,
     created: int,
+    token_ids: bool = False,
 ) -> list[bytes]:
+    """:func:`chat_body` as chunks; with ``token_ids`` a first chunk (no choices) carries
+    ``prompt_token_ids`` and each choice's chunks the ids of the tokens they show (concatenated:
+    the choice's sampled ids)."""
     base: dict[str, Any] = {"id": next_id("chatcmpl"), "object": "chat.completion.chunk", "created": created}
     base |= {"model": model, "system_fingerprint": None}
     if include_usage:
         base["usage"] = None
 
     def chunk(
-        i: int, delta: dict[str, Any], lp: list[dict[str, Any]] | None = None, finish: str | None = None
+        i: int,
+        delta: dict[str, Any],
+        lp: list[dict[str, Any]] | None = None,
+        finish: str | None = None,
+        ids: list[int] | None = None,
     ):
         lps = {"content": lp, "refusal": None} if logprobs and lp else None
-        return sse(
-            {**base, "choices": [{"index": i, "delta": delta, "logprobs": lps, "finish_reason": finish}]}
-        )
+        choice = {"index": i, "delta": delta, "logprobs": lps, "finish_reason": finish}
+        if token_ids:
+            choice["token_ids"] = ids or []
+        return sse({**base, "choices": [choice]})
 
     events: list[bytes] = []
+    if token_ids:
+        events.append(sse({**base, "choices": [], "prompt_token_ids": list(prompt)}))
     for i, c in enumerate(choices):
         events.append(chunk(i, {"role": "assistant", "content": "", "refusal": None}))
         entries = _logprob_entries(renderer, c.span) if logprobs else []
+        sampled = list(c.span.token_ids)
         used = 0
         if c.content:
             ids = c.span.token_ids[:-1] if c.closed else c.span.token_ids
@@ -186,7 +206,7 @@ def chat_events(
                     break
                 piece = piece[: len(c.content) - emitted]
                 emitted += len(piece)
-                events.append(chunk(i, {"content": piece}, entries[k : k + 1]))
+                events.append(chunk(i, {"content": piece}, entries[k : k + 1], ids=sampled[k : k + 1]))
                 used = k + 1
         for j, call in enumerate(c.tool_calls or ()):
             head = {"index": j, "id": call["id"], "type": "function"}
@@ -194,9 +214,9 @@ def chat_events(
             events.append(chunk(i, {"tool_calls": [head]}))
             args = {"index": j, "function": {"arguments": call["function"]["arguments"]}}
             events.append(chunk(i, {"tool_calls": [args]}))
-        events.append(chunk(i, {}, entries[used:], c.finish))
+        events.append(chunk(i, {}, entries[used:], c.finish, ids=sampled[used:]))
     if include_usage:
-        events.append(sse({**base, "choices": [], "usage": _usage(prompt_len, choices)}))
+        events.append(sse({**base, "choices": [], "usage": _usage(len(prompt), choices)}))
     events.append(DONE)
     return events
 
@@ -217,33 +237,39 @@ def _text_logprobs(renderer: ChatRenderer, span: TokenSpan) -> dict[str, Any]:
 
 def completion_body(
     model: str,
-    prompt_len: int,
+    prompt: list[int],
     choices: Sequence[Choice],
     renderer: ChatRenderer,
     logprobs: bool,
     created: int,
+    token_ids: bool = False,
 ) -> dict[str, Any]:
+    """A text completion; ``token_ids`` as in :func:`chat_body` (vLLM puts ``prompt_token_ids``
+    on each choice of a completion)."""
+    out = []
+    for i, c in enumerate(choices):
+        choice = {
+            "index": i,
+            "text": c.text,
+            "logprobs": _text_logprobs(renderer, c.span) if logprobs else None,
+            "finish_reason": c.finish,
+        }
+        if token_ids:
+            choice |= {"prompt_token_ids": list(prompt), "token_ids": list(c.span.token_ids)}
+        out.append(choice)
     return {
         "id": next_id("cmpl"),
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [
-            {
-                "index": i,
-                "text": c.text,
-                "logprobs": _text_logprobs(renderer, c.span) if logprobs else None,
-                "finish_reason": c.finish,
-            }
-            for i, c in enumerate(choices)
-        ],
-        "usage": _usage(prompt_len, choices),
+        "choices": out,
+        "usage": _usage(len(prompt), choices),
     }
 
 
 def completion_events(
     model: str,
-    prompt_len: int,
+    prompt: list[int],
     choices: Sequence[Choice],
     renderer: ChatRenderer,
     include_usage: bool,
@@ -270,6 +296,6 @@ def completion_events(
             sse({**base, "choices": [{"index": i, "text": "", "logprobs": None, "finish_reason": c.finish}]})
         )
     if include_usage:
-        events.append(sse({**base, "choices": [], "usage": _usage(prompt_len, choices)}))
+        events.append(sse({**base, "choices": [], "usage": _usage(len(prompt), choices)}))
     events.append(DONE)
     return events

@@ -104,6 +104,7 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     logit_bias: dict[str, float] | None = None
     seed: int | None = None
     user: str | None = None
+    return_token_ids: bool = False  # vLLM's extension: prompt_token_ids and choices[].token_ids
 
 
 class ChatRequest(_Common, kw_only=True, forbid_unknown_fields=True):
