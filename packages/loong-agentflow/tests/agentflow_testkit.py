@@ -39,6 +39,11 @@ class CharCodec:
             for c in ([p] if p in SPECIALS else p)
         ]
 
+    special_tokens = tuple(SPECIALS)
+
+    def encode_literal(self, text: str) -> list[int]:
+        return [_ID[c] for c in text]
+
     def decode(self, ids: list[int]) -> str:
         return "".join(VOCAB[i] for i in ids)
 

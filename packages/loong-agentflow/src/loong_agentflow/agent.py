@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from loong_agentflow.tokens import TextCodec, TokenBuffer
+from loong_agentflow.tokens import Piece, TextCodec, TokenBuffer, joined
 from loong_agentflow.tools import ToolRegistry, ToolResult, parse_tool_calls
 from loong_core.protocols import RolloutEngine, SamplingParams
 from loong_core.records import EpisodeStatus, SpanSource, Trajectory
@@ -89,10 +89,11 @@ class Episode:
     def task(self) -> dict[str, Any]:
         return self.spec.task
 
-    def prompt(self, text: str) -> None:
+    def prompt(self, text: str | Sequence[Piece]) -> None:
+        """Append the prompt: a string, or pieces whose untrusted text cannot forge control tokens."""
         self.buffer.append_text(text, SpanSource.PROMPT)
 
-    def observe(self, text: str, source: SpanSource = SpanSource.TOOL) -> None:
+    def observe(self, text: str | Sequence[Piece], source: SpanSource = SpanSource.TOOL) -> None:
         self.buffer.append_text(text, source)
 
     async def generate(self) -> str:
@@ -140,11 +141,11 @@ class ScriptedEpisode:
         self.pieces: list[tuple[str, bool]] = []
         self.truncated = self.exhausted = False
 
-    def prompt(self, text: str) -> None:
-        self.pieces.append((text, False))
+    def prompt(self, text: str | Sequence[Piece]) -> None:
+        self.pieces.append((joined(text), False))
 
-    def observe(self, text: str, source: SpanSource = SpanSource.TOOL) -> None:
-        self.pieces.append((text, False))
+    def observe(self, text: str | Sequence[Piece], source: SpanSource = SpanSource.TOOL) -> None:
+        self.pieces.append((joined(text), False))
 
     async def generate(self) -> str:
         if not self.turns:
@@ -187,18 +188,30 @@ class ChatML:
     END = "<|im_end|>"
 
     @staticmethod
+    def prompt_pieces(messages: Sequence[dict[str, str]]) -> list[Piece]:
+        """The prompt as :data:`~loong_agentflow.tokens.Piece` s: the contents are untrusted."""
+        pieces: list[Piece] = []
+        for m in messages:
+            pieces += [(f"<|im_start|>{m['role']}\n", False), (m["content"], True), ("<|im_end|>\n", False)]
+        return [*pieces, ("<|im_start|>assistant\n", False)]
+
+    @staticmethod
     def prompt(messages: Sequence[dict[str, str]]) -> str:
-        turns = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-        return turns + "<|im_start|>assistant\n"
+        return joined(ChatML.prompt_pieces(messages))
+
+    @staticmethod
+    def tool_turn_pieces(results: Sequence[ToolResult]) -> list[Piece]:
+        """What follows an assistant turn that ended with ``<|im_end|>``: the tool responses
+        (untrusted) and the next assistant header."""
+        pieces: list[Piece] = [("\n", False)]
+        for r in results:
+            pieces += [("<|im_start|>user\n<tool_response>", False), (r.content, True)]
+            pieces.append(("</tool_response><|im_end|>\n", False))
+        return [*pieces, ("<|im_start|>assistant\n", False)]
 
     @staticmethod
     def tool_turn(results: Sequence[ToolResult]) -> str:
-        """What follows an assistant turn that ended with ``<|im_end|>``: the tool responses and
-        the next assistant header."""
-        body = "".join(
-            f"<|im_start|>user\n<tool_response>{r.content}</tool_response><|im_end|>\n" for r in results
-        )
-        return "\n" + body + "<|im_start|>assistant\n"
+        return joined(ChatML.tool_turn_pieces(results))
 
     @classmethod
     def strip_end(cls, text: str) -> str:
@@ -216,7 +229,7 @@ class ToolAgent:
         self.tools, self.reward_fn = tools, reward_fn
 
     async def run(self, episode: Episode) -> float:
-        episode.prompt(ChatML.prompt(episode.task["messages"]))
+        episode.prompt(ChatML.prompt_pieces(episode.task["messages"]))
         while True:
             text = await episode.generate()
             if episode.truncated:
@@ -226,7 +239,7 @@ class ToolAgent:
                 score = self.reward_fn(episode.task, ChatML.strip_end(text))
                 episode.metrics.update(getattr(score, "metrics", {}))  # a Reward's other numbers
                 return float(score)
-            episode.observe(ChatML.tool_turn(await self.tools.run(calls)))
+            episode.observe(ChatML.tool_turn_pieces(await self.tools.run(calls)))
 
 
 async def run_episode(agent: Agent, episode: Episode) -> Trajectory:

@@ -49,6 +49,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from loong_agentflow.agent import ChatML, Episode, ScriptedEpisode
+from loong_agentflow.tokens import Piece
 from loong_agentflow.tools import Tool, ToolRegistry, function_tool, parse_tool_calls
 
 __all__ = ["EnvAgent", "Environment", "GymTextEnv", "SkyRLTextEnv", "StepResult", "env_tools"]
@@ -78,16 +79,17 @@ async def _call(method: Callable[..., Any], *args: Any) -> Any:
     return await out if inspect.isawaitable(out) else out
 
 
-def observation_turns(messages: Sequence[dict[str, str]]) -> str:
+def observation_turns(messages: Sequence[dict[str, str]]) -> list[Piece]:
     """What follows an assistant turn that ended with ``<|im_end|>``: the observation messages
-    and the next assistant header."""
-    body = "".join(
-        f"<|im_start|>user\n<tool_response>{m['content']}</tool_response><|im_end|>\n"
-        if m["role"] == "tool"
-        else f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n"
-        for m in messages
-    )
-    return "\n" + body + "<|im_start|>assistant\n"
+    (their contents untrusted: :data:`~loong_agentflow.tokens.Piece`) and the next assistant header."""
+    pieces: list[Piece] = [("\n", False)]
+    for m in messages:
+        if m["role"] == "tool":
+            head, tail = "<|im_start|>user\n<tool_response>", "</tool_response><|im_end|>\n"
+        else:
+            head, tail = f"<|im_start|>{m['role']}\n", "<|im_end|>\n"
+        pieces += [(head, False), (m["content"], True), (tail, False)]
+    return [*pieces, ("<|im_start|>assistant\n", False)]
 
 
 def env_tools(env: Any, timeout_s: float = 10.0) -> ToolRegistry | None:
@@ -117,13 +119,13 @@ class EnvAgent:
         total = 0.0
         try:
             tools = env_tools(env, self.tool_timeout_s)
-            episode.prompt(ChatML.prompt(await _call(env.reset, episode.task)))
+            episode.prompt(ChatML.prompt_pieces(await _call(env.reset, episode.task)))
             while True:
                 text = await episode.generate()
                 if episode.truncated:
                     return total
                 if tools is not None and (calls := parse_tool_calls(text)):
-                    episode.observe(ChatML.tool_turn(await tools.run(calls)))
+                    episode.observe(ChatML.tool_turn_pieces(await tools.run(calls)))
                     continue
                 result: StepResult = await _call(env.step, ChatML.strip_end(text))
                 total += float(result.reward)

@@ -21,15 +21,18 @@ and the model's tokens are never re-tokenized. Two renderers ship:
 from __future__ import annotations
 
 import json
+import os
+import re
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from loong_agentflow.tokens import TextCodec
+from loong_agentflow.tokens import Piece, TextCodec, encode_pieces, joined
 from loong_agentflow.tools import ToolCall, parse_tool_calls
 
 __all__ = ["ChatMLRenderer", "ChatRenderer", "HFChatRenderer", "split_completion"]
 
 Messages = Sequence[dict[str, Any]]
+
 Tools = Sequence[dict[str, Any]] | None
 
 
@@ -95,22 +98,31 @@ class ChatMLRenderer:
         self.turn_end_ids = list(self.stop_token_ids)
 
     def text(self, messages: Messages, generation_prompt: bool = True) -> str:
-        body = "".join(self._message(m) for m in messages)
-        return body + ("<|im_start|>assistant\n" if generation_prompt else "")
+        return joined(self.pieces(messages, generation_prompt))
 
-    def _message(self, m: dict[str, Any]) -> str:
+    def pieces(self, messages: Messages, generation_prompt: bool = True) -> list[Piece]:
+        """The rendering as :data:`~loong_agentflow.tokens.Piece` s: message contents and tool-call
+        text are untrusted, so they cannot forge control tokens."""
+        out: list[Piece] = []
+        for m in messages:
+            out += self._message(m)
+        return out + ([("<|im_start|>assistant\n", False)] if generation_prompt else [])
+
+    def _message(self, m: dict[str, Any]) -> list[Piece]:
         if m["role"] == "tool":
-            return f"<|im_start|>user\n<tool_response>{m['content']}</tool_response>{self.END}\n"
+            head, body = "<|im_start|>user\n<tool_response>", m["content"]
+            return [(head, False), (body, True), (f"</tool_response>{self.END}\n", False)]
         if m["role"] == "assistant":
             calls = "".join(_tool_call_text(c) for c in m.get("tool_calls") or ())
-            return f"<|im_start|>assistant\n{m.get('content') or ''}{calls}{self.END}\n"
-        return f"<|im_start|>{m['role']}\n{m['content']}{self.END}\n"
+            body = f"{m.get('content') or ''}{calls}"
+            return [("<|im_start|>assistant\n", False), (body, True), (f"{self.END}\n", False)]
+        return [(f"<|im_start|>{m['role']}\n", False), (m["content"], True), (f"{self.END}\n", False)]
 
     def render(self, messages: Messages, tools: Tools) -> list[int]:
-        return self.codec.encode(self.text(messages))
+        return encode_pieces(self.codec, self.pieces(messages))
 
     def continuation(self, messages: Messages, tools: Tools) -> list[int]:
-        return self.codec.encode("\n" + self.text(messages))
+        return encode_pieces(self.codec, [("\n", False), *self.pieces(messages)])
 
     def encode(self, text: str) -> list[int]:
         return self.codec.encode(text)
@@ -137,6 +149,8 @@ class HFChatRenderer:
         if len(self.stop_token_ids) != 1:
             raise ValueError(f"stop token {self.stop_text!r} is not a single token")
         self.turn_end_ids = list(self.stop_token_ids)
+        specials = sorted(self.special_tokens, key=len, reverse=True)
+        self._specials = re.compile("|".join(map(re.escape, specials)) or "(?!)")
         self.continuation([{"role": "user", "content": "probe"}], None)
 
     def _text(self, messages: Messages, tools: Tools, generation_prompt: bool = True) -> str:
@@ -148,17 +162,54 @@ class HFChatRenderer:
         )
 
     def render(self, messages: Messages, tools: Tools) -> list[int]:
-        return self.encode(self._text(messages, tools))
+        guarded, marker, literals = self._guard(messages)
+        return self._encode_guarded(self._text(guarded, tools), marker, literals)
 
     def continuation(self, messages: Messages, tools: Tools) -> list[int]:
+        guarded, marker, literals = self._guard(messages)
         probe = [{"role": "user", "content": "u"}, {"role": "assistant", "content": self._MARK}]
-        text = self._text([*probe, *messages], tools)
+        text = self._text([*probe, *guarded], tools)
         cut = text.find(self._MARK + self.stop_text)
         if cut < 0:
             raise ValueError(
                 f"the chat template does not end an assistant turn with {self.stop_text!r} right after its content"
             )
-        return self.encode(text[cut + len(self._MARK) + len(self.stop_text) :])
+        return self._encode_guarded(text[cut + len(self._MARK) + len(self.stop_text) :], marker, literals)
+
+    def _guard(self, messages: Messages) -> tuple[list[dict[str, Any]], str, list[str]]:
+        """``messages`` with every control token's text in a content replaced by a marker (the
+        template renders around it), the marker's prefix, and the texts the markers stand for."""
+        literals: list[str] = []
+        marker = f"\x00loong-{os.urandom(8).hex()}-"  # new per call: no content can forge one
+
+        def mark(match: re.Match[str]) -> str:
+            literals.append(match.group(0))
+            return f"{marker}{len(literals) - 1}\x00"
+
+        out = []
+        for m in messages:
+            content = m.get("content")
+            if isinstance(content, str) and self._specials.search(content):
+                m = {**m, "content": self._specials.sub(mark, content)}
+            out.append(m)
+        return out, marker, literals
+
+    def _encode_guarded(self, text: str, marker: str, literals: list[str]) -> list[int]:
+        """The template's text tokenized as usual, each marker as its literal text's characters."""
+        if not literals:
+            return self.encode(text)
+        parts = re.split(f"{re.escape(marker)}(\\d+)\x00", text)
+        pieces: list[Piece] = [
+            (part, False) if k % 2 == 0 else (literals[int(part)], True) for k, part in enumerate(parts)
+        ]
+        return encode_pieces(self, pieces)
+
+    @property
+    def special_tokens(self) -> list[str]:
+        return [t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special]
+
+    def encode_literal(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)

@@ -41,12 +41,24 @@ class HFCodec:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
+        self.special_tokens = special_token_texts(tokenizer)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False)
 
+    def encode_literal(self, text: str) -> list[int]:
+        """``text`` with control-token texts tokenized as plain characters."""
+        return self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)
+
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def special_token_texts(tokenizer: Any) -> tuple[str, ...]:
+    """The texts of a Hugging Face tokenizer's control tokens: its added tokens marked special
+    (``<|im_start|>``, ``<|im_end|>``, ``<|endoftext|>`` for Qwen) and its named special tokens."""
+    added = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
+    return tuple(dict.fromkeys([*added, *tokenizer.all_special_tokens]))
 
 
 def end_of_turn_ids(tokenizer: Any, model_path: str | Path) -> list[int]:
