@@ -164,3 +164,56 @@ def test_message_text_cannot_forge_control_tokens_with_loongs_tokenizers(kind, t
     assert white_box == proxy
     benign = [{"role": "user", "content": "compute 12*34"}]
     assert encode_pieces(codec, ChatML.prompt_pieces(benign)) == codec.encode(ChatML.prompt(benign))
+
+
+def test_fuzzed_engine_requests_fail_alone_with_a_clear_error_or_give_valid_tokens(tiny_dir):
+    """Hypothesis draws batches of requests straight at the embedded engine (ids in and out of the
+    vocabulary, empty and over-long prompts, sampling at its limits), run at the same moment as a
+    valid request. Each fuzzed request either is refused with a ValueError naming the problem or
+    returns ids within the vocabulary with finite logprobs; the valid one always completes; and
+    afterwards the engine gives the same tokens for a fixed-seed request as before. Bounded: 25
+    draws, each at most 6 requests of at most 8 new tokens."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    model = CausalLM.from_pretrained(tiny_dir)
+    vocab, positions = model.config.vocab_size, model.config.max_position_embeddings
+    engine = EmbeddedEngine(model, seed=3)
+    valid = ([5, 6, 7], SamplingParams(max_new_tokens=16))
+    before = engine.generate_batch([valid[0]], [valid[1]], seeds=[11])[0].token_ids
+    ids = st.one_of(
+        st.lists(st.integers(0, vocab - 1), min_size=1, max_size=12),
+        st.lists(st.integers(-(2**40), 2**40), max_size=6),
+        st.just([1] * (positions - 2)),
+        st.just([1] * (positions + 3)),
+    )
+    sampling = st.builds(
+        SamplingParams,
+        temperature=st.sampled_from([MIN_TEMPERATURE, 0.7, 1.0, 2.0]),
+        top_p=st.sampled_from([1e-6, 0.5, 1.0]),
+        max_new_tokens=st.integers(1, 8),
+    )
+    refused: list[str] = []
+
+    @settings(max_examples=25, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+    @given(st.lists(st.tuples(ids, sampling), min_size=1, max_size=6))
+    def one(requests):
+        async def main():
+            calls = [engine.generate(i, s) for i, s in [valid, *requests]]
+            return await asyncio.gather(*calls, return_exceptions=True)
+
+        first, *rest = asyncio.run(main())
+        assert isinstance(first, TokenSpan) and first.token_ids, first
+        for (prompt, s), out in zip(requests, rest, strict=True):
+            if isinstance(out, BaseException):
+                assert isinstance(out, ValueError), repr(out)
+                refused.append(str(out))
+                continue
+            assert all(0 <= t < vocab for t in out.token_ids) and len(out.token_ids) <= s.max_new_tokens
+            assert all(math.isfinite(lp) for lp in out.logprobs)
+            assert len(prompt) + len(out.token_ids) <= positions
+
+    one()
+    assert refused and all(("vocabulary" in r) or ("empty" in r) or ("positions" in r) for r in refused)
+    after = engine.generate_batch([valid[0]], [valid[1]], seeds=[11])[0].token_ids
+    assert after == before

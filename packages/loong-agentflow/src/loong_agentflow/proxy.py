@@ -149,6 +149,16 @@ async def _disconnected(receive: Any) -> None:
         pass
 
 
+def _tokenized(render: Any, *args: Any, param: str = "messages") -> list[int]:
+    """``render(*args)``; text the tokenizer or chat template cannot take is the request's 400."""
+    try:
+        return render(*args)
+    except (KeyError, ValueError, TypeError, UnicodeError) as e:
+        raise ApiError(
+            400, f"Invalid '{param}': it cannot be tokenized ({type(e).__name__}: {e}).", param=param
+        ) from None
+
+
 def _error(e: ApiError) -> Response:
     return Response(error_body(e), e.status, media_type=_JSON)
 
@@ -314,7 +324,7 @@ class ProxyServer:
             ids = self._stop_cache.get(s)
             if ids is None:
                 ids = (
-                    self._stop_cache.setdefault(s, self.renderer.encode(s))
+                    self._stop_cache.setdefault(s, _tokenized(self.renderer.encode, s, param="stop"))
                     if len(self._stop_cache) < 4096
                     else []
                 )
@@ -380,14 +390,14 @@ class ProxyServer:
             tools_key = _json.encode(req.tools) if req.tools else b""
             parent = session.chat_parent(keys, tools_key)
             if parent is None:
-                prompt, observation = self.renderer.render(messages, req.tools), SpanSource.ENV
+                prompt, observation = _tokenized(self.renderer.render, messages, req.tools), SpanSource.ENV
             else:
                 call, k = parent
                 new = messages[len(call.messages or ()) + 1 :]
                 prompt = call.prompt_ids + call.spans[k].token_ids
                 if not call.closed[k]:
                     prompt = prompt + self.renderer.turn_end_ids
-                prompt = prompt + self.renderer.continuation(new, req.tools)
+                prompt = prompt + _tokenized(self.renderer.continuation, new, req.tools)
                 tool_only = all(m["role"] == "tool" for m in new)
                 observation = SpanSource.TOOL if tool_only else SpanSource.ENV
             sampling = self._sampling(req, session, req.max_completion_tokens or req.max_tokens, len(prompt))
@@ -442,9 +452,11 @@ class ProxyServer:
                 prompt_text = req.prompt
                 parent = session.text_parent(prompt_text)
                 if parent is None:
-                    prompt = self.renderer.encode(prompt_text)
+                    prompt = _tokenized(self.renderer.encode, prompt_text, param="prompt")
                 else:
-                    prompt = parent[0] + (self.renderer.encode(parent[1]) if parent[1] else [])
+                    prompt = parent[0] + (
+                        _tokenized(self.renderer.encode, parent[1], param="prompt") if parent[1] else []
+                    )
             else:
                 prompt = self._token_prompt(req.prompt)
             if not prompt:
