@@ -3,11 +3,12 @@ references (the loss options are tested in test_policy_loss.py)."""
 
 import math
 
+import pytest
 import torch
 
 from loong_core.records import EpisodeStatus, SpanSource, TokenSpan, Trajectory
 from loong_train.algo.config import LossConfig
-from loong_train.algo.losses import grpo_advantages, pack_batch, policy_loss
+from loong_train.algo.losses import advantages, grpo_advantages, pack_batch, policy_loss
 
 
 def _traj(group, reward, status=EpisodeStatus.OK, n_model=2, version=0):
@@ -90,3 +91,74 @@ def test_ppo_gradient_vanishes_outside_the_clip_range():
     loss.backward()
     assert lp.grad[0, 0] == 0 and lp.grad[0, 1] != 0
     assert stats["clip_frac"] == 0.5
+
+
+def _ep(group, reward, status=EpisodeStatus.OK):
+    """A one-row episode with a sample id of its own (``_traj`` names rows by their reward)."""
+    _ep.n = getattr(_ep, "n", 0) + 1
+    return Trajectory(**{**_fields(_traj(group, reward, status)), "sample_id": f"{group}-{_ep.n}"})
+
+
+def test_unbiased_std_is_verl_and_trls_torch_std():
+    """rewards 1, 0, 0, 0: population std sqrt(3/16), unbiased sqrt(1/4) = torch.std's."""
+    trajs = [_ep("a", 1), _ep("a", 0), _ep("a", 0), _ep("a", 0)]
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0], dtype=torch.float64)
+    centred = rewards - rewards.mean()
+    unbiased = grpo_advantages(trajs, eps=0.0, std="unbiased")
+    population = grpo_advantages(trajs, eps=0.0)
+    assert unbiased == pytest.approx((centred / rewards.std()).tolist(), rel=1e-12)
+    assert population == pytest.approx((centred / rewards.std(correction=0)).tolist(), rel=1e-12)
+    assert unbiased[0] == pytest.approx(1.5) and population[0] == pytest.approx(0.75 / math.sqrt(3 / 16))
+
+
+def test_rloo_is_the_leave_one_out_baseline_and_counts_a_black_box_episode_once():
+    rewards = [1.0, 0.0, 0.0, 1.0, 0.5]
+    trajs = [_ep("a", r) for r in rewards] + [_ep("solo", 1.0)]
+    trajs[4] = Trajectory(**{**_fields(trajs[4]), "sample_id": "a-e4-row0", "info": {"episode": "e4"}})
+    trajs.insert(5, Trajectory(**{**_fields(trajs[4]), "sample_id": "a-e4-row1"}))  # a second row of e4
+    adv = advantages(trajs, LossConfig(estimator="rloo"))
+    loo = [r - (sum(rewards) - r) / (len(rewards) - 1) for r in rewards]  # by definition, 5 episodes
+    assert adv[:5] == pytest.approx(loo, rel=1e-12) and adv[5] == adv[4]  # both rows of e4
+    assert adv[6] == 0.0  # a group of one has no baseline to leave out
+
+
+def test_reinforce_plus_plus_normalizes_over_the_whole_batch():
+    trajs = [_ep("a", 1), _ep("a", 0), _ep("b", 1), _ep("b", 1), _ep("b", 0, EpisodeStatus.FAILED)]
+    values = torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=torch.float64)
+    want = ((values - values.mean()) / (values.std(correction=0) + 1e-6)).tolist()
+    assert advantages(trajs, LossConfig(estimator="reinforce++")) == pytest.approx([*want, 0.0], rel=1e-12)
+    centred = torch.tensor([0.5, -0.5, 0.0, 0.0], dtype=torch.float64)  # minus each group's mean
+    want = ((centred - centred.mean()) / (centred.std(correction=0) + 1e-6)).tolist()
+    got = advantages(trajs, LossConfig(estimator="reinforce++-baseline"))
+    assert got == pytest.approx([*want, 0.0], rel=1e-12)
+
+
+def test_the_default_estimator_is_grpo_unchanged():
+    trajs = [_ep("a", 3), _ep("a", 1), _ep("a", 0.5), _ep("b", 1), _ep("b", 0)]
+    assert advantages(trajs, LossConfig()) == grpo_advantages(trajs)  # bit for bit
+    assert advantages(trajs, LossConfig(scale_adv_by_std=False)) == grpo_advantages(trajs, scale_by_std=False)
+
+
+def test_asymmetric_clip_lets_a_positive_advantage_rise_to_clip_high():
+    """DAPO's clip-higher, hand-worked: rho = 1.25 with A = 1 is clipped at 1.2 by a symmetric
+    eps = 0.2 (no gradient) but not by eps_high = 0.28 (gradient A); rho = 0.7 with A = -1 is
+    clipped at 1 - eps = 0.8 either way."""
+    for eps_high, want_loss, want_grad in ((0.0, -(1.2 - 0.8) / 2, 0.0), (0.28, -(1.25 - 0.8) / 2, -0.5)):
+        cfg = LossConfig(clip_eps=0.2, clip_eps_high=eps_high)
+        logprobs = torch.tensor([[math.log(1.25), math.log(0.7)]], dtype=torch.float64, requires_grad=True)
+        behaviour = torch.zeros(1, 2, dtype=torch.float64)
+        adv = torch.tensor([[1.0, -1.0]], dtype=torch.float64)
+        loss, stats = policy_loss(logprobs, behaviour, adv, torch.ones(1, 2, dtype=torch.float64), cfg)
+        loss.backward()
+        assert float(loss.detach()) == pytest.approx(want_loss, rel=1e-12)
+        grad_first = float(logprobs.grad[0, 0]) / 1.25  # d loss / d rho for the first token
+        assert grad_first == pytest.approx(want_grad, abs=1e-12)
+        assert stats["clip_frac"] == (1.0 if eps_high == 0 else 0.5)
+    with pytest.raises(ValueError, match="clip_eps_high must be >= 0"):
+        LossConfig(clip_eps_high=-0.1)
+
+
+def _fields(t: Trajectory) -> dict:
+    import msgspec
+
+    return {f.name: getattr(t, f.name) for f in msgspec.structs.fields(t)}

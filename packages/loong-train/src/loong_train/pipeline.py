@@ -31,7 +31,7 @@ import ray
 from loong_agentflow import EpisodeSpec
 from loong_core.records import Trajectory, WeightManifest
 from loong_core.window import StalenessWindow
-from loong_train.algo.losses import grpo_advantages, pack_batch
+from loong_train.algo.losses import advantages, pack_batch
 from loong_train.config import Recipe
 from loong_train.models.tokenizer import copy_model_files
 from loong_train.scheduler import Scheduler
@@ -260,7 +260,7 @@ class Pipeline:
         readers = list(self.applies.get(reused, {}).values())
         trajs = [t for g in groups for t in self.finished.pop(g)]
         self.source.release(groups)
-        adv = grpo_advantages(trajs, self.recipe.loss.scale_adv_by_std)
+        adv = advantages(trajs, self.recipe.loss)
         batch = pack_batch(trajs, adv, self.window.version)
         self.train_ref = self.trainer.publish.remote(self.trainer.train_step.remote(batch), readers)
         return trajs

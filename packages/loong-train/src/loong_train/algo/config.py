@@ -28,8 +28,14 @@ class LossConfig(_Section):
     PPO clipping against the behaviour (rollout) logprobs, averaged over all loss tokens; every
     other term is off: its cap or bound is the identity (``inf``, ``0``) or its coefficient is 0.
 
-    - ``scale_adv_by_std``: divide group-centred rewards by the group std (false: Dr. GRPO).
-    - ``clip_eps`` (eps), ``dual_clip`` (c > 1, e.g. 3.0; ``inf`` = off).
+    - ``estimator``: ``"grpo"`` (default), ``"rloo"``, ``"reinforce++"`` or
+      ``"reinforce++-baseline"``.
+    - ``scale_adv_by_std``: divide group-centred rewards by the group std (false: Dr. GRPO);
+      ``std``: ``"population"`` (Loong's default, / G) or ``"unbiased"`` (/ (G - 1), verl's and
+      TRL's ``torch.std``: the same rewards give about 13% smaller advantages at G = 4).
+    - ``clip_eps`` (eps), ``clip_eps_high`` (the upper clip, eps_high; 0 = ``clip_eps``, a
+      symmetric clip; DAPO's clip-higher is 0.28 over 0.2), ``dual_clip`` (c > 1, e.g. 3.0;
+      ``inf`` = off).
     - ``agg_mode``: verl's ``loss_agg_mode`` names; ``norm_length`` is Dr. GRPO's constant
       divisor, required by ``"seq-mean-token-sum-norm"`` (e.g. ``rollout.max_model_tokens``).
     - ``kl_coef`` (beta, 0 = off; a frozen copy of the initial model is the reference) and
@@ -40,8 +46,11 @@ class LossConfig(_Section):
       or per sequence (``mis_level``); ``0``/``inf`` = off.
     """
 
+    estimator: Literal["grpo", "rloo", "reinforce++", "reinforce++-baseline"] = "grpo"
     scale_adv_by_std: bool = True
+    std: Literal["population", "unbiased"] = "population"
     clip_eps: float = 0.2
+    clip_eps_high: float = 0.0
     dual_clip: float = math.inf
     agg_mode: AggMode = "token-mean"
     norm_length: int = 0
@@ -57,10 +66,16 @@ class LossConfig(_Section):
         if problems := _loss_problems(self):
             raise ValueError("; ".join(problems))
 
+    @property
+    def clip_high(self) -> float:
+        """eps_high: ``clip_eps_high``, or ``clip_eps`` when it is 0 (a symmetric clip)."""
+        return self.clip_eps_high or self.clip_eps
+
 
 def _loss_problems(c: LossConfig) -> list[str]:
     checks = [
         (0 < c.clip_eps < 1, f"clip_eps must be in (0, 1), got {c.clip_eps}"),
+        (c.clip_eps_high >= 0, f"clip_eps_high must be >= 0 (0 = clip_eps), got {c.clip_eps_high}"),
         (c.dual_clip > 1, f"dual_clip must be > 1 (e.g. 3.0; inf = off), got {c.dual_clip}"),
         (
             c.norm_length > 0 or c.agg_mode != "seq-mean-token-sum-norm",

@@ -7,7 +7,17 @@ black-box episode, which share ``info["episode"]``, count as one episode and sha
     A_i = (r_i - mean(r)) / (std(r) + eps)        (``scale_by_std=True``)
     A_i =  r_i - mean(r)                          (``scale_by_std=False``, Dr. GRPO)
 
-with the population standard deviation; every model token of episode i (all its rows) gets A_i.
+with std the population standard deviation (``std = "population"``, Loong's default:
+sqrt(sum (r - mean)^2 / G)) or the unbiased one (``"unbiased"``: / (G - 1), what verl and TRL
+divide by, ``torch.std``). Every model token of episode i (all its rows) gets A_i. Other
+estimators (``estimator``), over the same episodes:
+
+    RLOO (Ahmadian et al., 2024):  A_i = r_i - (sum_{j != i} r_j) / (G - 1) = G / (G - 1) (r_i - mean(r))
+    REINFORCE++ (Hu, 2025):        A_i = (r_i - mean_B(r)) / (std_B(r) + eps)
+    REINFORCE++ with baseline:     A_i = (r_i - mean(r) - mean_B(c)) / (std_B(c) + eps),  c = r - mean(r)
+
+where mean_B and std_B (population) run over every episode of the step's batch (a global
+normalization rather than a per-group one). A group of one episode gets A = 0 from GRPO and RLOO.
 
 Policy loss (:func:`policy_loss`, options in :class:`~loong_train.config.LossConfig`). Per token
 t of row i, all tensors ``[batch, seq]``: m mask (1 = loss token), A advantage, l the trainer's
@@ -19,7 +29,7 @@ logprob (the trainer's logprob before this update, no gradient), r the reference
     m'_it = m_it * [lo <= exp(sum_t m (p - b) / sum_t m) <= hi]   MIS, sequence level
     q_t   = b_t (coupled PPO, default) or p_t (decoupled PPO, AReaL)
     rho_t = exp(l_t - q_t)
-    s_t   = min(rho_t * A_t, clip(rho_t, 1 - eps, 1 + eps) * A_t)
+    s_t   = min(rho_t * A_t, clip(rho_t, 1 - eps, 1 + eps_high) * A_t)   eps_high = eps unless set (DAPO's clip-higher)
     s_t   = max(s_t, c * A_t)            if A_t < 0          dual clip (Ye et al., 2020)
     ell_t = -s_t                          (coupled)
     ell_t = -min(w_t, C) * s_t            (decoupled; C = inf unless TIS)
@@ -55,7 +65,15 @@ import torch
 from loong_core.records import TrainBatch, Trajectory
 from loong_train.algo.config import LossConfig
 
-__all__ = ["aggregate", "episode_id", "grpo_advantages", "kl_estimate", "pack_batch", "policy_loss"]
+__all__ = [
+    "advantages",
+    "aggregate",
+    "episode_id",
+    "grpo_advantages",
+    "kl_estimate",
+    "pack_batch",
+    "policy_loss",
+]
 
 
 def episode_id(t: Trajectory) -> str:
@@ -64,24 +82,60 @@ def episode_id(t: Trajectory) -> str:
 
 
 def grpo_advantages(
-    trajectories: Sequence[Trajectory], scale_by_std: bool = True, eps: float = 1e-6
+    trajectories: Sequence[Trajectory],
+    scale_by_std: bool = True,
+    eps: float = 1e-6,
+    std: str = "population",
 ) -> list[float]:
     """One advantage per row (its episode's); untrainable ones (failed, timeout) get 0 and no say."""
-    groups: dict[str, dict[str, float]] = defaultdict(dict)
-    for t in trajectories:
-        if t.status.trainable:
-            groups[t.group_id][episode_id(t)] = t.reward
     centre: dict[str, tuple[float, float]] = {}
-    for group_id, episodes in groups.items():
-        rewards = list(episodes.values())
+    for group_id, rewards in _groups(trajectories).items():
         mean = sum(rewards) / len(rewards)
-        std = math.sqrt(sum((r - mean) ** 2 for r in rewards) / len(rewards))
-        scale = 1 / (std + eps) if scale_by_std and std > 0 else 1.0  # equal rewards: r - mean = 0 anyway
+        dof = len(rewards) - (std == "unbiased")
+        spread = math.sqrt(sum((r - mean) ** 2 for r in rewards) / dof) if dof > 0 else 0.0
+        scale = (
+            1 / (spread + eps) if scale_by_std and spread > 0 else 1.0
+        )  # equal rewards: r - mean = 0 anyway
         centre[group_id] = mean, scale
     return [
         (t.reward - centre[t.group_id][0]) * centre[t.group_id][1] if t.status.trainable else 0.0
         for t in trajectories
     ]
+
+
+def advantages(trajectories: Sequence[Trajectory], cfg: LossConfig) -> list[float]:
+    """The advantage of every row under ``cfg.estimator`` (formulas in the module docstring)."""
+    if cfg.estimator == "grpo":
+        return grpo_advantages(trajectories, cfg.scale_adv_by_std, std=cfg.std)
+    groups = _groups(trajectories)
+    means = {g: sum(rs) / len(rs) for g, rs in groups.items()}
+    if cfg.estimator == "rloo":
+        factor = {g: len(rs) / (len(rs) - 1) if len(rs) > 1 else 0.0 for g, rs in groups.items()}
+        return [
+            factor[t.group_id] * (t.reward - means[t.group_id]) if t.status.trainable else 0.0
+            for t in trajectories
+        ]
+    baseline = cfg.estimator == "reinforce++-baseline"
+    episodes = {(t.group_id, episode_id(t)): t.reward for t in trajectories if t.status.trainable}
+    values = {k: r - means[k[0]] if baseline else r for k, r in episodes.items()}
+    if not values:
+        return [0.0] * len(trajectories)
+    mean = sum(values.values()) / len(values)
+    spread = math.sqrt(sum((v - mean) ** 2 for v in values.values()) / len(values))
+    scale = 1 / (spread + 1e-6) if spread > 0 else 1.0
+    return [
+        (values[(t.group_id, episode_id(t))] - mean) * scale if t.status.trainable else 0.0
+        for t in trajectories
+    ]
+
+
+def _groups(trajectories: Sequence[Trajectory]) -> dict[str, list[float]]:
+    """Each group's episode rewards (one per episode, black-box rows counted once), trainable only."""
+    groups: dict[str, dict[str, float]] = defaultdict(dict)
+    for t in trajectories:
+        if t.status.trainable:
+            groups[t.group_id][episode_id(t)] = t.reward
+    return {g: list(e.values()) for g, e in groups.items()}
 
 
 def pack_batch(
@@ -158,7 +212,7 @@ def _mis_keep(log_w: torch.Tensor, mask: torch.Tensor, cfg: LossConfig) -> torch
 
 def _surrogate(ratio: torch.Tensor, adv: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
     """s_t: the PPO clipped surrogate, with the dual-clip floor c * A for negative advantages."""
-    surr = torch.minimum(ratio * adv, ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_eps) * adv)
+    surr = torch.minimum(ratio * adv, ratio.clamp(1 - cfg.clip_eps, 1 + cfg.clip_high) * adv)
     if cfg.dual_clip < math.inf:
         surr = torch.where(adv < 0, torch.maximum(surr, cfg.dual_clip * adv), surr)
     return surr
@@ -204,7 +258,9 @@ def _stats(
     n, kept = mask.sum().clamp(min=1), keep.sum().clamp(min=1)
     w = torch.exp(log_w)[mask > 0]
     out = {
-        "clip_frac": float((((ratio - 1).abs() > cfg.clip_eps).float() * keep).sum() / kept),
+        "clip_frac": float(
+            ((((1 - ratio) > cfg.clip_eps) | ((ratio - 1) > cfg.clip_high)).float() * keep).sum() / kept
+        ),
         "dual_clip_frac": float((((adv < 0) & (ratio > cfg.dual_clip)).float() * keep).sum() / kept),
         "tis_frac": float(((torch.exp(log_w) > cfg.tis_cap).float() * mask).sum() / n),
         "mis_drop_frac": float((mask - keep).sum() / n),
