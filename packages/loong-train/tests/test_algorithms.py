@@ -162,3 +162,57 @@ def _fields(t: Trajectory) -> dict:
     import msgspec
 
     return {f.name: getattr(t, f.name) for f in msgspec.structs.fields(t)}
+
+
+def _rows(log_rhos, advs):
+    """Two rows of per-token log-ratios (behaviour logprob 0, so l = log rho) and advantages."""
+    logprobs = torch.tensor(log_rhos, dtype=torch.float64, requires_grad=True)
+    zeros = torch.zeros_like(logprobs.detach())
+    return logprobs, zeros, torch.tensor(advs, dtype=torch.float64), torch.ones_like(zeros)
+
+
+def test_gspo_clips_whole_sequences_on_the_length_normalised_ratio():
+    """Row 0: log rho 0.1, 0.3 -> s = exp(0.2) = 1.2214 > 1.2: clipped, A = 1, no gradient; row 1:
+    log rho -0.1, 0.0 -> s = exp(-0.05), A = -1, unclipped: ell = s per token, d/dl_t = s / 2.
+    Sequence-mean aggregation: L = (-(1.2 * 1) + s) / 2 (each row's two tokens carry the same ell)."""
+    log_rhos, advs = [[0.1, 0.3], [-0.1, 0.0]], [[1.0, 1.0], [-1.0, -1.0]]
+    s1 = math.exp(-0.05)
+    for policy in ("gspo", "gspo-token"):
+        cfg = LossConfig(policy=policy, agg_mode="seq-mean-token-mean")
+        logprobs, behaviour, adv, mask = _rows(log_rhos, advs)
+        loss, _ = policy_loss(logprobs, behaviour, adv, mask, cfg)
+        loss.backward()
+        assert float(loss.detach()) == pytest.approx((-1.2 + s1) / 2, rel=1e-12)
+        assert logprobs.grad[0].tolist() == [0.0, 0.0]  # the clipped sequence
+        # row 1's mean loss is s (GSPO: d s / d l_t = s / 2; GSPO-token: each of its two tokens
+        # carries s_it with d s_it / d l_t = s, averaged over 2), halved by the mean over 2 rows
+        assert logprobs.grad[1].tolist() == pytest.approx([s1 / 4, s1 / 4], rel=1e-12)
+
+
+def test_gspo_token_moves_each_token_by_its_own_advantage():
+    """With per-token advantages GSPO-token's gradient follows each A_t, GSPO's averages them."""
+    log_rhos, advs = [[0.0, 0.0]], [[1.0, -3.0]]
+    grads = {}
+    for policy in ("gspo", "gspo-token"):
+        logprobs, behaviour, adv, mask = _rows(log_rhos, advs)
+        loss, _ = policy_loss(logprobs, behaviour, adv, mask, LossConfig(policy=policy))
+        loss.backward()
+        grads[policy] = logprobs.grad[0].tolist()
+    assert grads["gspo-token"] == pytest.approx([-0.5, 1.5], rel=1e-12)  # -A_t s / 2, s = 1
+    assert grads["gspo"] == pytest.approx([0.5, 0.5], rel=1e-12)  # -(1 - 3) / 2 * (1 / 2) each
+
+
+def test_cispo_keeps_the_gradient_of_clipped_tokens_at_the_clipped_weight():
+    """rho = 1.5 (clipped to 1.28), A = 1; rho = 0.9, A = 1: d(-agg(w A l))/dl_t = -w_t A_t / 2."""
+    logprobs, behaviour, adv, mask = _rows([[math.log(1.5), math.log(0.9)]], [[1.0, 1.0]])
+    cfg = LossConfig(policy="cispo", clip_eps_high=0.28)
+    loss, stats = policy_loss(logprobs, behaviour, adv, mask, cfg)
+    loss.backward()
+    assert logprobs.grad[0].tolist() == pytest.approx([-1.28 / 2, -0.9 / 2], rel=1e-12)
+    assert stats["clip_frac"] == 0.5
+    ppo = _rows([[math.log(1.5), math.log(0.9)]], [[1.0, 1.0]])
+    loss, _ = policy_loss(*ppo, LossConfig(clip_eps_high=0.28))
+    loss.backward()
+    assert ppo[0].grad[0, 0] == 0.0  # PPO drops the clipped token's gradient; CISPO does not
+    with pytest.raises(ValueError, match="dual_clip applies to policy = 'ppo' only"):
+        LossConfig(policy="cispo", dual_clip=3.0)

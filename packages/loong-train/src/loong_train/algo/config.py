@@ -30,6 +30,7 @@ class LossConfig(_Section):
 
     - ``estimator``: ``"grpo"`` (default), ``"rloo"``, ``"reinforce++"`` or
       ``"reinforce++-baseline"``.
+    - ``policy``: the objective, ``"ppo"`` (default), ``"gspo"``, ``"gspo-token"`` or ``"cispo"``.
     - ``scale_adv_by_std``: divide group-centred rewards by the group std (false: Dr. GRPO);
       ``std``: ``"population"`` (Loong's default, / G) or ``"unbiased"`` (/ (G - 1), verl's and
       TRL's ``torch.std``: the same rewards give about 13% smaller advantages at G = 4).
@@ -46,6 +47,7 @@ class LossConfig(_Section):
       or per sequence (``mis_level``); ``0``/``inf`` = off.
     """
 
+    policy: Literal["ppo", "gspo", "gspo-token", "cispo"] = "ppo"
     estimator: Literal["grpo", "rloo", "reinforce++", "reinforce++-baseline"] = "grpo"
     scale_adv_by_std: bool = True
     std: Literal["population", "unbiased"] = "population"
@@ -77,6 +79,10 @@ def _loss_problems(c: LossConfig) -> list[str]:
         (0 < c.clip_eps < 1, f"clip_eps must be in (0, 1), got {c.clip_eps}"),
         (c.clip_eps_high >= 0, f"clip_eps_high must be >= 0 (0 = clip_eps), got {c.clip_eps_high}"),
         (c.dual_clip > 1, f"dual_clip must be > 1 (e.g. 3.0; inf = off), got {c.dual_clip}"),
+        (
+            c.policy == "ppo" or c.dual_clip == math.inf,
+            f"dual_clip applies to policy = 'ppo' only, got policy = {c.policy!r}",
+        ),
         (
             c.norm_length > 0 or c.agg_mode != "seq-mean-token-sum-norm",
             f"norm_length must be > 0 with agg_mode = 'seq-mean-token-sum-norm' "

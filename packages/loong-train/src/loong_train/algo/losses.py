@@ -36,6 +36,18 @@ logprob (the trainer's logprob before this update, no gradient), r the reference
     k_t   = delta, delta^2 / 2, or exp(-delta) - 1 + delta,  delta = l_t - r_t   (k1, k2, k3)
     L     = agg(ell; m') + beta * agg(k; m')
 
+Other objectives (``policy``), with rho, q, A, m', agg as above and sg() a stop-gradient:
+
+    GSPO (Zheng et al., 2025):  s_i  = exp(sum_t m (l - q) / sum_t m)         per sequence
+                                ell_t = -min(s_i A_t, clip(s_i, 1 - eps, 1 + eps_high) A_t)
+    GSPO-token:                 s_it = sg(s_i) exp(l_t - sg(l_t)), in place of s_i (the same
+                                value; each token's gradient s_i grad l_t)
+    CISPO (MiniMax-M1, 2025):   ell_t = -sg(clip(rho_t, 1 - eps, 1 + eps_high)) A_t l_t
+
+GSPO clips whole sequences (its paper averages them: ``agg_mode = "seq-mean-token-mean"``);
+CISPO clips the IS weight but never the gradient, so a token far off-policy still learns, at
+the clipped rate. The dual clip applies to PPO only.
+
 Coupled PPO clips against the behaviour policy, so its ratio already carries the train-inference
 gap and gets no separate weight. Decoupled PPO (Fu et al., 2025, "AReaL") clips against the
 proximal policy and moves the gap into w; truncating w at C is TIS (Yao et al., 2025). AReaL
@@ -184,8 +196,19 @@ def policy_loss(
     prox = logprobs.detach() if proximal is None else proximal
     log_w = prox - behaviour
     keep = mask * _mis_keep(log_w, mask, cfg)
-    ratio = torch.exp(logprobs - (prox if cfg.decoupled else behaviour))
-    surr = _surrogate(ratio, advantages, cfg)
+    log_ratio = logprobs - (prox if cfg.decoupled else behaviour)
+    ratio = torch.exp(log_ratio)
+    if cfg.policy == "ppo":
+        surr = _surrogate(ratio, advantages, cfg)
+    elif cfg.policy == "cispo":
+        weight = ratio.detach().clamp(1 - cfg.clip_eps, 1 + cfg.clip_high)
+        surr = weight * advantages * logprobs
+    else:  # GSPO: one length-normalised ratio per sequence
+        seq = torch.exp((log_ratio * mask).sum(-1, keepdim=True) / mask.sum(-1, keepdim=True).clamp(min=1))
+        if cfg.policy == "gspo-token":
+            seq = seq.detach() * torch.exp(logprobs - logprobs.detach())
+        ratio = seq.expand_as(mask) if cfg.policy == "gspo" else seq
+        surr = _surrogate(ratio, advantages, cfg)
     if cfg.decoupled:
         surr = surr * torch.exp(log_w).clamp(max=cfg.tis_cap)
     loss = -aggregate(surr, keep, cfg)
