@@ -216,3 +216,48 @@ def test_cispo_keeps_the_gradient_of_clipped_tokens_at_the_clipped_weight():
     assert ppo[0].grad[0, 0] == 0.0  # PPO drops the clipped token's gradient; CISPO does not
     with pytest.raises(ValueError, match="dual_clip applies to policy = 'ppo' only"):
         LossConfig(policy="cispo", dual_clip=3.0)
+
+
+def test_entropy_metric_and_bonus_match_a_float64_entropy():
+    """The torch backend logs each step's token-mean entropy of the policy at the loss tokens, as
+    -sum p log p computed here in float64 from the same logits; the bonus adds -coef * H to the loss."""
+    from loong_core.records import TrainBatch
+    from loong_train.backends.torch_backend import TorchBackend
+    from loong_train.models.decoder import CausalLM, DecoderConfig
+
+    config = DecoderConfig(
+        vocab_size=11,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+    )
+    ids = [3, 4, 5, 6, 7, 8]
+    batch = TrainBatch(
+        token_ids=ids,
+        loss_mask=[0, 0, 1, 1, 1, 0],
+        advantages=[0.0, 0, 1, 1, 1, 0],
+        behaviour_logprobs=[0.0, -2, -2, -2, -2, -2],
+        versions=[-1, -1, 0, 0, 0, -1],
+        row_lens=[6],
+        sample_ids=["s"],
+        policy_version=0,
+        row_tags=[{}],
+    )
+    losses = {}
+    for coef in (0.0, 0.5):
+        model = CausalLM(config)
+        model.init_weights(0)
+        with torch.no_grad():
+            logp = torch.log_softmax(model(torch.tensor([ids]))[0, :-1].double(), dim=-1)
+        h = -(logp.exp() * logp).sum(-1)  # H at positions 1..5 (predicting ids[1:])
+        want = float(h[1:4].mean())  # the loss tokens 2, 3, 4
+        backend = TorchBackend(model, lr=0.0, loss=LossConfig(entropy_coef=coef))
+        stats = backend.train_step(batch)
+        assert stats["entropy"] == pytest.approx(want, rel=1e-5)
+        losses[coef] = (stats["loss"], want)
+    assert losses[0.5][0] == pytest.approx(losses[0.0][0] - 0.5 * losses[0.0][1], rel=1e-5)
+    with pytest.raises(ValueError, match="entropy_coef must be >= 0"):
+        LossConfig(entropy_coef=-1.0)

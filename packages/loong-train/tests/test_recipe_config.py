@@ -99,3 +99,10 @@ def test_loading_every_recipe_and_listing_them_import_no_torch():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.splitlines()[-1] == "[]"
+
+
+def test_an_entropy_bonus_on_megatron_is_refused_naming_both_keys():
+    from loong_core.config import ConfigError
+
+    with pytest.raises(ConfigError, match=r"entropy_coef = 0.1 is a torch-backend option.*'megatron'"):
+        load_recipe("tiny-calc-agent", ["loss.entropy_coef=0.1", "train.backend.type=megatron"])

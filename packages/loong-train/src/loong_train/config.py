@@ -230,6 +230,11 @@ class Recipe(_Section):
                 f"rollout.engine.partial = {engine.partial!r} needs agent.type = 'whitebox' "
                 f"(updates land between a white-box agent's decode steps), got {agent.type!r}"
             )
+        if self.loss.entropy_coef > 0 and self.train.backend.type != "torch":
+            raise ValueError(
+                f"loss.entropy_coef = {self.loss.entropy_coef} is a torch-backend option; "
+                f"train.backend.type = {self.train.backend.type!r} does not compute the entropy bonus"
+            )
 
 
 _MEGATRON_KEYS = ("tp", "pp", "dp", "micro_batch_rows", "gpus")

@@ -39,6 +39,8 @@ class LossConfig(_Section):
       ``inf`` = off).
     - ``agg_mode``: verl's ``loss_agg_mode`` names; ``norm_length`` is Dr. GRPO's constant
       divisor, required by ``"seq-mean-token-sum-norm"`` (e.g. ``rollout.max_model_tokens``).
+    - ``entropy_coef``: an entropy bonus, minus coef * agg(H) with H_t the policy's entropy
+      at each loss token (0 = off; the torch backend; every step logs ``entropy``, its token mean).
     - ``kl_coef`` (beta, 0 = off; a frozen copy of the initial model is the reference) and
       ``kl_estimator``.
     - ``decoupled``: AReaL's decoupled PPO (clip against the proximal policy, IS-weight by
@@ -57,6 +59,7 @@ class LossConfig(_Section):
     agg_mode: AggMode = "token-mean"
     norm_length: int = 0
     kl_coef: float = 0.0
+    entropy_coef: float = 0.0
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     decoupled: bool = False
     tis_cap: float = math.inf
@@ -89,6 +92,7 @@ def _loss_problems(c: LossConfig) -> list[str]:
             f"(the constant each sequence's token sum is divided by), got {c.norm_length}",
         ),
         (c.kl_coef >= 0, f"kl_coef must be >= 0 (0 = off), got {c.kl_coef}"),
+        (c.entropy_coef >= 0, f"entropy_coef must be >= 0 (0 = off), got {c.entropy_coef}"),
         (c.tis_cap > 0, f"tis_cap must be > 0 (inf = off), got {c.tis_cap}"),
         (
             c.decoupled or c.tis_cap == math.inf,

@@ -20,18 +20,32 @@ import torch
 
 from loong_core.records import TrainBatch
 from loong_train.algo.config import LossConfig
-from loong_train.algo.losses import policy_loss
+from loong_train.algo.losses import aggregate, policy_loss
 from loong_train.models.auto import load_causal_lm
 from loong_train.models.decoder import CausalLM
 
-__all__ = ["TorchBackend", "token_logprobs"]
+__all__ = ["TorchBackend", "logprobs_and_entropy", "token_logprobs"]
 
 
 def token_logprobs(model: CausalLM, ids: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
     """logprob of each token given its prefix: [rows, seq] -> [rows, seq] (column 0 is 0)."""
+    return logprobs_and_entropy(model, ids, temperature, None)[0]
+
+
+def logprobs_and_entropy(
+    model: CausalLM, ids: torch.Tensor, temperature: float, entropy_grad: bool | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`token_logprobs` and, unless ``entropy_grad`` is None, each position's entropy
+    H_t = -sum_v p(v) log p(v) of the sampling distribution (with a gradient when ``entropy_grad``)."""
     logits = model(ids)[:, :-1].float() / temperature
-    lp = torch.log_softmax(logits, dim=-1).gather(-1, ids[:, 1:, None]).squeeze(-1)
-    return torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
+    logp = torch.log_softmax(logits, dim=-1)
+    lp = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    lp = torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
+    if entropy_grad is None:
+        return lp, None
+    with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+        h = -(logp.exp() * logp).sum(-1)
+    return lp, torch.cat([torch.zeros_like(h[:, :1]), h], dim=1)
 
 
 def _pad(values: list, lens: list[int], fill, dtype) -> torch.Tensor:
@@ -95,8 +109,13 @@ class TorchBackend:
         """One optimizer step on ``batch``; returns loss and train-inference mismatch stats."""
         t = self.tensors(batch)
         extra = self._no_grad_logprobs(t["ids"])
-        lp = token_logprobs(self.model, t["ids"], self.temperature)
+        bonus = self.loss_cfg.entropy_coef
+        lp, entropy = logprobs_and_entropy(self.model, t["ids"], self.temperature, bonus > 0)
         loss, stats = policy_loss(lp, t["behaviour"], t["adv"], t["mask"], self.loss_cfg, **extra)
+        assert entropy is not None
+        if bonus > 0:  # the bonus: minus coef times the aggregated entropy
+            loss = loss - bonus * aggregate(entropy, t["mask"], self.loss_cfg)
+        stats["entropy"] = float((entropy.detach() * t["mask"]).sum() / t["mask"].sum().clamp(min=1))
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
