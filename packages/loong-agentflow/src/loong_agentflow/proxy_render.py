@@ -149,6 +149,7 @@ class HFChatRenderer:
         if len(self.stop_token_ids) != 1:
             raise ValueError(f"stop token {self.stop_text!r} is not a single token")
         self.turn_end_ids = list(self.stop_token_ids)
+        self.special_tokens = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
         specials = sorted(self.special_tokens, key=len, reverse=True)
         self._specials = re.compile("|".join(map(re.escape, specials)) or "(?!)")
         self.continuation([{"role": "user", "content": "probe"}], None)
@@ -203,10 +204,6 @@ class HFChatRenderer:
             (part, False) if k % 2 == 0 else (literals[int(part)], True) for k, part in enumerate(parts)
         ]
         return encode_pieces(self, pieces)
-
-    @property
-    def special_tokens(self) -> list[str]:
-        return [t.content for t in self.tokenizer.added_tokens_decoder.values() if t.special]
 
     def encode_literal(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)

@@ -28,7 +28,7 @@ from loong_train.models.tokenizer import HFCodec, load_tokenizer
 from loong_train.tasks import Task, TaskTables, build_task
 from loong_train.tiny.tokenizer import build_tokenizer
 
-__all__ = ["build_tiny", "prepare_model", "sampled_success", "success_by_domain", "tokenizer_corpus"]
+__all__ = ["build_tiny", "prepare_model", "sampled_success", "tokenizer_corpus"]
 
 log = logging.getLogger("loong.warmstart")
 
@@ -65,13 +65,6 @@ def sampled_success(
     recipe's ``task`` (built from the recipe when not given)."""
     rewards = _probe_rewards(model, tokenizer, recipe, tasks, seed, task)
     return sum(rewards) / len(rewards)
-
-
-def success_by_domain(
-    model: CausalLM, tokenizer, recipe: Recipe, tasks: list[dict], seed: int, task: Task | None = None
-) -> dict[str, float]:
-    """:func:`sampled_success` per ``tags.domain`` of ``tasks`` (``""`` for untagged ones)."""
-    return _by_domain(tasks, _probe_rewards(model, tokenizer, recipe, tasks, seed, task))
 
 
 def _by_domain(tasks: list[dict], rewards: list[float]) -> dict[str, float]:
