@@ -15,7 +15,7 @@ import asyncio
 import math
 import random
 import re
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 from loong_core.protocols import SamplingParams
 from loong_core.records import SpanSource, TokenSpan
@@ -128,6 +128,7 @@ class BigramEngine:
         self.policy, self.rng, self.bump_every = policy, random.Random(seed), bump_every
         self.version = 0
         self.log: list[tuple[list[int], TokenSpan]] = []
+        self.gate: asyncio.Event | None = None
 
     @property
     def weight_version(self) -> int:
@@ -155,18 +156,39 @@ class BigramEngine:
         return nucleus[-1]
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams) -> TokenSpan:
+        async for _ in BigramEngine.stream(self, input_ids, sampling):
+            pass
+        return self.log[-1][1]  # appended as the stream ended, with no await since
+
+    async def stream(self, input_ids: list[int], sampling: SamplingParams) -> AsyncIterator[TokenSpan]:
+        """The completion one token at a time, yielding to the event loop after each (and
+        waiting on ``gate`` when set); the log records what was sampled, also when the caller
+        stops early."""
         context, ids, lps = list(input_ids), [], []
-        for _ in range(sampling.max_new_tokens):
-            logp = log_softmax([x / sampling.temperature for x in self.policy.logits(context)])
-            tok = self._sample(logp, sampling.top_p)
-            ids.append(tok)
-            lps.append(logp[tok])
-            context.append(tok)
-            if tok in sampling.stop_token_ids:
-                break
-        await asyncio.sleep(0)
-        span = TokenSpan(token_ids=ids, source=SpanSource.MODEL, logprobs=lps, weight_version=self.version)
-        self.log.append((list(input_ids), span))
-        if self.bump_every and len(self.log) % self.bump_every == 0:
-            self.version += 1
-        return span
+        version = self.version
+        try:
+            for _ in range(sampling.max_new_tokens):
+                logp = log_softmax([x / sampling.temperature for x in self.policy.logits(context)])
+                tok = self._sample(logp, sampling.top_p)
+                ids.append(tok)
+                lps.append(logp[tok])
+                context.append(tok)
+                yield TokenSpan(
+                    token_ids=[tok], source=SpanSource.MODEL, logprobs=[logp[tok]], weight_version=version
+                )
+                await asyncio.sleep(0)
+                if self.gate is not None:
+                    await self.gate.wait()
+                if tok in sampling.stop_token_ids:
+                    break
+        finally:
+            span = TokenSpan(token_ids=ids, source=SpanSource.MODEL, logprobs=lps, weight_version=version)
+            self.log.append((list(input_ids), span))
+            if self.bump_every and len(self.log) % self.bump_every == 0:
+                self.version += 1
+
+
+class WholeBigramEngine(BigramEngine):
+    """:class:`BigramEngine` without ``stream``: the proxy gets each completion whole."""
+
+    stream = None  # type: ignore[assignment]

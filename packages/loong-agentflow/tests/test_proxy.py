@@ -10,10 +10,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 
 import httpx
 import pytest
-from agentflow_testkit import CODEC, BigramEngine, ScriptedBigramPolicy
+from agentflow_testkit import CODEC, BigramEngine, ScriptedBigramPolicy, WholeBigramEngine
 
 from loong_agentflow.agent import EpisodeSpec
 from loong_agentflow.proxy import ProxyConfig, ProxyServer
@@ -205,6 +206,103 @@ def test_stop_string_cuts_the_answer_and_the_row_keeps_the_model_tokens():
         (row,) = session.trajectories(1.0, EpisodeStatus.OK)
         assert CODEC.decode(row.spans[1].token_ids) == "one. two"  # kept up to the stop string's last token
         assert CODEC.decode(row.spans[2].token_ids).startswith("<|im_end|>\n<|im_start|>user\ngo on")
+
+    run(main())
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_stop_string_ends_generation_there(stream):
+    """The engine call ends at the token that completes the stop string: the engine sampled
+    exactly what the row keeps, not the rest of the scripted reply."""
+
+    async def main():
+        engine = BigramEngine(ScriptedBigramPolicy(["one. two. three."]))
+        async with ProxyServer(engine, ChatMLRenderer(CODEC)) as proxy:
+            session = proxy.open_session(_spec())
+            req = {"messages": USER, "top_p": 0.5, "stop": ["two"], "stream": stream, "max_tokens": 200}
+            async with await _client(proxy, session.api_key) as c:
+                r = await c.post("/chat/completions", json=req)
+            proxy.close_session(session)
+        if stream:
+            events = _sse(r.text)
+            content = "".join(e["choices"][0]["delta"].get("content") or "" for e in events[1:-1])
+            finish = events[-2]["choices"][0]["finish_reason"]
+        else:
+            content, finish = (
+                r.json()["choices"][0]["message"]["content"],
+                r.json()["choices"][0]["finish_reason"],
+            )
+        assert (content, finish) == ("one. ", "stop")
+        ((_, sampled),) = engine.log
+        assert CODEC.decode(sampled.token_ids) == "one. two"
+        (row,) = session.trajectories(1.0, EpisodeStatus.OK)
+        assert row.spans[1] == sampled
+
+    run(main())
+
+
+def _unstamped(body: str) -> str:
+    """A JSON answer without its per-call id and timestamp."""
+    return re.sub(r'"(id|created)": ?("[^"]*"|\d+)', "", body)
+
+
+def _streamed_content(text: str) -> str:
+    return "".join(e["choices"][0]["delta"].get("content") or "" for e in _sse(text)[1:-1] if e["choices"])
+
+
+def test_an_engine_that_cannot_stream_gets_the_same_answers():
+    """Without ``engine.stream`` the proxy takes whole completions and cuts them the same way."""
+
+    async def main():
+        out = []
+        for engine in (
+            BigramEngine(ScriptedBigramPolicy(SCRIPT)),
+            WholeBigramEngine(ScriptedBigramPolicy(SCRIPT)),
+        ):
+            async with ProxyServer(engine, ChatMLRenderer(CODEC)) as proxy:
+                session = proxy.open_session(_spec())
+                async with await _client(proxy, session.api_key) as c:
+                    for stream in (False, True):
+                        req = {"messages": USER, "top_p": 0.5, "stream": stream, "stop": ["}}"]}
+                        out.append((await c.post("/chat/completions", json=req)).text)
+                proxy.close_session(session)
+            out.append([t.token_ids for t in session.trajectories(1.0, EpisodeStatus.OK)])
+        live, whole = out[:3], out[3:]
+        assert _unstamped(live[0]) == _unstamped(whole[0]) and live[2] == whole[2]
+        answer = json.loads(live[0])["choices"][0]["message"]["content"]
+        assert _streamed_content(live[1]) == _streamed_content(whole[1]) == answer
+
+    run(main())
+
+
+def test_stream_chunks_leave_while_the_engine_still_samples():
+    """True streaming: the first content arrives while the engine is held mid-completion."""
+
+    async def main():
+        engine = BigramEngine(ScriptedBigramPolicy(["It is 5."]))
+        engine.gate = asyncio.Event()
+        async with ProxyServer(engine, ChatMLRenderer(CODEC)) as proxy:
+            session = proxy.open_session(_spec())
+            req = {"messages": USER, "top_p": 0.5, "stream": True}
+            async with (
+                await _client(proxy, session.api_key) as c,
+                c.stream("POST", "/chat/completions", json=req) as r,
+            ):
+                lines = r.aiter_lines()
+                seen = ""
+                while not seen:
+                    line = await anext(lines)
+                    if line.startswith("data: {"):
+                        seen = json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                assert seen == "I" and engine.log == []  # the engine has not finished: one token out
+                engine.gate.set()
+                rest = [line async for line in lines if line.startswith("data: ")]
+            proxy.close_session(session)
+        assert rest[-1] == "data: [DONE]" and len(engine.log) == 1
+        content = seen + "".join(
+            json.loads(x[6:])["choices"][0]["delta"].get("content") or "" for x in rest[:-1]
+        )
+        assert content == "It is 5."
 
     run(main())
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import threading
 
 import httpx
@@ -150,3 +151,64 @@ def test_fuzzed_requests_get_200_or_an_openai_4xx_and_record_only_valid_rows(ser
         after = _valid_answer(proxy, client, "after")
     assert after == before  # the proxy and its engine serve on, unchanged
     assert any(s == 200 for s in statuses) and any(s >= 400 for s in statuses)  # both sides were hit
+
+
+class ByteCodec:
+    """Byte-level ids (2 + byte) plus ChatML's two specials: a character can span tokens."""
+
+    SPECIALS = ("<|im_start|>", "<|im_end|>")
+
+    def encode(self, text: str) -> list[int]:
+        out: list[int] = []
+        for part in re.split(r"(<\|im_start\|>|<\|im_end\|>)", text):
+            out += [self.SPECIALS.index(part)] if part in self.SPECIALS else [2 + b for b in part.encode()]
+        return out
+
+    def decode(self, ids: list[int]) -> str:
+        return bytes(t - 2 for t in ids if t >= 2).decode("utf-8", errors="replace")
+
+
+alphabet = st.sampled_from(
+    ["a", "b", " ", "\n", "é", "<", ">", "tool_call", "<tool_call>", "</tool_call>", "{}"]
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    parts=st.lists(alphabet, max_size=14),
+    stops=st.lists(st.sampled_from(["b", "ab", "a b", "<t", "é\n", "}}", "zz"]), max_size=2),
+    sizes=st.lists(st.integers(1, 4), min_size=1, max_size=8),
+    chat=st.booleans(),
+    closed=st.booleans(),
+)
+def test_live_text_shows_exactly_the_finished_answer(parts, stops, sizes, chat, closed):
+    """Whatever the chunking, the text a live stream shows, then its rest, is the finished
+    choice's content (chat) or text, and the tokens it sent, then the rest, are the kept ones;
+    the finished choice equals the one cut from the whole completion."""
+    from loong_agentflow.proxy_chat import LiveText, finish_choice
+    from loong_core.records import SpanSource, TokenSpan
+
+    def span(ids: list[int]) -> TokenSpan:
+        return TokenSpan(token_ids=ids, source=SpanSource.MODEL, logprobs=[-1.0] * len(ids), weight_version=3)
+
+    renderer = ChatMLRenderer(ByteCodec())
+    ids = renderer.encode("".join(parts)) + (renderer.stop_token_ids if closed else [])
+    stop_ids = frozenset(renderer.stop_token_ids)
+    live, shown, sent, at, k = LiveText(renderer, stop_ids, stops, chat), "", [], 0, 0
+    while at < len(ids) and not live.stopped:
+        n = sizes[k % len(sizes)]
+        at, k = at + n, k + 1
+        if text := live.push(span(ids[at - n : at])):
+            assert "\ufffd" not in text
+            shown += text
+            sent += live.take().token_ids
+    choice = finish_choice(live.span(), renderer, stop_ids, stops, chat)
+    rest, tokens = live.rest(choice)
+    assert shown + rest == ((choice.content or "") if chat else choice.text)
+    assert sent + tokens.token_ids == choice.span.token_ids
+    whole = finish_choice(span(ids), renderer, stop_ids, stops, chat)
+    assert (choice.text, choice.span.token_ids, choice.finish) == (
+        whole.text,
+        whole.span.token_ids,
+        whole.finish,
+    )

@@ -174,3 +174,38 @@ def test_an_abandoned_request_leaves_and_the_others_are_unchanged():
     span = asyncio.run(run())
     _assert_same(span, _alone(model, *keep, seed=2))
     assert engine.stats.tokens < 30 + 100  # the abandoned row stopped long before its 300 tokens
+
+
+def test_a_stream_yields_each_token_as_sampled_and_closing_it_frees_the_row():
+    """``stream``: deltas concatenate to what the request gives alone (same seed); they arrive
+    while the request still runs; closing the stream early takes its row out of the batch while
+    a neighbour runs on unchanged."""
+    model = _model()
+    sampling = SamplingParams(max_new_tokens=30)
+    want = _alone(model, [1, 2, 3], sampling, seed=11)
+    neighbour_want = _alone(model, [4, 5], sampling, seed=12)
+
+    async def main():
+        engine = EmbeddedEngine(model)
+        deltas, running = [], []
+        async for delta in engine.stream([1, 2, 3], sampling, seed=11):
+            deltas.append(delta)
+            running.append(engine.running)
+        neighbour = asyncio.ensure_future(engine.generate([4, 5], sampling, seed=12))
+        early = engine.stream([1, 2, 3], sampling, seed=11)
+        first = await anext(early)
+        await early.aclose()
+        for _ in range(100):
+            if engine.running <= 1:
+                break
+            await asyncio.sleep(0.01)
+        left = engine.running
+        return deltas, running, first, left, await neighbour
+
+    deltas, running, first, left, neighbour = asyncio.run(main())
+    ids = [t for d in deltas for t in d.token_ids]
+    lps = [x for d in deltas for x in d.logprobs]
+    assert ids == want.token_ids and len(deltas) > 1 and running[0] == 1  # the first arrived mid-request
+    torch.testing.assert_close(torch.tensor(lps), torch.tensor(want.logprobs), rtol=0, atol=1e-5)
+    assert first.token_ids == want.token_ids[: len(first.token_ids)] and left <= 1
+    _assert_same(neighbour, neighbour_want)

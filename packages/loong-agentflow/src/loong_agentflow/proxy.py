@@ -19,6 +19,10 @@ Endpoints (all need ``Authorization: Bearer <session key>``; unknown or finished
   the episode's reward from inside the agent (or from its environment); ``done: true`` also ends
   the session, after which its key answers 401.
 
+Streaming is live: chunks leave as the engine samples (an engine with ``stream``, see
+:class:`~loong_core.protocols.RolloutEngine`; one without answers each completion whole), and a
+``stop`` string ends the engine call at the token that completes it, streamed or not.
+
 Token exactness: when a chat call's messages extend an earlier call of the session (that call's
 messages, then the assistant reply it returned, then new messages, with the same tools), the
 prompt is that call's prompt ids + its completion ids + the renderer's continuation for the new
@@ -41,11 +45,13 @@ Lifecycle::
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import socket
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import msgspec
 from starlette.applications import Starlette
@@ -55,11 +61,12 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from loong_agentflow.proxy_chat import (
+    ChatChunks,
     Choice,
+    CompletionChunks,
+    LiveText,
     chat_body,
-    chat_events,
     completion_body,
-    completion_events,
     finish_choice,
 )
 from loong_agentflow.proxy_render import ChatRenderer
@@ -70,6 +77,7 @@ from loong_agentflow.proxy_wire import (
     CompletionRequest,
     decode_request,
     error_body,
+    error_event,
     now,
     unsupported,
 )
@@ -82,6 +90,8 @@ if TYPE_CHECKING:
 __all__ = ["ProxyConfig", "ProxyServer"]
 
 log = logging.getLogger("loong.proxy")
+
+T = TypeVar("T")
 
 _JSON = "application/json"
 _json = msgspec.json.Encoder()
@@ -123,18 +133,53 @@ class RewardRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     done: bool = False
 
 
-class _EventStream:
-    """An ASGI response sending prepared server-sent events one body message each."""
+Emit = Callable[[bytes], Awaitable[None]]
 
-    def __init__(self, events: list[bytes]) -> None:
-        self.events = events
+
+class _LiveStream:
+    """An ASGI response streaming the server-sent events ``produce(emit)`` emits as it emits them.
+
+    A client that hangs up cancels ``produce`` (and with it the engine calls it awaits)."""
+
+    def __init__(self, produce: Callable[[Emit], Awaitable[None]]) -> None:
+        self.produce = produce
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
-        for event in self.events:
-            await send({"type": "http.response.body", "body": event, "more_body": True})
+        lock = asyncio.Lock()
+
+        async def emit(event: bytes) -> None:
+            async with lock:  # choices stream concurrently; one body message at a time
+                await send({"type": "http.response.body", "body": event, "more_body": True})
+
+        work = asyncio.ensure_future(self.produce(emit))
+        watch = asyncio.ensure_future(_disconnected(receive))
+        try:
+            done, _ = await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watch.cancel()
+        if work not in done:
+            work.cancel()
+            await asyncio.gather(work, return_exceptions=True)
+            log.debug("a client disconnected while its completion streamed: the engine call was cancelled")
+            return
+        work.result()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+
+async def _tokens(
+    engine: RolloutEngine, prompt: list[int], sampling: SamplingParams
+) -> AsyncIterator[TokenSpan]:
+    """The engine's tokens as they are sampled (``engine.stream``), or its whole completion at
+    once from an engine that cannot stream."""
+    stream = getattr(engine, "stream", None)
+    if stream is None:
+        yield await engine.generate(prompt, sampling)
+        return
+    async with contextlib.aclosing(stream(prompt, sampling)) as deltas:
+        async for delta in deltas:
+            yield delta
 
 
 class _Gone:
@@ -161,6 +206,34 @@ def _tokenized(render: Any, *args: Any, param: str = "messages") -> list[int]:
 
 def _error(e: ApiError) -> Response:
     return Response(error_body(e), e.status, media_type=_JSON)
+
+
+@dataclass(slots=True)
+class _Call:
+    """One completions call, ready to run: what to generate, and how to record and answer it."""
+
+    prompt: list[int]
+    sampling: SamplingParams
+    stops: list[str]
+    n: int
+    chat: bool
+    record: Callable[[list[Choice]], CallRecord]
+    body: Callable[[list[Choice]], dict[str, Any]]
+
+
+async def _unless_gone(request: Request, call: Awaitable[T]) -> T | None:
+    """``await call``, or None when the client disconnected first (the call is cancelled)."""
+    work = asyncio.ensure_future(call)
+    watch = asyncio.ensure_future(_disconnected(request.receive))
+    try:
+        done, _ = await asyncio.wait((work, watch), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        work.cancel()  # no-op once done
+        watch.cancel()
+    if work not in done:
+        await asyncio.gather(work, return_exceptions=True)
+        return None
+    return work.result()
 
 
 class ProxyServer:
@@ -351,33 +424,99 @@ class ProxyServer:
     def _stops(req: ChatRequest | CompletionRequest) -> list[str]:
         return [req.stop] if isinstance(req.stop, str) else list(req.stop or ())
 
-    async def _generate(
-        self, request: Request, prompt: list[int], sampling: SamplingParams, n: int
-    ) -> list[TokenSpan] | None:
-        """n completions of ``prompt``, or None when the client disconnected first (the engine call is cancelled)."""
-        if n == 1:
-            gen = asyncio.ensure_future(self.engine.generate(prompt, sampling))
-        else:
-            gen = asyncio.gather(*(self.engine.generate(prompt, sampling) for _ in range(n)))
-        watch = asyncio.ensure_future(_disconnected(request.receive))
+    async def _live(
+        self,
+        session: ProxySession,
+        prompt: list[int],
+        sampling: SamplingParams,
+        stops: Sequence[str],
+        n: int,
+        chat: bool,
+        shown: Callable[[int, str, TokenSpan], Awaitable[None]] | None = None,
+    ) -> tuple[list[Choice], list[LiveText]]:
+        """``n`` completions of ``prompt``, each stopped at its first stop string (the engine
+        call ends there), finished as choices. ``shown(i, text, tokens)`` receives choice ``i``'s
+        text as it becomes showable, with the tokens it carries. An engine failure is the call's
+        500 (the other choices are cancelled)."""
+        stop_ids = frozenset(sampling.stop_token_ids)
+
+        async def one(i: int) -> LiveText:
+            live = LiveText(self.renderer, stop_ids, stops, chat)
+            async with contextlib.aclosing(_tokens(self.engine, prompt, sampling)) as deltas:
+                async for delta in deltas:
+                    text = live.push(delta)
+                    if text and shown is not None:
+                        await shown(i, text, live.take())
+                    if live.stopped:
+                        break
+            return live
+
+        tasks = [asyncio.ensure_future(one(i)) for i in range(n)]
         self.inflight += 1
         try:
-            done, _ = await asyncio.wait((gen, watch), return_when=asyncio.FIRST_COMPLETED)
+            lives = await asyncio.gather(*tasks)
+        except Exception as e:  # the engine's failure is this call's 500, not the server's end
+            session.errors.append(f"{type(e).__name__}: {e}")
+            raise ApiError(500, f"The engine failed: {type(e).__name__}: {e}", type="server_error") from None
         finally:
-            gen.cancel()  # no-op once done
-            watch.cancel()
+            for t in tasks:
+                t.cancel()  # no-op once done
             self.inflight -= 1
-        if gen not in done:
-            await asyncio.gather(gen, return_exceptions=True)
-            return None
-        result = gen.result()
-        return [result] if n == 1 else list(result)
+        return [finish_choice(x.span(), self.renderer, stop_ids, stops, chat) for x in lives], lives
 
-    def _finish(
-        self, spans: list[TokenSpan], sampling: SamplingParams, stops: Sequence[str], chat: bool
-    ) -> list[Choice]:
-        stop_ids = frozenset(sampling.stop_token_ids)
-        return [finish_choice(s, self.renderer, stop_ids, stops, chat) for s in spans]
+    def _answer(
+        self,
+        request: Request,
+        session: ProxySession,
+        call: _Call,
+        chunks: ChatChunks | CompletionChunks | None,
+    ) -> Any:
+        """Run ``call`` and answer it: one JSON body, or with ``chunks`` a live event stream. The
+        call is recorded before the answer's last event; a client that hangs up first cancels it."""
+
+        async def run(shown: Callable[[int, str, TokenSpan], Awaitable[None]] | None = None):
+            choices, lives = await self._live(
+                session, call.prompt, call.sampling, call.stops, call.n, call.chat, shown
+            )
+            if session.closed:
+                raise ApiError(
+                    401, "The session finished while this call was generated.", code="invalid_api_key"
+                )
+            session.record(call.record(choices))
+            return choices, lives
+
+        if chunks is None:
+
+            async def whole() -> Any:
+                try:
+                    out = await _unless_gone(request, run())
+                except ApiError as e:
+                    return _error(e)
+                if out is None:
+                    return _Gone()
+                return Response(_json.encode(call.body(out[0])), media_type=_JSON)
+
+            return whole()
+
+        async def produce(emit: Emit) -> None:
+            for event in chunks.start(call.prompt, call.n):
+                await emit(event)
+
+            async def shown(i: int, text: str, tokens: TokenSpan) -> None:
+                await emit(chunks.content(i, text, tokens))
+
+            try:
+                choices, lives = await run(shown)
+            except ApiError as e:  # headers are out: the error is the stream's last event
+                await emit(error_event(e))
+                return
+            for i, (choice, live) in enumerate(zip(choices, lives, strict=True)):
+                for event in chunks.finish(i, choice, live):
+                    await emit(event)
+            for event in chunks.end(len(call.prompt), choices):
+                await emit(event)
+
+        return _LiveStream(produce)
 
     # -- endpoints ---------------------------------------------------------------------------
 
@@ -392,21 +531,21 @@ class ProxyServer:
             if parent is None:
                 prompt, observation = _tokenized(self.renderer.render, messages, req.tools), SpanSource.ENV
             else:
-                call, k = parent
-                new = messages[len(call.messages or ()) + 1 :]
-                prompt = call.prompt_ids + call.spans[k].token_ids
-                if not call.closed[k]:
+                prev, k = parent
+                new = messages[len(prev.messages or ()) + 1 :]
+                prompt = prev.prompt_ids + prev.spans[k].token_ids
+                if not prev.closed[k]:
                     prompt = prompt + self.renderer.turn_end_ids
                 prompt = prompt + _tokenized(self.renderer.continuation, new, req.tools)
                 tool_only = all(m["role"] == "tool" for m in new)
                 observation = SpanSource.TOOL if tool_only else SpanSource.ENV
             sampling = self._sampling(req, session, req.max_completion_tokens or req.max_tokens, len(prompt))
-            stops = self._stops(req)
-            spans = await self._call_engine(request, session, prompt, sampling, req.n)
-            if spans is None:
-                return _Gone()
-            choices = self._finish(spans, sampling, stops, chat=True)
-            record = CallRecord(
+        except ApiError as e:
+            return _error(e)
+        created, model, logprobs, ids = now(), self.config.model, bool(req.logprobs), req.return_token_ids
+
+        def record(choices: list[Choice]) -> CallRecord:
+            return CallRecord(
                 prompt_ids=prompt,
                 spans=[c.span for c in choices],
                 closed=[c.closed for c in choices],
@@ -416,31 +555,17 @@ class ProxyServer:
                 tools_key=tools_key,
                 replies=[c.reply for c in choices if c.reply is not None],
             )
-            if session.closed:
-                raise ApiError(
-                    401, "The session finished while this call was generated.", code="invalid_api_key"
-                )
-            session.record(record)
-        except ApiError as e:
-            return _error(e)
-        created, model, logprobs = now(), self.config.model, bool(req.logprobs)
-        if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            events = chat_events(
-                model, prompt, choices, self.renderer, logprobs, include_usage, created, req.return_token_ids
-            )
-            return _EventStream(events)
-        body = chat_body(model, prompt, choices, self.renderer, logprobs, created, req.return_token_ids)
-        return Response(_json.encode(body), media_type=_JSON)
 
-    async def _call_engine(
-        self, request: Request, session: ProxySession, prompt: list[int], sampling: SamplingParams, n: int
-    ) -> list[TokenSpan] | None:
-        try:
-            return await self._generate(request, prompt, sampling, n)
-        except Exception as e:  # the engine's failure is this call's 500, not the server's end
-            session.errors.append(f"{type(e).__name__}: {e}")
-            raise ApiError(500, f"The engine failed: {type(e).__name__}: {e}", type="server_error") from None
+        def body(choices: list[Choice]) -> dict[str, Any]:
+            return chat_body(model, prompt, choices, self.renderer, logprobs, created, ids)
+
+        call = _Call(prompt, sampling, self._stops(req), req.n, True, record, body)
+        chunks = None
+        if req.stream:
+            usage = bool(req.stream_options and req.stream_options.include_usage)
+            chunks = ChatChunks(model, created, self.renderer, logprobs, usage, ids)
+        answer = self._answer(request, session, call, chunks)
+        return answer if chunks else await answer
 
     async def _completions(self, request: Request) -> Any:
         try:
@@ -462,36 +587,30 @@ class ProxyServer:
             if not prompt:
                 raise ApiError(400, "Invalid 'prompt': it is empty.", param="prompt")
             sampling = self._sampling(req, session, req.max_tokens or 16, len(prompt))
-            stops = self._stops(req)
-            spans = await self._call_engine(request, session, prompt, sampling, req.n)
-            if spans is None:
-                return _Gone()
-            choices = self._finish(spans, sampling, stops, chat=False)
-            texts = [(c.text, self.renderer.decode(c.span.token_ids)) for c in choices]
-            record = CallRecord(
+        except ApiError as e:
+            return _error(e)
+        created, model, logprobs, ids = now(), self.config.model, bool(req.logprobs), req.return_token_ids
+
+        def record(choices: list[Choice]) -> CallRecord:
+            return CallRecord(
                 prompt_ids=prompt,
                 spans=[c.span for c in choices],
                 closed=[c.closed for c in choices],
                 finish=[c.finish for c in choices],
                 prompt_text=prompt_text,
-                texts=texts,
+                texts=[(c.text, self.renderer.decode(c.span.token_ids)) for c in choices],
             )
-            if session.closed:
-                raise ApiError(
-                    401, "The session finished while this call was generated.", code="invalid_api_key"
-                )
-            session.record(record)
-        except ApiError as e:
-            return _error(e)
-        created, model = now(), self.config.model
+
+        def body(choices: list[Choice]) -> dict[str, Any]:
+            return completion_body(model, prompt, choices, self.renderer, logprobs, created, ids)
+
+        call = _Call(prompt, sampling, self._stops(req), req.n, False, record, body)
+        chunks = None
         if req.stream:
-            include_usage = bool(req.stream_options and req.stream_options.include_usage)
-            return _EventStream(
-                completion_events(model, prompt, choices, self.renderer, include_usage, created)
-            )
-        logprobs, ids = bool(req.logprobs), req.return_token_ids
-        body = completion_body(model, prompt, choices, self.renderer, logprobs, created, ids)
-        return Response(_json.encode(body), media_type=_JSON)
+            usage = bool(req.stream_options and req.stream_options.include_usage)
+            chunks = CompletionChunks(model, created, usage)
+        answer = self._answer(request, session, call, chunks)
+        return answer if chunks else await answer
 
     async def _models(self, request: Request) -> Response:
         try:

@@ -1,11 +1,16 @@
-"""Turning engine spans into OpenAI answers: finish a choice, build JSON bodies and SSE event lists.
+"""Turning engine spans into OpenAI answers: finish a choice, build JSON bodies and SSE chunks.
 
 A choice is cut at the first ``stop`` string: its kept token ids run up to and including the token
 that completes the stop string, the text shown to the agent ends before it (as OpenAI does).
 A turn that ended in one of the renderer's stop tokens is *closed*; the stop token stays in the
-recorded ids and is left out of the text. Streaming replays a finished completion as OpenAI does:
-a role chunk, one content chunk per token, tool-call chunks (header, then arguments), a finish
-chunk, an optional usage chunk, then ``data: [DONE]``.
+recorded ids and is left out of the text.
+
+Streaming is live: :class:`LiveText` follows a choice's tokens as the engine samples them and
+says which text can be shown already (never taken back) and when a stop string was hit, so the
+caller stops generation there. A chat stream is a role chunk, content chunks as text becomes
+showable, tool-call chunks (header, then arguments) once the choice finished, a finish chunk, an
+optional usage chunk, then ``data: [DONE]`` (:class:`ChatChunks`; text completions:
+:class:`CompletionChunks`).
 """
 
 from __future__ import annotations
@@ -20,7 +25,17 @@ from loong_agentflow.proxy_session import MessageKey, args_key
 from loong_agentflow.proxy_wire import DONE, next_id, sse
 from loong_core.records import SpanSource, TokenSpan
 
-__all__ = ["Choice", "chat_body", "chat_events", "completion_body", "completion_events", "finish_choice"]
+__all__ = [
+    "ChatChunks",
+    "Choice",
+    "CompletionChunks",
+    "LiveText",
+    "chat_body",
+    "completion_body",
+    "finish_choice",
+]
+
+TOOL_CALL = "<tool_call>"
 
 
 @dataclass(slots=True)
@@ -45,7 +60,7 @@ def finish_choice(
     if cut >= 0:
         stop = next(s for s in stops if text.find(s) == cut)
         keep = _tokens_covering(renderer.decode, ids, cut + len(stop))
-        span = _prefix(span, keep)
+        span = _slice(span, 0, keep)
         text, closed, finish = text[:cut], False, "stop"
     choice = Choice(span, text, closed, finish)
     if chat:
@@ -80,16 +95,6 @@ def _tokens_covering(decode: Callable[[list[int]], str], ids: list[int], n_chars
         else:
             lo = mid + 1
     return hi
-
-
-def _prefix(span: TokenSpan, k: int) -> TokenSpan:
-    return TokenSpan(
-        token_ids=span.token_ids[:k],
-        source=SpanSource.MODEL,
-        logprobs=span.logprobs[:k],
-        weight_version=span.weight_version,
-        versions=span.versions[:k],
-    )
 
 
 def _logprob_entries(renderer: ChatRenderer, span: TokenSpan) -> list[dict[str, Any]]:
@@ -143,84 +148,6 @@ def chat_body(
     return body
 
 
-def _pieces(decode: Callable[[list[int]], str], ids: list[int], text: str) -> list[str]:
-    """Per-token text pieces that concatenate to ``text`` (incremental detokenization: a token that
-    ends inside a multi-byte character contributes ``""`` and the next one carries the character)."""
-    pieces: list[str] = []
-    prefix = read = 0
-    for k in range(len(ids)):
-        before = decode(ids[prefix:read])
-        now = decode(ids[prefix : k + 1])
-        if len(now) > len(before) and not now.endswith("\ufffd"):
-            pieces.append(now[len(before) :])
-            prefix, read = read, k + 1
-        else:
-            pieces.append("")
-    return pieces if "".join(pieces) == text else [text] + [""] * (len(ids) - 1)
-
-
-def chat_events(
-    model: str,
-    prompt: list[int],
-    choices: Sequence[Choice],
-    renderer: ChatRenderer,
-    logprobs: bool,
-    include_usage: bool,
-    created: int,
-    token_ids: bool = False,
-) -> list[bytes]:
-    """:func:`chat_body` as chunks; with ``token_ids`` a first chunk (no choices) carries
-    ``prompt_token_ids`` and each choice's chunks the ids of the tokens they show (concatenated:
-    the choice's sampled ids)."""
-    base: dict[str, Any] = {"id": next_id("chatcmpl"), "object": "chat.completion.chunk", "created": created}
-    base |= {"model": model, "system_fingerprint": None}
-    if include_usage:
-        base["usage"] = None
-
-    def chunk(
-        i: int,
-        delta: dict[str, Any],
-        lp: list[dict[str, Any]] | None = None,
-        finish: str | None = None,
-        ids: list[int] | None = None,
-    ):
-        lps = {"content": lp, "refusal": None} if logprobs and lp else None
-        choice = {"index": i, "delta": delta, "logprobs": lps, "finish_reason": finish}
-        if token_ids:
-            choice["token_ids"] = ids or []
-        return sse({**base, "choices": [choice]})
-
-    events: list[bytes] = []
-    if token_ids:
-        events.append(sse({**base, "choices": [], "prompt_token_ids": list(prompt)}))
-    for i, c in enumerate(choices):
-        events.append(chunk(i, {"role": "assistant", "content": "", "refusal": None}))
-        entries = _logprob_entries(renderer, c.span) if logprobs else []
-        sampled = list(c.span.token_ids)
-        used = 0
-        if c.content:
-            ids = c.span.token_ids[:-1] if c.closed else c.span.token_ids
-            emitted = 0
-            for k, piece in enumerate(_pieces(renderer.decode, ids, c.text)):
-                if emitted >= len(c.content):
-                    break
-                piece = piece[: len(c.content) - emitted]
-                emitted += len(piece)
-                events.append(chunk(i, {"content": piece}, entries[k : k + 1], ids=sampled[k : k + 1]))
-                used = k + 1
-        for j, call in enumerate(c.tool_calls or ()):
-            head = {"index": j, "id": call["id"], "type": "function"}
-            head["function"] = {"name": call["function"]["name"], "arguments": ""}
-            events.append(chunk(i, {"tool_calls": [head]}))
-            args = {"index": j, "function": {"arguments": call["function"]["arguments"]}}
-            events.append(chunk(i, {"tool_calls": [args]}))
-        events.append(chunk(i, {}, entries[used:], c.finish, ids=sampled[used:]))
-    if include_usage:
-        events.append(sse({**base, "choices": [], "usage": _usage(len(prompt), choices)}))
-    events.append(DONE)
-    return events
-
-
 def _text_logprobs(renderer: ChatRenderer, span: TokenSpan) -> dict[str, Any]:
     tokens = [renderer.decode([t]) for t in span.token_ids]
     offsets, at = [], 0
@@ -267,35 +194,183 @@ def completion_body(
     }
 
 
-def completion_events(
-    model: str,
-    prompt: list[int],
-    choices: Sequence[Choice],
-    renderer: ChatRenderer,
-    include_usage: bool,
-    created: int,
-) -> list[bytes]:
-    base = {"id": next_id("cmpl"), "object": "text_completion", "created": created, "model": model}
-    events = []
-    for i, c in enumerate(choices):
-        ids = c.span.token_ids[:-1] if c.closed else c.span.token_ids
-        emitted = 0
-        for piece in _pieces(renderer.decode, ids, c.text):
-            piece = piece[: len(c.text) - emitted]
-            if piece:
-                emitted += len(piece)
-                events.append(
-                    sse(
-                        {
-                            **base,
-                            "choices": [{"index": i, "text": piece, "logprobs": None, "finish_reason": None}],
-                        }
-                    )
-                )
-        events.append(
-            sse({**base, "choices": [{"index": i, "text": "", "logprobs": None, "finish_reason": c.finish}]})
+class LiveText:
+    """One choice while its tokens arrive: the tokens so far, the text safe to show, and whether
+    a stop string was hit (then the caller stops generation and finishes the choice).
+
+    Shown text is never taken back, so it stops short of a trailing partial character, of a
+    suffix that could begin a stop string and, in chat, of the first ``<tool_call>`` (or a suffix
+    that could begin one) and of a blank beginning (content before a tool call is ``None`` when
+    blank). What remains is shown once the choice finished (:meth:`rest`).
+    """
+
+    def __init__(
+        self, renderer: ChatRenderer, stop_ids: Collection[int], stops: Sequence[str], chat: bool
+    ) -> None:
+        self.decode, self.stop_ids, self.stops, self.chat = renderer.decode, stop_ids, list(stops), chat
+        self.holds = [*self.stops, TOOL_CALL] if chat else self.stops
+        self.ids: list[int] = []
+        self.logprobs: list[float] = []
+        self.versions: list[int] = []
+        self.shown = ""
+        self.sent = 0  # leading tokens already sent with shown text
+        self.stopped = False
+
+    def push(self, delta: TokenSpan) -> str:
+        """Add the engine's new tokens; returns the text that became showable ("" if none)."""
+        self.ids += delta.token_ids
+        self.logprobs += delta.logprobs
+        self.versions += delta.token_versions()
+        ids = self.ids[:-1] if self.ids and self.ids[-1] in self.stop_ids else self.ids
+        text = self.decode(ids)
+        if any(s in text for s in self.stops):
+            self.stopped = True
+            return ""
+        limit = len(text)
+        while limit and text[limit - 1] == "\ufffd":  # a character whose bytes did not all arrive
+            limit -= 1
+        call = text.find(TOOL_CALL) if self.chat else -1
+        limit = min(limit, call) if call >= 0 else limit - _held(text[:limit], self.holds)
+        visible = text[:limit]
+        if (self.chat and not visible.strip()) or len(visible) <= len(self.shown):
+            return ""
+        if not visible.startswith(self.shown):  # the tokenizer re-decoded earlier text differently
+            return ""
+        piece, self.shown = visible[len(self.shown) :], visible
+        return piece
+
+    def take(self) -> TokenSpan:
+        """The tokens not yet sent, as a model span; they count as sent from now on."""
+        span = self._span(self.sent, len(self.ids))
+        self.sent = len(self.ids)
+        return span
+
+    def span(self) -> TokenSpan:
+        """Every token so far: the choice's span before :func:`finish_choice` cuts it."""
+        return self._span(0, len(self.ids))
+
+    def rest(self, choice: Choice) -> tuple[str, TokenSpan]:
+        """What the finished ``choice`` still has to show: its text (content in chat) beyond the
+        shown text, and its kept tokens not yet sent."""
+        final = (choice.content or "") if self.chat else choice.text
+        text = final[len(self.shown) :] if final.startswith(self.shown) else ""
+        ids = choice.span.token_ids
+        return text, _slice(choice.span, min(self.sent, len(ids)), len(ids))
+
+    def _span(self, start: int, end: int) -> TokenSpan:
+        versions = self.versions[start:end]
+        return TokenSpan(
+            token_ids=self.ids[start:end],
+            source=SpanSource.MODEL,
+            logprobs=self.logprobs[start:end],
+            weight_version=versions[-1] if versions else 0,
+            versions=versions if len(set(versions)) > 1 else [],
         )
-    if include_usage:
-        events.append(sse({**base, "choices": [], "usage": _usage(len(prompt), choices)}))
-    events.append(DONE)
-    return events
+
+
+def _held(text: str, holds: Sequence[str]) -> int:
+    """The length of the longest suffix of ``text`` that begins one of ``holds`` (but is not all of it)."""
+    for k in range(min(len(text), max(map(len, holds), default=1) - 1), 0, -1):
+        if any(h.startswith(text[-k:]) for h in holds):
+            return k
+    return 0
+
+
+def _slice(span: TokenSpan, start: int, end: int) -> TokenSpan:
+    return TokenSpan(
+        token_ids=span.token_ids[start:end],
+        source=SpanSource.MODEL,
+        logprobs=span.logprobs[start:end],
+        weight_version=span.weight_version,
+        versions=span.versions[start:end],
+    )
+
+
+class ChatChunks:
+    """The SSE events of a streamed chat completion (``token_ids``: vLLM's ``return_token_ids``:
+    a first event carries ``prompt_token_ids``, and each choice's chunks the ids of the tokens
+    they show, concatenated the choice's sampled ids)."""
+
+    def __init__(
+        self,
+        model: str,
+        created: int,
+        renderer: ChatRenderer,
+        logprobs: bool,
+        include_usage: bool,
+        token_ids: bool,
+    ) -> None:
+        self.renderer, self.logprobs, self.token_ids = renderer, logprobs, token_ids
+        self.base: dict[str, Any] = {"id": next_id("chatcmpl"), "object": "chat.completion.chunk"}
+        self.base |= {"created": created, "model": model, "system_fingerprint": None}
+        if include_usage:
+            self.base["usage"] = None
+
+    def _chunk(
+        self, i: int, delta: dict[str, Any], span: TokenSpan | None = None, finish: str | None = None
+    ) -> bytes:
+        lp = _logprob_entries(self.renderer, span) if self.logprobs and span else None
+        choice = {
+            "index": i,
+            "delta": delta,
+            "logprobs": {"content": lp, "refusal": None} if lp else None,
+            "finish_reason": finish,
+        }
+        if self.token_ids:
+            choice["token_ids"] = list(span.token_ids) if span else []
+        return sse({**self.base, "choices": [choice]})
+
+    def start(self, prompt: list[int], n: int) -> list[bytes]:
+        events = (
+            [sse({**self.base, "choices": [], "prompt_token_ids": list(prompt)})] if self.token_ids else []
+        )
+        return events + [
+            self._chunk(i, {"role": "assistant", "content": "", "refusal": None}) for i in range(n)
+        ]
+
+    def content(self, i: int, text: str, span: TokenSpan) -> bytes:
+        return self._chunk(i, {"content": text}, span)
+
+    def finish(self, i: int, choice: Choice, live: LiveText) -> list[bytes]:
+        """The rest of a finished choice: content not shown yet, its tool calls, the finish chunk."""
+        text, span = live.rest(choice)
+        events = [self.content(i, text, span)] if text else []
+        for j, call in enumerate(choice.tool_calls or ()):
+            head = {"index": j, "id": call["id"], "type": "function"}
+            head["function"] = {"name": call["function"]["name"], "arguments": ""}
+            events.append(self._chunk(i, {"tool_calls": [head]}))
+            args = {"index": j, "function": {"arguments": call["function"]["arguments"]}}
+            events.append(self._chunk(i, {"tool_calls": [args]}))
+        events.append(self._chunk(i, {}, None if text else span, choice.finish))
+        return events
+
+    def end(self, prompt_len: int, choices: Sequence[Choice]) -> list[bytes]:
+        usage = [sse({**self.base, "choices": [], "usage": _usage(prompt_len, choices)})]
+        return [*(usage if "usage" in self.base else ()), DONE]
+
+
+class CompletionChunks:
+    """The SSE events of a streamed text completion."""
+
+    def __init__(self, model: str, created: int, include_usage: bool) -> None:
+        self.base = {"id": next_id("cmpl"), "object": "text_completion", "created": created, "model": model}
+        self.include_usage = include_usage
+
+    def _chunk(self, i: int, text: str, finish: str | None = None) -> bytes:
+        return sse(
+            {**self.base, "choices": [{"index": i, "text": text, "logprobs": None, "finish_reason": finish}]}
+        )
+
+    def start(self, prompt: list[int], n: int) -> list[bytes]:
+        return []
+
+    def content(self, i: int, text: str, span: TokenSpan) -> bytes:
+        return self._chunk(i, text)
+
+    def finish(self, i: int, choice: Choice, live: LiveText) -> list[bytes]:
+        text, _ = live.rest(choice)
+        return [*([self._chunk(i, text)] if text else ()), self._chunk(i, "", choice.finish)]
+
+    def end(self, prompt_len: int, choices: Sequence[Choice]) -> list[bytes]:
+        usage = sse({**self.base, "choices": [], "usage": _usage(prompt_len, choices)})
+        return [*((usage,) if self.include_usage else ()), DONE]

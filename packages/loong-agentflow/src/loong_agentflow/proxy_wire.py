@@ -25,6 +25,7 @@ __all__ = [
     "Message",
     "decode_request",
     "error_body",
+    "error_event",
     "next_id",
     "sse",
     "unsupported",
@@ -56,8 +57,17 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
 
 
+def _error_json(e: ApiError) -> dict[str, Any]:
+    return {"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}}
+
+
 def error_body(e: ApiError) -> bytes:
-    return _json.encode({"error": {"message": e.message, "type": e.type, "param": e.param, "code": e.code}})
+    return _json.encode(_error_json(e))
+
+
+def error_event(e: ApiError) -> bytes:
+    """``e`` as the last event of a stream whose headers already went out."""
+    return sse(_error_json(e))
 
 
 class ContentPart(msgspec.Struct, kw_only=True):

@@ -34,7 +34,7 @@ written by older weights.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -69,6 +69,7 @@ class Request:
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    on_token: Callable[[], None] | None = None  # called (in the stepping thread) after each sampled token
 
     @property
     def finished(self) -> bool:
@@ -237,6 +238,8 @@ class RunningBatch:
             r.token_ids.append(token)
             r.logprobs.append(lp)
             r.versions.append(version)
+            if r.on_token is not None:
+                r.on_token()
         self.stats.steps += 1
         self.stats.tokens += len(rows)
         return tokens

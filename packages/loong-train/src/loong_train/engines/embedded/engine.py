@@ -37,13 +37,13 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import msgspec
 import torch
 
 from loong_core.protocols import SamplingParams
-from loong_core.records import TokenSpan
+from loong_core.records import SpanSource, TokenSpan
 from loong_train.engines.embedded.batching import BatchStats, Request, RunningBatch
 from loong_train.models.decoder import CausalLM
 
@@ -227,6 +227,43 @@ class EmbeddedEngine:
             self._driver = asyncio.create_task(self._drive())
         return await request.future
 
+    async def stream(
+        self, input_ids: list[int], sampling: SamplingParams, *, seed: int | None = None
+    ) -> AsyncIterator[TokenSpan]:
+        """``generate``, yielding the completion while it is sampled: model spans of the tokens
+        new since the previous one (together: the span ``generate`` returns; same seed, same
+        tokens). Closing the iterator early cancels the request: its row leaves the batch
+        after the decode step in flight."""
+        request = self._request(input_ids, sampling, seed)
+        loop = asyncio.get_running_loop()
+        request.future = loop.create_future()
+        ready = asyncio.Event()
+        request.on_token = lambda: loop.call_soon_threadsafe(ready.set)
+        self._queue.append(request)
+        if self._driver is None or self._driver.done():
+            self._driver = asyncio.create_task(self._drive())
+        sent = 0
+        try:
+            while True:
+                finished = request.future.done()
+                if finished:
+                    request.future.result()  # the engine's failure is the stream's
+                n = len(request.versions)  # appended last of a token's three lists
+                if n > sent:
+                    yield _delta(request, sent, n)
+                    sent = n
+                if finished:
+                    return
+                waiter = asyncio.ensure_future(ready.wait())
+                try:
+                    await asyncio.wait((waiter, request.future), return_when=asyncio.FIRST_COMPLETED)
+                finally:
+                    waiter.cancel()
+                ready.clear()
+        finally:
+            if not request.future.done():
+                request.future.cancel()  # seen by the stepping thread: the row leaves
+
     async def _drive(self) -> None:
         batch = self._batch
         while self._queue or batch.rows:
@@ -284,3 +321,15 @@ class EmbeddedEngine:
             joining, queue = self._admit(queue, len(batch.rows))
             batch.step(joining, [], self._version, self._epoch)
         return [r.span() for r in requests]
+
+
+def _delta(request: Request, start: int, end: int) -> TokenSpan:
+    """Tokens ``[start, end)`` of ``request`` as a model span (``versions`` when they are mixed)."""
+    versions = request.versions[start:end]
+    return TokenSpan(
+        token_ids=request.token_ids[start:end],
+        logprobs=request.logprobs[start:end],
+        source=SpanSource.MODEL,
+        weight_version=versions[-1],
+        versions=versions if len(set(versions)) > 1 else [],
+    )
