@@ -48,6 +48,11 @@ class RolloutEngine(Protocol):
     Lifecycle: create, then ``generate`` concurrently from many episodes; around a weight update
     the owner calls ``pause()`` (in-flight requests hold between decode steps), applies weights,
     then ``resume()``. Every returned model span carries the version that produced its tokens.
+
+    Optional: ``stream(input_ids, sampling) -> AsyncIterator[TokenSpan]``, the same completion
+    yielded while it is sampled (model spans of the tokens new since the previous one); closing
+    the iterator early cancels the request. The AgentFlow proxy streams through it and ends a
+    call at a stop string there.
     """
 
     @property
