@@ -10,6 +10,7 @@ what the server holds (``/get_weights_by_name``).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
 import socket
@@ -19,6 +20,7 @@ import httpx
 import pytest
 import torch
 
+from loong_core.protocols import SamplingParams
 from loong_train.algo.losses import grpo_advantages, pack_batch
 from loong_train.backends.config import MegatronBackendConfig
 from loong_train.config import load_recipe, recipe_names
@@ -49,6 +51,10 @@ def _version(url: str) -> str:
     return httpx.get(f"{url}/get_weight_version").json()["weight_version"]
 
 
+async def _streamed(engine, prompt: list[int]) -> list:
+    return [d async for d in engine.stream(prompt, SamplingParams(max_new_tokens=8))]
+
+
 def _rollout(worker: RolloutWorker, seed: int, groups: int = 1):
     source = GroupSource(calc.train_tasks(seed, []), group_size=4)
     specs = [s for _ in range(groups) for s in source.specs(source.next_group())]
@@ -73,6 +79,9 @@ def test_worker_generates_takes_weights_and_survives_a_server_restart(tiny_dir, 
     try:
         trajs = _rollout(worker, seed=0, groups=2)
         assert {t.oldest_version for t in trajs} == {0}
+        deltas = asyncio.run(_streamed(worker.engine, trajs[0].spans[0].token_ids))
+        assert len(deltas) > 1 and sum(len(d.token_ids) for d in deltas) == 8  # across the client's loop
+        assert all(d.weight_version == 0 and len(d.logprobs) == len(d.token_ids) for d in deltas)
         batch = pack_batch(trajs, grpo_advantages(trajs), policy_version=0)
         recomputed = trainer.logprobs(batch)
         gaps = [

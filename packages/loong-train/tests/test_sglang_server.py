@@ -98,6 +98,47 @@ def test_generate_logprobs_equal_engine_and_forward_pass(model_dir):
     torch.testing.assert_close(torch.tensor(span.logprobs, dtype=torch.float64), full, rtol=0, atol=1e-5)
 
 
+def test_streamed_generate_is_the_same_answer_event_by_event(model_dir):
+    """``stream: true``: cumulative events (as SGLang streams by default), the last with the
+    finish reason, then [DONE]; the client's deltas join to the unstreamed answer of the same
+    seed; a client that closes the stream early frees the server's row."""
+    sampling = SamplingParams(max_new_tokens=12, temperature=0.9)
+    want = EmbeddedEngine(CausalLM.from_pretrained(model_dir), seed=5).generate_batch([PROMPT], [sampling])[0]
+    engine = EmbeddedEngine(CausalLM.from_pretrained(model_dir), seed=5)
+    with _serve(engine) as (url, _):
+
+        async def run():
+            client = SGLangEngine(SGLangClientConfig(url=url))
+            try:
+                deltas = [d async for d in client.stream(PROMPT, sampling)]
+                long = SamplingParams(max_new_tokens=400, temperature=0.9)
+                early = client.stream(PROMPT, long)
+                first = await anext(early)
+                await early.aclose()
+                for _ in range(200):
+                    if not engine.running:
+                        break
+                    await asyncio.sleep(0.01)
+                return deltas, first, engine.running
+            finally:
+                await client.aclose()
+
+        deltas, first, running = asyncio.run(run())
+        body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 3}, "return_logprob": True}
+        raw = httpx.post(f"{url}/generate", json={**body, "stream": True}).text
+    assert [t for d in deltas for t in d.token_ids] == want.token_ids and len(deltas) > 1
+    assert [x for d in deltas for x in d.logprobs] == want.logprobs
+    assert first.token_ids and running == 0
+    events = [e[6:] for e in raw.split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    answers = [msgspec.json.decode(e) for e in events[:-1]]
+    lengths = [len(a["output_ids"]) for a in answers]
+    assert lengths == sorted(lengths) and lengths[-1] == 3
+    assert all(a["output_ids"] == answers[-1]["output_ids"][: len(a["output_ids"])] for a in answers)
+    assert [a["meta_info"]["finish_reason"] for a in answers][-1] == {"type": "length", "length": 3}
+    assert all(a["meta_info"]["finish_reason"] is None for a in answers[:-1])
+
+
 def test_prefill_only_scoring_equals_forward_log_softmax(model_dir):
     model = CausalLM.from_pretrained(model_dir)
     ids = [*PROMPT, 40, 41, 2, 7]

@@ -5,7 +5,8 @@ CPU). Bodies are the Structs of ``loong_core.sglang_api``. Requests send ``input
 ``sampling_params {max_new_tokens, temperature, top_p, stop_token_ids}`` (all four always, so a
 server's preferred sampling defaults never apply) and ``return_logprob``; the span is built from
 ``output_ids`` and ``meta_info.output_token_logprobs`` (``[logprob, token_id, text]`` triples), so
-nothing is re-tokenized. SGLang's output logprobs are ``log(softmax(logits / T))`` of the sampled
+nothing is re-tokenized. ``stream`` reads the same answer as SGLang streams it (``stream: true``,
+cumulative events), for the proxy's live streaming. SGLang's output logprobs are ``log(softmax(logits / T))`` of the sampled
 tokens before top-p filtering, which is the convention of ``loong_core.protocols.SamplingParams``.
 
 Versions: SGLang's ``weight_version`` is a string (``"default"`` until the first update);
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import AsyncIterator
 from typing import TypeVar
 
 import httpx
@@ -99,14 +101,44 @@ class SGLangEngine:
         return self._version
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams) -> TokenSpan:
-        options = SGLangSamplingParams(
-            max_new_tokens=sampling.max_new_tokens,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            stop_token_ids=list(sampling.stop_token_ids),
-        )
-        body = GenerateRequest(input_ids=list(input_ids), sampling_params=options, return_logprob=True)
-        out = await self._request("POST", "/generate", GenerateResponse, body)
+        out = await self._request("POST", "/generate", GenerateResponse, _generate_body(input_ids, sampling))
+        return self._span(out, 0)
+
+    async def stream(self, input_ids: list[int], sampling: SamplingParams) -> AsyncIterator[TokenSpan]:
+        """``generate`` as SGLang streams it (``stream: true``): each event is the answer so far,
+        and this yields the tokens new in it. Closing early closes the connection, which SGLang
+        takes as an abort of the request. Not retried: tokens may already have been used."""
+        body = msgspec.json.encode(_generate_body(input_ids, sampling, stream=True))
+        where, got = f"{self._base}/generate", 0
+        try:
+            async with self._client.stream("POST", where, content=body, headers=_JSON) as response:
+                if response.status_code != 200:
+                    await response.aread()
+                    _checked(response, where)
+                async for line in response.aiter_lines():
+                    if not line.startswith("data: "):
+                        continue
+                    if line == "data: [DONE]":
+                        return
+                    try:
+                        out = msgspec.json.decode(line[6:], type=GenerateResponse)
+                    except msgspec.DecodeError as e:
+                        raise SGLangError(f"{where}: a streamed event is not an SGLang answer: {e}") from None
+                    if len(out.output_ids) < got:
+                        raise SGLangError(
+                            f"{where}: a streamed answer shrank from {got} to {len(out.output_ids)} tokens "
+                            "(is the server started with --incremental-streaming-output? Loong reads "
+                            "SGLang's default, cumulative events)"
+                        )
+                    span = self._span(out, got)
+                    got = len(out.output_ids)
+                    if span.token_ids:
+                        yield span
+        except httpx.TransportError as e:
+            raise SGLangError(f"{where}: the stream broke after {got} tokens: {e}") from e
+
+    def _span(self, out: GenerateResponse, start: int) -> TokenSpan:
+        """Tokens ``start:`` of an answer, checked (not aborted; logprobs match the ids)."""
         meta, ids = out.meta_info, out.output_ids
         if meta.finish_reason is not None and meta.finish_reason.type == "abort":
             reason = msgspec.to_builtins(meta.finish_reason)
@@ -117,8 +149,8 @@ class SGLangEngine:
         version = self._parse_version(meta.weight_version)
         self._version = max(self._version, version)
         return TokenSpan(
-            token_ids=ids,
-            logprobs=[float(t[0]) for t in triples],
+            token_ids=ids[start:],
+            logprobs=[float(t[0]) for t in triples[start:]],
             source=SpanSource.MODEL,
             weight_version=version,
         )
@@ -190,6 +222,18 @@ class SGLangEngine:
         where = f"{self._base}{path}"
         with httpx.Client(headers=self._headers, timeout=self._timeout) as client:
             _checked(client.post(where, content=msgspec.json.encode(body), headers=_JSON), where)
+
+
+def _generate_body(input_ids: list[int], sampling: SamplingParams, stream: bool = False) -> GenerateRequest:
+    options = SGLangSamplingParams(
+        max_new_tokens=sampling.max_new_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        stop_token_ids=list(sampling.stop_token_ids),
+    )
+    return GenerateRequest(
+        input_ids=list(input_ids), sampling_params=options, return_logprob=True, stream=stream or None
+    )
 
 
 def _checked(response: httpx.Response, where: str) -> httpx.Response:

@@ -157,7 +157,9 @@ class GenerateRequest(_Request):
     ``return_logprob`` (default false) adds ``output_token_logprobs`` and
     ``input_token_logprobs`` for ``input_ids[logprob_start_len:]`` (default ``-1``: the last
     prompt token only); ``top_logprobs_num = k`` (default 0) adds the ``k`` best entries per
-    position. ``rid``: request id, one per prompt for a batch.
+    position. ``rid``: request id, one per prompt for a batch. ``stream``: answer with server-sent
+    events, each a :class:`GenerateResponse` of the answer so far (``output_ids`` and logprobs
+    cumulative, SGLang's default), ``finish_reason`` set on the last, then ``data: [DONE]``.
     """
 
     text: str | list[str] | None = None
@@ -167,6 +169,7 @@ class GenerateRequest(_Request):
     return_logprob: bool | None = None
     logprob_start_len: int | None = None
     top_logprobs_num: _NonNegative | None = None
+    stream: bool | None = None
 
 
 class FinishReason(_Response):

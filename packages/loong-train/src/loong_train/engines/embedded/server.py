@@ -18,6 +18,8 @@ The subset Loong uses, with SGLang's field names and shapes (``entrypoints/http_
   first), the ``k`` most likely ``[logprob, token_id, None]`` at that position, most likely first.
   ``max_new_tokens = 0`` is prefill only (how teachers score). Output logprobs are
   ``log_softmax(logits / T)`` of the sampled tokens; a matched stop token is in ``output_ids``.
+  ``stream: true`` answers server-sent events, each the answer so far (``finish_reason`` on
+  the last), then ``data: [DONE]``; a client that hangs up cancels the request.
 - ``/pause_generation {mode}``, ``/continue_generation``, ``/get_weight_version``,
   ``/get_model_info``, ``/get_weights_by_name {name, truncate_size}``, ``/health``,
   ``/health_generate``, ``/flush_cache`` (no prefix cache here, but it answers as SGLang does:
@@ -37,7 +39,8 @@ The subset Loong uses, with SGLang's field names and shapes (``entrypoints/http_
   the same field, base64 of ``torch.save([(name, tensor), ...])`` (tensors by value), loaded with
   ``torch.load(weights_only=True)``; SGLang's own payloads are refused with a 400.
 
-Differences from SGLang: no ``text`` input, no streaming, greedy (``temperature = 0``) and the
+Differences from SGLang: no ``text`` input, ``stream`` for one prompt at a time (cumulative
+events, as SGLang streams by default), greedy (``temperature = 0``) and the
 sampling options other than ``max_new_tokens``, ``temperature``, ``top_p``, ``stop_token_ids`` are
 refused (400) unless left at SGLang's defaults; every pause mode holds running and queued requests
 between decode steps rather than aborting or retracting them; ``abort_all_requests`` is accepted
@@ -58,18 +61,21 @@ import argparse
 import asyncio
 import base64
 import binascii
+import contextlib
 import datetime
 import hmac
 import io
 import time
 import uuid
+from collections.abc import AsyncIterator
 from pathlib import Path
 
+import msgspec
 import torch
 import torch.distributed as dist
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from loong_core.protocols import SamplingParams
@@ -160,13 +166,15 @@ class SGLangServer:
             if not 0 <= first < len(prompt):
                 raise BadRequest("logprob_start_len", f"must be -1 or in [0, {len(prompt)})")
             jobs.append((prompt, sampling, max_new, logprob, first, f"{rid}{suffix}", top_k))
+        if body.stream:
+            if batch:
+                raise BadRequest("stream", "streams one prompt at a time here (send a batch unstreamed)")
+            return StreamingResponse(self._stream(*jobs[0]), media_type="text/event-stream")
         results = await asyncio.gather(*(self._one(*job) for job in jobs))
         return json_response(results if batch else results[0])
 
-    async def _one(
-        self, prompt, sampling: SamplingParams, max_new: int, logprob: bool, start: int, rid, top_k: int
-    ) -> GenerateResponse:
-        t0 = time.perf_counter()
+    async def _prompt_logprobs(self, prompt, logprob: bool, start: int, top_k: int) -> tuple[dict, int]:
+        """The ``input_*`` logprob fields asked for, and the weight version that scored them."""
         logprobs: dict = {}
         version = self.engine.weight_version
         if logprob:
@@ -181,22 +189,62 @@ class SGLangServer:
             logprobs["input_token_logprobs"] = [(None, prompt[start], None)] + [
                 (scores[j - 1], prompt[j], None) for j in range(start + 1, len(prompt))
             ]
-        out: list[int] = []
-        lps: list[float] = []
-        finish = FinishReason(type="length", length=max_new)
-        if max_new > 0:
-            span = await self.engine.generate(prompt, sampling)
-            out, lps, version = span.token_ids, span.logprobs, span.weight_version
-            if out[-1] in sampling.stop_token_ids:
-                finish = FinishReason(type="stop", matched=out[-1])
-        if logprob:
-            logprobs["output_token_logprobs"] = [(lp, t, None) for lp, t in zip(lps, out, strict=True)]
+        return logprobs, version
+
+    def _answer(self, prompt, rid, out, lps, version, logprobs, finish, t0) -> GenerateResponse:
+        if "input_token_logprobs" in logprobs:
+            logprobs = logprobs | {
+                "output_token_logprobs": [(lp, t, None) for lp, t in zip(lps, out, strict=True)]
+            }
         meta = MetaInfo(
             id=rid, finish_reason=finish, prompt_tokens=len(prompt), completion_tokens=len(out),
             cached_tokens=0, weight_version=self.labels.get(version, self.label),
             e2e_latency=time.perf_counter() - t0, **logprobs,
         )  # fmt: skip
-        return GenerateResponse(output_ids=out, meta_info=meta)
+        return GenerateResponse(output_ids=list(out), meta_info=meta)
+
+    @staticmethod
+    def _finish(out: list[int], sampling: SamplingParams, max_new: int) -> FinishReason:
+        if out and out[-1] in sampling.stop_token_ids:
+            return FinishReason(type="stop", matched=out[-1])
+        return FinishReason(type="length", length=max_new)
+
+    async def _one(
+        self, prompt, sampling: SamplingParams, max_new: int, logprob: bool, start: int, rid, top_k: int
+    ) -> GenerateResponse:
+        t0 = time.perf_counter()
+        logprobs, version = await self._prompt_logprobs(prompt, logprob, start, top_k)
+        out: list[int] = []
+        lps: list[float] = []
+        if max_new > 0:
+            span = await self.engine.generate(prompt, sampling)
+            out, lps, version = span.token_ids, span.logprobs, span.weight_version
+        return self._answer(
+            prompt, rid, out, lps, version, logprobs, self._finish(out, sampling, max_new), t0
+        )
+
+    async def _stream(
+        self, prompt, sampling: SamplingParams, max_new: int, logprob: bool, start: int, rid, top_k: int
+    ) -> AsyncIterator[bytes]:
+        """SGLang's streamed ``/generate``: one event per batch of new tokens, each carrying the
+        whole answer so far (``output_ids`` and logprobs cumulative, SGLang's default without
+        ``--incremental-streaming-output``), ``finish_reason`` only on the last; then ``[DONE]``.
+        A client that hangs up cancels the request."""
+        t0 = time.perf_counter()
+        logprobs, version = await self._prompt_logprobs(prompt, logprob, start, top_k)
+        out: list[int] = []
+        lps: list[float] = []
+        if max_new > 0:
+            async with contextlib.aclosing(self.engine.stream(prompt, sampling)) as deltas:
+                async for delta in deltas:
+                    out, lps, version = out + delta.token_ids, lps + delta.logprobs, delta.weight_version
+                    answer = self._answer(prompt, rid, out, lps, version, logprobs, None, t0)
+                    yield b"data: " + msgspec.json.encode(answer) + b"\n\n"
+        answer = self._answer(
+            prompt, rid, out, lps, version, logprobs, self._finish(out, sampling, max_new), t0
+        )
+        yield b"data: " + msgspec.json.encode(answer) + b"\n\n"
+        yield b"data: [DONE]\n\n"
 
     async def pause(self, request: Request) -> Response:
         mode = (await decode_body(request, PauseGenerationRequest)).mode

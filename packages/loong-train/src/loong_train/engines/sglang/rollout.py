@@ -40,6 +40,7 @@ import asyncio
 import contextlib
 import socket
 import threading
+from collections.abc import AsyncIterator
 
 import httpx
 
@@ -107,6 +108,31 @@ class SGLangRollout:
         self.supervisor.check()
         call = asyncio.run_coroutine_threadsafe(self.client.generate(input_ids, sampling), self._loop)
         return await asyncio.wrap_future(call)
+
+    async def stream(self, input_ids: list[int], sampling: SamplingParams) -> AsyncIterator[TokenSpan]:
+        """The client's ``stream``, run on the client's loop and handed to the caller's as it comes;
+        closing it early closes the server's stream (SGLang aborts the request)."""
+        self.supervisor.check()
+        here, queue = asyncio.get_running_loop(), asyncio.Queue()
+        done = object()
+
+        async def pump() -> None:
+            try:
+                async for delta in self.client.stream(input_ids, sampling):
+                    here.call_soon_threadsafe(queue.put_nowait, delta)
+            except BaseException as e:  # the caller's stream raises it
+                here.call_soon_threadsafe(queue.put_nowait, e)
+                raise
+            here.call_soon_threadsafe(queue.put_nowait, done)
+
+        call = asyncio.run_coroutine_threadsafe(pump(), self._loop)
+        try:
+            while (item := await queue.get()) is not done:
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+        finally:
+            call.cancel()
 
     def check(self) -> None:
         """Raise if the supervisor gave up on the server."""
