@@ -149,6 +149,9 @@ def test_failing_agents_are_marked_and_do_not_disturb_healthy_ones(preload, tmp_
     )  # max_tokens=2 cut its only call
     assert healthy.status is EpisodeStatus.OK and healthy.reward == 1.0
     assert all(not t.status.trainable for t in (crash, hang, silent))
+    # which reward won: the posted 0.75 over reward_fn's 1.0, and reward_fn where nothing was posted
+    assert posted.metrics["from_agent"] == 1.0 and healthy.metrics["from_agent"] == 0.0
+    assert all("from_agent" not in t.metrics for t in (crash, hang, silent))
 
 
 def test_missing_reward_fails_the_episode(tmp_path):

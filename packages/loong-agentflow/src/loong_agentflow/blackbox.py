@@ -10,6 +10,8 @@ own process group) with this contract:
 - stdin: the task as JSON, then end of file.
 - stdout: the agent's final answer, given to ``reward_fn(task, stdout)``; alternatively the agent
   (or its environment) posts ``{"reward": r}`` to ``/v1/sessions/reward``, which takes precedence.
+  Each scored row's ``metrics["from_agent"]`` says which won (1: the posted reward, 0: ``reward_fn``),
+  logged by the trainer as ``reward/from_agent``, the share of episodes the agent scored itself.
 
 Outcome of an episode (never a silent 0): ``timeout`` when it runs past ``timeout_s`` (the whole
 process group is killed); ``failed`` when it exits non-zero, never calls the model, or leaves no
@@ -158,7 +160,12 @@ class BlackBoxRunner:
         status, reward, error = self._outcome(session, spec, done)
         if error:
             info["error"] = error
-        return session.trajectories(reward, status, info)
+        rows = session.trajectories(reward, status, info)
+        if status is not EpisodeStatus.FAILED and status is not EpisodeStatus.TIMEOUT:
+            posted = float(session.reward is not None)  # which reward won: the agent's, or reward_fn's
+            for t in rows:
+                t.metrics = {**t.metrics, "from_agent": posted}
+        return rows
 
     def _outcome(
         self, session: ProxySession, spec: EpisodeSpec, done: _Exit

@@ -37,8 +37,9 @@ a 5xx answer is retried ``retries`` times, 0.5 s, 1 s, ... apart; a 4xx answer, 
 is not a score, fails the episode at once, with the service's message.
 
 Which reward wins: a black-box agent that posts its own reward (``/v1/sessions/reward``, see
-:mod:`loong_agentflow.blackbox`) overrides ``fn`` for that episode; ``task = "env"`` takes rewards
-from its environment only and refuses an ``fn``.
+:mod:`loong_agentflow.blackbox`) overrides ``fn`` for that episode, and the metric
+``reward/from_agent`` is the share of a step's black-box episodes scored that way (0: ``fn``
+scored them all); ``task = "env"`` takes rewards from its environment only and refuses an ``fn``.
 """
 
 from __future__ import annotations
