@@ -447,6 +447,8 @@ def test_a_reward_service_is_retried_on_5xx_and_timeouts_but_not_on_4xx(data, se
         ({"url": "127.0.0.1:1/s"}, r"url must start with http:// or https://"),
         ({"url": "http://127.0.0.1:1/s", "style": "verl"}, r"style 'verl' is for functions"),
         ({"url": "http://127.0.0.1:1/s", "retries": -1}, r"retries must be >= 0"),
+        ({"url": "http://127.0.0.1:1/s", "group": True}, r"group = true .*; a url cannot take that"),
+        ({"fn": "r.py:f", "style": "verl", "group": True}, r"style 'verl' \(one sample per call\)"),
     ],
 )
 def test_bad_reward_service_settings_are_errors(config, error):
@@ -454,8 +456,120 @@ def test_bad_reward_service_settings_are_errors(config, error):
         RewardConfig(**config)
 
 
+def test_a_group_reward_with_a_black_box_agent_is_an_error():
+    with pytest.raises(ValueError, match=r"reward.group = true scores the final turns of white-box episodes"):
+        load_recipe("tiny-calc-agent", ["reward.group=true", "agent.type=blackbox"])
+
+
 def test_an_unset_key_variable_is_an_error_before_training(data, monkeypatch):
     monkeypatch.delenv("NO_SUCH_KEY_VAR", raising=False)
     reward = RewardConfig(url="http://127.0.0.1:1/s", api_key_env="NO_SUCH_KEY_VAR")
     with pytest.raises(ConfigError, match=r"'NO_SUCH_KEY_VAR', which is not set"):
         DataTask(DataConfig(train_files=[str(data)]), reward)
+
+
+GROUP_REWARD = """
+import json, os
+
+def shortest(completion, answer):
+    with open(os.environ["LOONG_TEST_CALLS"], "a") as f:
+        f.write(json.dumps({"completion": completion, "answer": answer}) + "\\n")
+    if "raise" in answer:
+        raise RuntimeError("this group cannot be scored")
+    best = min(len(c) for c in completion)
+    return [float("nan") if c == "nan" else {"score": float(len(c) == best), "len": len(c)} for c in completion]
+"""
+
+
+def _episode(sample: str, group: str, status="ok"):
+    from loong_core.records import EpisodeStatus, SpanSource, TokenSpan, Trajectory
+
+    spans = [TokenSpan(token_ids=[1], source=SpanSource.PROMPT)]
+    return Trajectory(sample_id=sample, group_id=group, spans=spans, status=EpisodeStatus(status))
+
+
+def test_a_group_reward_scores_each_group_in_one_call(tmp_path, data, monkeypatch):
+    """``reward.group``: one call per group with lists, finished episodes only; the call's failure
+    fails its group, a NaN entry fails its episode, the other groups are scored."""
+    from loong_core.records import EpisodeStatus
+    from loong_train.tasks.reward import score_groups
+
+    calls = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("LOONG_TEST_CALLS", str(calls))
+    (tmp_path / "rw.py").write_text(GROUP_REWARD)
+    task = DataTask(
+        DataConfig(train_files=[str(data)]), RewardConfig(fn=f"{tmp_path}/rw.py:shortest", group=True)
+    )
+    assert task.reward(task.held_out(1)[0], "anything") == 0.0  # deferred to its group
+    texts = {
+        "a0": "abc",
+        "a1": "a",
+        "a2": "zz",
+        "a3": "never scored",
+        "b0": "x",
+        "b1": "y",
+        "c0": "q",
+        "d0": "nan",
+        "d1": "ok",
+    }
+    answers = {"a": "1", "b": "raise", "c": "3", "d": "4"}
+    trajs = [_episode(s, s[0], "truncated" if s == "a3" else "ok") for s in texts]
+    items = {s: {"id": f"row{s}", "messages": [], "answer": answers[s[0]]} for s in texts}
+    score_groups(task.group_reward, trajs, items, lambda t: texts[t.sample_id])
+    got = {t.sample_id: (t.reward, t.status.value) for t in trajs}
+    assert got == {
+        "a0": (0.0, "ok"), "a1": (1.0, "ok"), "a2": (0.0, "ok"), "a3": (0.0, "truncated"),
+        "b0": (0.0, "failed"), "b1": (0.0, "failed"), "c0": (1.0, "ok"), "d0": (0.0, "failed"), "d1": (1.0, "ok"),
+    }  # fmt: skip
+    assert trajs[1].metrics == {"len": 1.0} and "this group cannot be scored" in trajs[4].info["error"]
+    assert "returned nan" in trajs[7].info["error"] and trajs[7].info["task_id"] == "rowd0"
+    made = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert made == [
+        {"completion": ["abc", "a", "zz"], "answer": ["1", "1", "1"]},
+        {"completion": ["x", "y"], "answer": ["raise", "raise"]},
+        {"completion": ["q"], "answer": ["3"]},
+        {"completion": ["nan", "ok"], "answer": ["4", "4"]},
+    ]
+    assert all(t.status is not EpisodeStatus.TIMEOUT for t in trajs)
+
+
+def test_a_rollout_call_scores_its_groups_with_their_final_turns(tiny_dir, tmp_path, data, monkeypatch):
+    """A real RolloutWorker: each group's completions, decoded from the episodes' last model turn,
+    reach the group function together, and its scores become the trajectories' rewards."""
+    from loong_core.records import EpisodeStatus
+    from loong_train.pipeline import GroupSource
+    from loong_train.workers.rollout import RolloutWorker
+
+    calls = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("LOONG_TEST_CALLS", str(calls))
+    (tmp_path / "rw.py").write_text(GROUP_REWARD)
+    tables = TaskTables(
+        data=DataConfig(train_files=[str(data)]),
+        reward=RewardConfig(fn=f"{tmp_path}/rw.py:shortest", group=True),
+    )
+    worker = RolloutWorker(
+        str(tiny_dir),
+        seed=0,
+        sampling={"temperature": 1.0, "max_new_tokens": 150},  # a random model ends some turns by then
+        limits={"max_turns": 1, "max_model_tokens": 256},
+        task="data",
+        tables=tables,
+    )
+    try:
+        source = GroupSource(worker.task.train_stream(0, []), group_size=3)
+        specs = [s for _ in range(3) for s in source.specs(source.next_group())]
+        trajs = worker.rollout(specs)["trajectories"]
+    finally:
+        worker.close()
+    made = [json.loads(line) for line in calls.read_text().splitlines()]
+    finished = [
+        [t for t in trajs if t.group_id == g and t.status is EpisodeStatus.OK]
+        for g in dict.fromkeys(t.group_id for t in trajs)
+    ]
+    finished = [g for g in finished if g]
+    assert len(finished) >= 2, [t.status for t in trajs]
+    assert [len(c["completion"]) for c in made] == [len(g) for g in finished]
+    for call, group in zip(made, finished, strict=True):
+        assert call["completion"] == [worker._final_turn(t) for t in group]
+        best = min(map(len, call["completion"]))
+        assert [t.reward for t in group] == [float(len(c) == best) for c in call["completion"]]

@@ -230,6 +230,11 @@ class Recipe(_Section):
                 f"rollout.engine.partial = {engine.partial!r} needs agent.type = 'whitebox' "
                 f"(updates land between a white-box agent's decode steps), got {agent.type!r}"
             )
+        if self.reward.group and agent.type != "whitebox":
+            raise ValueError(
+                f"reward.group = true scores the final turns of white-box episodes once per group; "
+                f"agent.type = {agent.type!r} episodes are scored by the agent or reward_fn one by one"
+            )
         if self.loss.entropy_coef > 0 and self.train.backend.type != "torch":
             raise ValueError(
                 f"loss.entropy_coef = {self.loss.entropy_coef} is a torch-backend option; "

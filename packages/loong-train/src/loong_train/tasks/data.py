@@ -35,7 +35,7 @@ import msgspec
 from loong_agentflow import ToolRegistry
 from loong_core.config import ConfigError
 from loong_train.tasks.base import AgentCommand, Item, answer_demonstration
-from loong_train.tasks.reward import RewardConfig, load_reward
+from loong_train.tasks.reward import RewardConfig, RewardFn, load_reward
 
 __all__ = ["DataConfig", "DataTask", "get_dotted", "read_rows"]
 
@@ -182,7 +182,7 @@ class DataTask(RowsTask):
             raise ConfigError(
                 f"this task needs data.train_files (a list of .jsonl, .json or .parquet files), got {data.train_files}"
             )
-        self.config = data
+        self.config, self.group = data, reward.group
         self.reward_fn = load_reward(reward, Path.cwd(), fn=reward_fn)
         if rows is not None:
             train = [self._item(rid, row) for rid, row in _listed(rows, "rows")]
@@ -215,7 +215,14 @@ class DataTask(RowsTask):
             item["tags"] = tags
         return item
 
+    @property
+    def group_reward(self) -> RewardFn | None:
+        """The function that scores whole groups (``reward.group``), or None: ``reward`` scores."""
+        return self.reward_fn if self.group else None
+
     def reward(self, item: Item, answer: str) -> float:
+        if self.group:
+            return 0.0  # scored with its group once the rollout call ends (tasks.reward.score_groups)
         return self.reward_fn.score(item, answer)
 
     def demonstration(self, item: Item) -> list[tuple[str, bool]]:

@@ -36,6 +36,12 @@ itself never goes in a recipe). Each request has ``timeout_s``; a refused connec
 a 5xx answer is retried ``retries`` times, 0.5 s, 1 s, ... apart; a 4xx answer, or an answer that
 is not a score, fails the episode at once, with the service's message.
 
+Group mode (``group = true``, as slime's group reward model): the function is called once per
+GRPO group, after the group's episodes finished; each parameter it names is a list with one
+entry per episode (truncated, failed and timed-out episodes are left out), and it returns a list
+of as many scores. A failing call fails the group's episodes; an entry that is not a score fails
+its own. With ``style = "trl"`` the lists are TRL's, for the whole group. White-box agents only.
+
 Which reward wins: a black-box agent that posts its own reward (``/v1/sessions/reward``, see
 :mod:`loong_agentflow.blackbox`) overrides ``fn`` for that episode, and the metric
 ``reward/from_agent`` is the share of a step's black-box episodes scored that way (0: ``fn``
@@ -62,9 +68,10 @@ import msgspec
 
 from loong_agentflow import Reward
 from loong_core.config import ConfigError
+from loong_core.records import EpisodeStatus, Trajectory
 from loong_train.tasks.objects import load_object
 
-__all__ = ["PARAMETERS", "RewardConfig", "RewardFn", "RewardService", "load_reward"]
+__all__ = ["PARAMETERS", "RewardConfig", "RewardFn", "RewardService", "load_reward", "score_groups"]
 
 PARAMETERS = ("completion", "prompt", "messages", "answer", "metadata", "row")
 
@@ -80,6 +87,7 @@ class RewardConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     url: str = ""
     api_key_env: str = ""
     retries: int = 2
+    group: bool = False
 
     def __post_init__(self) -> None:
         if self.fn and (self.fn.count(":") < 1 or not all(self.fn.rsplit(":", 1))):
@@ -94,6 +102,11 @@ class RewardConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ValueError(f"style {self.style!r} is for functions; a url gets every parameter as JSON")
         if self.retries < 0:
             raise ValueError(f"retries must be >= 0, got {self.retries}")
+        if self.group and (self.url or self.style == "verl"):
+            what = "a url" if self.url else "style 'verl' (one sample per call)"
+            raise ValueError(
+                f"group = true calls a function once per group with lists; {what} cannot take that"
+            )
 
 
 def exact_match(completion: str, answer: Any) -> float:
@@ -176,12 +189,15 @@ class RewardFn:
         if self.style == "verl":
             return (row.get("data_source", ""), completion, item.get("answer"), row.get("extra_info", {})), {}
         if self.style == "trl":
-            chat = not isinstance(row.get("prompt", ""), str)
-            prompt = item["messages"] if chat else item["messages"][-1]["content"]
-            done = [{"role": "assistant", "content": completion}] if chat else completion
-            columns = {k: [v] for k, v in row.items() if k not in ("prompt", "prompts", "completions")}
-            return (), {"prompts": [prompt], "completions": [done], **columns}
+            return (), _trl_columns([item], [completion])
         return (), self.arguments(item, completion)
+
+    def group_args(self, items: list[dict[str, Any]], completions: list[str]) -> dict[str, Any]:
+        """The keyword arguments of one group call: each parameter a list, one entry per episode."""
+        if self.style == "trl":
+            return _trl_columns(items, completions)
+        each = [self.arguments(i, c) for i, c in zip(items, completions, strict=True)]
+        return {name: [a[name] for a in each] for name in self.names}
 
     def check(self, item: dict[str, Any]) -> None:
         """Raise ConfigError when a call for ``item`` (a first row) would not bind to the function."""
@@ -193,13 +209,38 @@ class RewardFn:
             raise ConfigError(f"reward.fn {self.label!r}: {how}, for row {item.get('id')}: {e}") from e
 
     def score(self, item: dict[str, Any], completion: str) -> float:
-        call = self._pool.submit(self._call, *self.call_args(item, completion))
-        try:
-            out = call.result(timeout=self.timeout_s)
-        except FutureTimeout:
-            raise TimeoutError(f"reward {self.label} ran past {self.timeout_s}s") from None
+        out = self._timed(*self.call_args(item, completion))
         if self.style == "trl":
             out = out[0] if isinstance(out, list | tuple) and len(out) == 1 else out
+        return self._value(out)
+
+    def score_group(self, items: list[dict[str, Any]], completions: list[str]) -> list[float | Exception]:
+        """One call for a whole group (``group = true``); per episode its score, or the error that
+        fails that episode alone (a NaN, a non-number). A call that raises or times out raises."""
+        out = self._timed((), self.group_args(items, completions))
+        if not isinstance(out, list | tuple) or len(out) != len(items):
+            raise ValueError(
+                f"reward {self.label} (group = true) returned {out!r:.120}, expected a list of "
+                f"{len(items)} scores, one per episode of the group"
+            )
+        scores: list[float | Exception] = []
+        for x in out:
+            try:
+                scores.append(self._value(x))
+            except ValueError as e:
+                scores.append(e)
+        return scores
+
+    def _timed(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        call = self._pool.submit(self._call, args, kwargs)
+        try:
+            return call.result(timeout=self.timeout_s)
+        except FutureTimeout:
+            raise TimeoutError(f"reward {self.label} ran past {self.timeout_s}s") from None
+
+    def _value(self, out: Any) -> float:
+        """One score: a finite number, a ``{"score": x, ...}`` dict (a Reward with its other
+        numbers) or a Reward; ValueError otherwise."""
         value = out.get("score") if isinstance(out, dict) else out
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
             raise ValueError(
@@ -219,6 +260,55 @@ class RewardFn:
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         out = self.fn(*args, **kwargs)
         return asyncio.run(out) if inspect.iscoroutine(out) else out
+
+
+def score_groups(
+    reward: RewardFn,
+    trajs: list[Trajectory],
+    items: dict[str, dict[str, Any]],
+    completion: Callable[[Trajectory], str],
+) -> None:
+    """``group = true``: score a rollout call's finished episodes with one call per group (in
+    place). ``items``: each episode's row by sample id; ``completion(t)``: its final turn's text.
+    Truncated, failed and timed-out episodes keep their reward and are left out of the call. A
+    call that fails fails its group's episodes, an entry that is not a score fails its episode."""
+    groups: dict[str, list[Trajectory]] = {}
+    for t in trajs:
+        if t.status is EpisodeStatus.OK:
+            groups.setdefault(t.group_id, []).append(t)
+    for members in groups.values():
+        try:
+            scores: list[float | Exception] = reward.score_group(
+                [items[t.sample_id] for t in members], [completion(t) for t in members]
+            )
+        except Exception as e:  # the function's failure fails this group's episodes, not the run
+            scores = [e] * len(members)
+        for t, score in zip(members, scores, strict=True):
+            if isinstance(score, Exception):
+                t.reward, t.status = 0.0, EpisodeStatus.FAILED
+                t.info = {
+                    **t.info,
+                    "error": f"{type(score).__name__}: {score}",
+                    "task_id": str(items[t.sample_id].get("id")),
+                }
+            else:
+                t.reward = float(score)
+                t.metrics = {**t.metrics, **getattr(score, "metrics", {})}
+
+
+def _trl_columns(items: list[dict[str, Any]], completions: list[str]) -> dict[str, Any]:
+    """TRL's list-style arguments: ``prompts``, ``completions`` and every other column of the
+    rows, one entry per episode (chat rows: messages in, ``[{"role": "assistant", ...}]`` out)."""
+    prompts, done, columns = [], [], {}
+    for item, completion in zip(items, completions, strict=True):
+        row = item.get("row", item)
+        chat = not isinstance(row.get("prompt", ""), str)
+        prompts.append(item["messages"] if chat else item["messages"][-1]["content"])
+        done.append([{"role": "assistant", "content": completion}] if chat else completion)
+        for k, v in row.items():
+            if k not in ("prompt", "prompts", "completions"):
+                columns.setdefault(k, []).append(v)
+    return {"prompts": prompts, "completions": done, **columns}
 
 
 class RewardService:

@@ -17,17 +17,19 @@ from typing import Any
 import torch
 
 from loong_agentflow import (
+    ChatML,
     EpisodeLimits,
     EpisodeSpec,
     ToolAgent,
     run_episodes,
 )
 from loong_core.protocols import SamplingParams
-from loong_core.records import WeightManifest
+from loong_core.records import Trajectory, WeightManifest
 from loong_train.engines.base import build_engine, build_host
 from loong_train.engines.config import EmbeddedEngineConfig, EngineConfig
 from loong_train.models.tokenizer import HFCodec, end_of_turn_ids, load_tokenizer, pad_token_id
 from loong_train.tasks import Task, TaskTables, build_task
+from loong_train.tasks.reward import score_groups
 from loong_train.workers.agent import AgentConfig, BlackboxAgentConfig, BlackBoxHost
 from loong_transfermesh import TransportConfig, catch_up, open_receiver
 
@@ -123,6 +125,8 @@ class RolloutWorker:
                 run_episodes(self.agent, specs, self.engine, self.codec, self.sampling, self.limits)
             )
         self.engine.check()  # a server given up on fails the call, not just its episodes
+        if (group := getattr(self.task, "group_reward", None)) is not None:
+            score_groups(group, out, {s.sample_id: s.task for s in specs}, self._final_turn)
         end = time.time()
         return {
             "trajectories": out,
@@ -132,6 +136,11 @@ class RolloutWorker:
             "worker": self.worker_id,
             "pid": os.getpid(),
         }
+
+    def _final_turn(self, t: Trajectory) -> str:
+        """The text of an episode's last model turn, as the white-box agent gives it to a reward."""
+        span = next(s for s in reversed(t.spans) if s.is_model)
+        return ChatML.strip_end(self.codec.decode(span.token_ids))
 
     def apply_weights(self, manifest: WeightManifest, restart_below: int = -1) -> dict[str, float]:
         """Receive an update through TransferMesh. Called like a rollout, Ray runs it between
