@@ -573,3 +573,32 @@ def test_a_rollout_call_scores_its_groups_with_their_final_turns(tiny_dir, tmp_p
         assert call["completion"] == [worker._final_turn(t) for t in group]
         best = min(map(len, call["completion"]))
         assert [t.reward for t in group] == [float(len(c) == best) for c in call["completion"]]
+
+
+def test_a_hugging_face_dataset_gives_the_rows_its_splits_hold(tmp_path, monkeypatch):
+    """``data.dataset``: a DatasetDict saved with ``save_to_disk`` and a directory of data files
+    (read by ``load_dataset``, offline), with their splits; bad names and splits are errors."""
+    datasets = pytest.importorskip("datasets")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    train, test = ROWS[:15], ROWS[15:]
+    saved = tmp_path / "saved"
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(train), "test": datasets.Dataset.from_list(test)}
+    ).save_to_disk(str(saved))
+    files = tmp_path / "files"
+    files.mkdir()
+    _write(files / "train.jsonl", train)
+    _write(files / "test.jsonl", test)
+    for where in (saved, files):
+        task = DataTask(DataConfig(dataset=str(where), eval_split="test"), RewardConfig())
+        assert [i["row"] for i in task.train] == train and [i["row"] for i in task.eval] == test
+        assert task.train[3]["id"] == "train:3" and task.eval[0]["answer"] == test[0]["answer"]
+    held = DataTask(DataConfig(dataset=str(saved), eval_fraction=0.2), RewardConfig())
+    assert len(held.eval) == 3 and {i["id"] for i in held.eval}.isdisjoint(i["id"] for i in held.train)
+    with pytest.raises(ConfigError, match=r"no split 'validation' \(it has train, test\)"):
+        DataTask(DataConfig(dataset=str(saved), eval_split="validation"), RewardConfig())
+    with pytest.raises(ConfigError, match=r"data.dataset 'no-such/dataset' \(split 'train'\) does not load"):
+        DataTask(DataConfig(dataset="no-such/dataset"), RewardConfig())
+    with pytest.raises(ValueError, match=r"two sources of rows"):
+        DataConfig(dataset=str(saved), train_files=["a.jsonl"])

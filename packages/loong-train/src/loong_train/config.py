@@ -305,6 +305,7 @@ def _absolute_paths(recipe: Recipe) -> Recipe:
         d,
         train_files=[str(Path(f).absolute()) for f in d.train_files],
         eval_files=[str(Path(f).absolute()) for f in d.eval_files],
+        dataset=str(Path(d.dataset).absolute()) if d.dataset and Path(d.dataset).is_dir() else d.dataset,
     )
     reward = replace(recipe.reward, fn=_absolute_spec(recipe.reward.fn))
     env = replace(recipe.environment, cls=_absolute_spec(recipe.environment.cls))

@@ -14,7 +14,12 @@ columns become lists and dicts, so verl's rows are taken as they are):
 - ``metadata_key`` (default ``"metadata"``): anything else it receives; ``tags_key``: a
   ``{str: str}`` dict routing the row (``domain``: its curve in evaluation, its teacher in OPD).
 
-Held-out rows: the ``eval_files``, or else ``eval_fraction`` of ``train_files`` chosen with
+A Hugging Face dataset instead of files: ``dataset`` names it (a hub name, found in the local
+cache when offline, with ``dataset_config`` for its configuration; or a directory written by
+``save_to_disk`` or holding data files), read with ``datasets`` (the ``loong-train[datasets]``
+extra); ``train_split`` holds the training rows and ``eval_split``, when set, the held-out ones.
+
+Held-out rows: the ``eval_files`` (or ``eval_split``), or else ``eval_fraction`` of ``train_files`` chosen with
 ``split_seed`` (disjoint from training by row, never by content). Training draws rows in a seeded
 order, reshuffled each pass over the data. Every file is read and checked when the task is built
 (in the controller's preflight, before any work): a missing or empty file, a row that is not an
@@ -37,7 +42,7 @@ from loong_core.config import ConfigError
 from loong_train.tasks.base import AgentCommand, Item, answer_demonstration
 from loong_train.tasks.reward import RewardConfig, RewardFn, load_reward
 
-__all__ = ["DataConfig", "DataTask", "get_dotted", "read_rows"]
+__all__ = ["DataConfig", "DataTask", "dataset_rows", "get_dotted", "read_rows"]
 
 
 DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
@@ -55,8 +60,21 @@ class DataConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     metadata_key: str = "metadata"
     tags_key: str = "tags"
     system_prompt: str = ""
+    dataset: str = ""
+    dataset_config: str = ""
+    train_split: str = "train"
+    eval_split: str = ""
 
     def __post_init__(self) -> None:
+        if self.dataset and (self.train_files or self.eval_files):
+            raise ValueError(
+                f"data.dataset ({self.dataset!r}) and data.train_files / eval_files are two sources of "
+                "rows: set one (a dataset's held-out rows come from eval_split)"
+            )
+        if self.eval_split and not self.dataset:
+            raise ValueError(
+                f"data.eval_split = {self.eval_split!r} names a split of data.dataset, which is unset"
+            )
         if not 0 < self.eval_fraction < 1:
             raise ValueError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
         for name in ("train_files", "eval_files"):
@@ -95,6 +113,38 @@ def read_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
     if not out:
         raise ConfigError(f"data file {path} has no rows")
     return out
+
+
+def dataset_rows(config: DataConfig, split: str) -> list[tuple[str, dict[str, Any]]]:
+    """The rows of split ``split`` of ``config.dataset``, each with its id ``"<split>:<index>"``."""
+    try:
+        import datasets
+    except ImportError as e:
+        raise ConfigError(
+            "data.dataset needs the datasets package: pip install 'loong-train[datasets]'"
+        ) from e
+    name, where = config.dataset, Path(config.dataset)
+    saved = where.is_dir() and any((where / f).is_file() for f in ("dataset_dict.json", "dataset_info.json"))
+    try:
+        if saved:
+            ds = datasets.load_from_disk(str(where))
+            if isinstance(ds, datasets.DatasetDict):
+                if split not in ds:
+                    raise ConfigError(f"data.dataset {name}: no split {split!r} (it has {', '.join(ds)})")
+                ds = ds[split]
+        else:
+            ds = datasets.load_dataset(name, config.dataset_config or None, split=split)
+    except ConfigError:
+        raise
+    except Exception as e:  # datasets raises many kinds: not found, offline, bad split, bad config
+        raise ConfigError(
+            f"data.dataset {name!r} (split {split!r}) does not load: {type(e).__name__}: {e} "
+            "(offline, a hub dataset must already be in the local Hugging Face cache)"
+        ) from e
+    rows = [(f"{split}:{i}", dict(row)) for i, row in enumerate(ds)]
+    if not rows:
+        raise ConfigError(f"data.dataset {name!r}: split {split!r} has no rows")
+    return rows
 
 
 def _parquet_rows(path: Path) -> list[dict[str, Any]]:
@@ -178,20 +228,25 @@ class DataTask(RowsTask):
     ) -> None:
         """``rows`` / ``eval_rows`` (ids ``rows:<i>``, ``eval_rows:<i>``) stand for the files and
         ``reward_fn`` for ``reward.fn`` when the task is made in code (:mod:`loong_train.api`)."""
-        if rows is None and not data.train_files:
+        if rows is None and not data.train_files and not data.dataset:
             raise ConfigError(
-                f"this task needs data.train_files (a list of .jsonl, .json or .parquet files), got {data.train_files}"
+                "this task needs data.train_files (a list of .jsonl, .json or .parquet files) or "
+                f"data.dataset (a Hugging Face dataset), got train_files = {data.train_files}"
             )
         self.config, self.group = data, reward.group
         self.reward_fn = load_reward(reward, Path.cwd(), fn=reward_fn)
         if rows is not None:
             train = [self._item(rid, row) for rid, row in _listed(rows, "rows")]
+        elif data.dataset:
+            train = [self._item(rid, row) for rid, row in dataset_rows(data, data.train_split)]
         else:
             train = [self._item(rid, row) for f in data.train_files for rid, row in read_rows(Path(f))]
         if eval_rows is not None:
             held = [self._item(rid, row) for rid, row in _listed(eval_rows, "eval_rows")]
         elif data.eval_files:
             held = [self._item(rid, row) for f in data.eval_files for rid, row in read_rows(Path(f))]
+        elif data.eval_split:
+            held = [self._item(rid, row) for rid, row in dataset_rows(data, data.eval_split)]
         else:
             held, train = split_held_out(train, data.eval_fraction, data.split_seed, "data.train_files")
         self.train, self.eval = train, held

@@ -182,6 +182,8 @@ def _file_digests(recipe: Recipe) -> dict[str, str]:
     t = recipe.task_tables
     specs = [t.reward.fn, t.environment.cls, t.verifiers.taskset]
     paths = [*t.data.train_files, *t.data.eval_files, *(s.rpartition(":")[0] for s in specs)]
+    if t.data.dataset and Path(t.data.dataset).is_dir():  # a local dataset: every file in it
+        paths += sorted(str(p) for p in Path(t.data.dataset).rglob("*") if p.is_file())
     return {p: hashlib.sha256(Path(p).read_bytes()).hexdigest() for p in paths if p and Path(p).is_file()}
 
 
