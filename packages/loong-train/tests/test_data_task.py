@@ -1,6 +1,7 @@
 """``task = "data"``: the user's rows and reward function. Unit tests of the rows, the split, the
 reward binding and every bad input, then one real run started from a user's own directory."""
 
+import itertools
 import json
 import math
 import os
@@ -602,3 +603,78 @@ def test_a_hugging_face_dataset_gives_the_rows_its_splits_hold(tmp_path, monkeyp
         DataTask(DataConfig(dataset="no-such/dataset"), RewardConfig())
     with pytest.raises(ValueError, match=r"two sources of rows"):
         DataConfig(dataset=str(saved), train_files=["a.jsonl"])
+
+
+def _big(path: Path, n: int, pad: int = 1000) -> Path:
+    return _write(path, [{"prompt": f"q{i} " + "x" * pad, "answer": str(i)} for i in range(n)])
+
+
+def test_streamed_files_shuffle_in_a_buffer_and_never_sit_in_memory(tmp_path):
+    """``shuffle_buffer``: each pass yields every training row once, in a seeded order; held-out
+    rows (a hashed fraction) never train; a stream restarted and advanced k rows continues the
+    first (what --resume relies on); peak memory is a fraction of reading the file whole."""
+    import tracemalloc
+
+    big = _big(tmp_path / "big.jsonl", 4000)
+    config = DataConfig(train_files=[str(big)], shuffle_buffer=64, eval_fraction=0.1)
+    task = DataTask(config, RewardConfig())
+    held = {i["id"] for i in task.held_out(10**6)}  # every held-out row: the whole file scanned
+    assert 300 < len(held) < 500 and task.held_out(5) == task.held_out(10**6)[:5]
+    every = {f"big.jsonl:{n}" for n in range(1, 4001)}
+    stream = task.train_stream(7, task.held_out(32))
+    first = [next(stream)["id"] for _ in range(len(every) - len(held))]
+    second = [next(stream)["id"] for _ in range(len(first))]
+    assert set(first) == set(second) == every - held and len(set(first)) == len(first)
+    assert first != sorted(first, key=lambda r: int(r.split(":")[1])) and first != second
+    again = DataTask(config, RewardConfig()).train_stream(7, task.held_out(32))
+    assert [next(again)["id"] for _ in range(100)] == first[:100]
+    resumed = DataTask(config, RewardConfig()).train_stream(7, task.held_out(32))
+    next(itertools.islice(resumed, 2500, 2500), None)  # the controller's skip on --resume
+    assert [next(resumed)["id"] for _ in range(50)] == first[2500:2550]
+    other = [x["id"] for x in itertools.islice(DataTask(config, RewardConfig()).train_stream(8, []), 100)]
+    assert other != first[:100]
+
+    def peak(make):
+        tracemalloc.start()
+        stream = make().train_stream(1, [])
+        for _ in range(1000):
+            next(stream)
+        _, top = tracemalloc.get_traced_memory()
+        tracemalloc.stop()
+        return top
+
+    whole = peak(lambda: DataTask(DataConfig(train_files=[str(big)]), RewardConfig()))
+    streamed = peak(lambda: DataTask(config, RewardConfig()))
+    assert streamed < 0.2 * whole, (streamed, whole)
+
+
+def test_streamed_parquet_and_bad_streamed_input(tmp_path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    import pyarrow as pa
+
+    rows = [{"prompt": f"q{i}", "answer": str(i)} for i in range(300)]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "d.parquet", row_group_size=50)
+    task = DataTask(
+        DataConfig(
+            train_files=[str(tmp_path / "d.parquet")],
+            shuffle_buffer=16,
+            eval_files=[str(_write(tmp_path / "e.jsonl", ROWS))],
+        ),
+        RewardConfig(),
+    )
+    ids = [x["id"] for x in itertools.islice(task.train_stream(0, []), 300)]
+    assert sorted(ids) == sorted(f"d.parquet:{i}" for i in range(300)) and len(task.held_out(100)) == len(
+        ROWS
+    )
+    with pytest.raises(
+        ValueError, match=r"shuffle_buffer streams .jsonl and .parquet train_files, not a .json file"
+    ):
+        DataConfig(train_files=["a.json"], shuffle_buffer=8)
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(json.dumps(ROWS[0]) + "\n" + "{not json\n")
+    stream = DataTask(
+        DataConfig(train_files=[str(broken)], shuffle_buffer=4, eval_files=[str(tmp_path / "e.jsonl")]),
+        RewardConfig(),
+    ).train_stream(0, [])
+    with pytest.raises(ConfigError, match=r"broken.jsonl, line 2: not valid JSON"):
+        next(stream)

@@ -19,6 +19,12 @@ cache when offline, with ``dataset_config`` for its configuration; or a director
 ``save_to_disk`` or holding data files), read with ``datasets`` (the ``loong-train[datasets]``
 extra); ``train_split`` holds the training rows and ``eval_split``, when set, the held-out ones.
 
+Files too large for memory stream with ``shuffle_buffer = N`` (``.jsonl`` and ``.parquet``):
+training reads the files in order on each pass and draws rows at random from a buffer of ``N``
+(seeded, so a resumed run, which skips the rows already drawn, continues where it stopped); rows
+are checked as they are read (the first row of each file when the task is built). Held out are
+the ``eval_files``, or else the rows a seeded hash of their id puts in ``eval_fraction``.
+
 Held-out rows: the ``eval_files`` (or ``eval_split``), or else ``eval_fraction`` of ``train_files`` chosen with
 ``split_seed`` (disjoint from training by row, never by content). Training draws rows in a seeded
 order, reshuffled each pass over the data. Every file is read and checked when the task is built
@@ -29,6 +35,8 @@ file and line. Relative paths are taken from the directory ``loong-train run`` s
 
 from __future__ import annotations
 
+import hashlib
+import itertools
 import json
 import random
 from collections.abc import Callable, Iterator, Sequence
@@ -64,8 +72,16 @@ class DataConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     dataset_config: str = ""
     train_split: str = "train"
     eval_split: str = ""
+    shuffle_buffer: int = 0
 
     def __post_init__(self) -> None:
+        if self.shuffle_buffer < 0:
+            raise ValueError(
+                f"shuffle_buffer must be >= 0 (0: read every row into memory), got {self.shuffle_buffer}"
+            )
+        if self.shuffle_buffer and (self.dataset or any(f.endswith(".json") for f in self.train_files)):
+            what = "data.dataset" if self.dataset else "a .json file (one JSON list, read whole)"
+            raise ValueError(f"shuffle_buffer streams .jsonl and .parquet train_files, not {what}")
         if self.dataset and (self.train_files or self.eval_files):
             raise ValueError(
                 f"data.dataset ({self.dataset!r}) and data.train_files / eval_files are two sources of "
@@ -113,6 +129,35 @@ def read_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
     if not out:
         raise ConfigError(f"data file {path} has no rows")
     return out
+
+
+def iter_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
+    """The rows of a ``.jsonl`` or ``.parquet`` file one at a time, with the ids :func:`read_rows` gives."""
+    if not path.is_file():
+        raise ConfigError(f"data file {path} does not exist")
+    if path.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        i = 0
+        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
+            for row in batch.to_pylist():
+                yield f"{path.name}:{i}", row
+                i += 1
+        return
+    with path.open() as f:
+        for n, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield f"{path.name}:{n}", json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{path}, line {n}: not valid JSON ({e})") from e
+
+
+def hashed_out(rid: str, fraction: float, seed: int) -> bool:
+    """Whether row ``rid`` is held out: a seeded hash of its id falls in the first ``fraction``."""
+    digest = hashlib.blake2b(f"{seed}:{rid}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") < fraction * 2**64
 
 
 def dataset_rows(config: DataConfig, split: str) -> list[tuple[str, dict[str, Any]]]:
@@ -235,6 +280,10 @@ class DataTask(RowsTask):
             )
         self.config, self.group = data, reward.group
         self.reward_fn = load_reward(reward, Path.cwd(), fn=reward_fn)
+        self.streamed = bool(data.shuffle_buffer) and rows is None
+        if self.streamed:
+            self._start_stream(eval_rows)
+            return
         if rows is not None:
             train = [self._item(rid, row) for rid, row in _listed(rows, "rows")]
         elif data.dataset:
@@ -251,6 +300,68 @@ class DataTask(RowsTask):
             held, train = split_held_out(train, data.eval_fraction, data.split_seed, "data.train_files")
         self.train, self.eval = train, held
         self.reward_fn.check(train[0])
+
+    # -- streamed files (shuffle_buffer) ----------------------------------------------------
+
+    def _start_stream(self, eval_rows: Sequence[Any] | None) -> None:
+        """Check the first row of every file; held-out rows are read now only from eval files."""
+        data = self.config
+        for f in data.train_files:
+            first = next(iter_rows(Path(f)), None)
+            if first is None:
+                raise ConfigError(f"data file {f} has no rows")
+            self._item(*first)
+        self.train = []  # never in memory: train_stream reads the files
+        self._hashed = eval_rows is None and not data.eval_files
+        if eval_rows is not None:
+            self.eval = [self._item(rid, row) for rid, row in _listed(eval_rows, "eval_rows")]
+        elif data.eval_files:
+            self.eval = [self._item(rid, row) for f in data.eval_files for rid, row in read_rows(Path(f))]
+        else:
+            self.eval = []  # the hashed-out rows, read as far as held_out needs
+        self.reward_fn.check(self._item(*next(iter_rows(Path(data.train_files[0])))))
+
+    def _file_rows(self) -> Iterator[tuple[str, dict[str, Any]]]:
+        return itertools.chain.from_iterable(iter_rows(Path(f)) for f in self.config.train_files)
+
+    def _is_held(self, rid: str) -> bool:
+        return self._hashed and hashed_out(rid, self.config.eval_fraction, self.config.split_seed)
+
+    def held_out(self, n: int) -> list[Item]:
+        if self.streamed and self._hashed and len(self.eval) < n:
+            held = (self._item(rid, row) for rid, row in self._file_rows() if self._is_held(rid))
+            self.eval = list(itertools.islice(held, n))
+            if not self.eval:
+                raise ConfigError(
+                    f"data.train_files hold no row in the held-out fraction {self.config.eval_fraction}: "
+                    "give data.eval_files or raise eval_fraction"
+                )
+        return self.eval[:n]
+
+    def train_stream(self, seed: int, held_out: Sequence[Item]) -> Iterator[Item]:
+        if not self.streamed:
+            return super().train_stream(seed, held_out)
+        return self._buffered(seed, {item["id"] for item in held_out})
+
+    def _buffered(self, seed: int, banned: set[str]) -> Iterator[Item]:
+        """Endless passes over the files; each row leaves through a seeded ``shuffle_buffer``."""
+        rng, size = random.Random(seed), self.config.shuffle_buffer
+        while True:
+            buffer: list[Item] = []
+            for rid, row in self._file_rows():
+                if rid in banned or self._is_held(rid):
+                    continue
+                item = self._item(rid, row)
+                if len(buffer) < size:
+                    buffer.append(item)
+                    continue
+                k = rng.randrange(size)
+                yield buffer[k]
+                buffer[k] = item
+            if not buffer:
+                raise ConfigError("data.train_files hold no training rows (every row is held out)")
+            rng.shuffle(buffer)
+            yield from buffer
 
     def _item(self, rid: str, row: Any) -> Item:
         c = self.config
