@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from loong_agentflow import ChatML, ToolResult
+from loong_agentflow import ChatML, ToolResult, chat_format
 from loong_train.config import load_recipe
 from loong_train.models.decoder import CausalLM
 from loong_train.models.tokenizer import HFCodec, load_tokenizer
@@ -93,6 +93,7 @@ def test_agent_token_layout_equals_the_chat_template(kind, tiny_dir, bpe_dir):
     assert ChatML.tool_turn([ToolResult(None, "7", ok=True)]).startswith(
         "\n<|im_start|>user\n<tool_response>7"
     )
+    assert chat_format(tok) is ChatML  # white-box episodes on the tiny model keep ChatML's layout
 
 
 def test_sft_loss_matches_float64_reference(tiny_dir):

@@ -12,6 +12,7 @@ from loong_agentflow.agent import (
     run_episodes,
 )
 from loong_agentflow.blackbox import AgentProgram, BlackBoxRunner
+from loong_agentflow.chat_template import TemplateChat, chat_format
 from loong_agentflow.env import EnvAgent, Environment, GymTextEnv, SkyRLTextEnv, StepResult
 from loong_agentflow.proxy import ProxyConfig, ProxyServer
 from loong_agentflow.proxy_render import ChatMLRenderer, ChatRenderer, HFChatRenderer
@@ -29,7 +30,9 @@ __all__ = [
     "EpisodeSpec",
     "Reward",
     "ScriptedEpisode",
+    "TemplateChat",
     "ToolAgent",
+    "chat_format",
     "run_episodes",
     # multi-turn environments
     "EnvAgent",

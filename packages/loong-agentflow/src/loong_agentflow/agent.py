@@ -188,8 +188,9 @@ class ChatML:
     END = "<|im_end|>"
 
     @staticmethod
-    def prompt_pieces(messages: Sequence[dict[str, str]]) -> list[Piece]:
-        """The prompt as :data:`~loong_agentflow.tokens.Piece` s: the contents are untrusted."""
+    def prompt_pieces(messages: Sequence[dict[str, str]], tools: Any = None) -> list[Piece]:
+        """The prompt as :data:`~loong_agentflow.tokens.Piece` s: the contents are untrusted.
+        ``tools`` are not listed (tiny policies learn the layout, not schemas)."""
         pieces: list[Piece] = []
         for m in messages:
             pieces += [(f"<|im_start|>{m['role']}\n", False), (m["content"], True), ("<|im_end|>\n", False)]
@@ -213,6 +214,19 @@ class ChatML:
     def tool_turn(results: Sequence[ToolResult]) -> str:
         return joined(ChatML.tool_turn_pieces(results))
 
+    @staticmethod
+    def turn_pieces(messages: Sequence[dict[str, str]], tools: Any = None) -> list[Piece]:
+        """What follows an assistant turn that ended with ``<|im_end|>``: ``messages`` (contents
+        untrusted; ``tool`` ones as Hermes ``<tool_response>`` user turns) and the next header."""
+        pieces: list[Piece] = [("\n", False)]
+        for m in messages:
+            if m["role"] == "tool":
+                head, tail = "<|im_start|>user\n<tool_response>", "</tool_response><|im_end|>\n"
+            else:
+                head, tail = f"<|im_start|>{m['role']}\n", "<|im_end|>\n"
+            pieces += [(head, False), (m["content"], True), (tail, False)]
+        return [*pieces, ("<|im_start|>assistant\n", False)]
+
     @classmethod
     def strip_end(cls, text: str) -> str:
         return text.removesuffix(cls.END)
@@ -222,24 +236,29 @@ class ToolAgent:
     """A Hermes-format tool-using agent: call tools until the model answers without a call.
 
     ``reward_fn(task, final_answer)`` scores the last assistant turn's text (a float, or a
-    :class:`Reward` whose other numbers go into the trajectory's ``metrics``).
+    :class:`Reward` whose other numbers go into the trajectory's ``metrics``). ``chat`` lays the
+    episode out (:class:`ChatML`, or a model's own template:
+    :func:`~loong_agentflow.chat_template.chat_format`), the tool list in the prompt when it lists one.
     """
 
-    def __init__(self, tools: ToolRegistry, reward_fn: Callable[[dict[str, Any], str], float]) -> None:
-        self.tools, self.reward_fn = tools, reward_fn
+    def __init__(
+        self, tools: ToolRegistry, reward_fn: Callable[[dict[str, Any], str], float], chat: Any = ChatML
+    ) -> None:
+        self.tools, self.reward_fn, self.chat = tools, reward_fn, chat
 
     async def run(self, episode: Episode) -> float:
-        episode.prompt(ChatML.prompt_pieces(episode.task["messages"]))
+        chat = self.chat
+        episode.prompt(chat.prompt_pieces(episode.task["messages"], self.tools.schemas()))
         while True:
             text = await episode.generate()
             if episode.truncated:
                 return 0.0
             calls = parse_tool_calls(text)
             if not calls:
-                score = self.reward_fn(episode.task, ChatML.strip_end(text))
+                score = self.reward_fn(episode.task, chat.strip_end(text))
                 episode.metrics.update(getattr(score, "metrics", {}))  # a Reward's other numbers
                 return float(score)
-            episode.observe(ChatML.tool_turn_pieces(await self.tools.run(calls)))
+            episode.observe(chat.tool_turn_pieces(await self.tools.run(calls)))
 
 
 async def run_episode(agent: Agent, episode: Episode) -> Trajectory:

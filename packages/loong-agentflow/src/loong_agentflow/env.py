@@ -17,17 +17,18 @@ An :class:`Environment` starts from a task row and answers every assistant turn:
 
 Methods may also be plain (sync) functions. :class:`EnvAgent` runs one environment per episode
 (``factory()`` makes it, so stateful sandboxes work), and the framework keeps the tokens: the
-prompt and every observation are rendered in ChatML (:class:`~loong_agentflow.agent.ChatML`,
-loss mask 0) between model turns (loss mask 1), so the trajectory decodes to exactly the chat
-template's rendering of the transcript and its logprobs are the engine's. Observations are
-messages: ``user`` and ``system`` turns as they are, ``tool`` turns as Hermes
-``<tool_response>`` blocks (as :class:`~loong_agentflow.agent.ToolAgent` renders tool results).
+prompt and every observation are laid out by the agent's ``chat`` format (loss mask 0) between
+model turns (loss mask 1): :class:`~loong_agentflow.agent.ChatML`, or the model's own chat
+template (:func:`~loong_agentflow.chat_template.chat_format`), so the trajectory decodes to
+exactly the template's rendering of the transcript and its logprobs are the engine's.
+Observations are messages: ``user`` and ``system`` turns as they are, ``tool`` turns as the
+format shows tool results (ChatML: Hermes ``<tool_response>`` blocks).
 
 Tools: an environment may define ``tools() -> [functions]``, typed Python functions or its own
 bound methods (so they see the episode's state, as TRL's ``environment_factory`` exposes methods).
-The framework parses the model's Hermes ``<tool_call>`` blocks, runs them and shows the results;
-``step`` sees only the turns without calls. (The tool list is not rendered into the prompt: tiny
-policies learn the layout; a chat template that lists tools is the renderer's business.)
+Their JSON schemas go to the chat template, which lists them in the prompt (ChatML lists none:
+tiny policies learn the layout). The framework parses the model's Hermes ``<tool_call>`` blocks,
+runs them and shows the results; ``step`` sees only the turns without calls.
 
 The episode's reward is the sum of the steps' rewards. It ends when a step says ``done``, or
 without a final step when the model runs out of turns or tokens (the rewards so far count; the
@@ -44,12 +45,11 @@ row, ``init(prompt) -> (messages, metadata)``, ``step(action) -> {"observations"
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from loong_agentflow.agent import ChatML, Episode, ScriptedEpisode
-from loong_agentflow.tokens import Piece
 from loong_agentflow.tools import Tool, ToolRegistry, function_tool, parse_tool_calls
 
 __all__ = ["EnvAgent", "Environment", "GymTextEnv", "SkyRLTextEnv", "StepResult", "env_tools"]
@@ -79,19 +79,6 @@ async def _call(method: Callable[..., Any], *args: Any) -> Any:
     return await out if inspect.isawaitable(out) else out
 
 
-def observation_turns(messages: Sequence[dict[str, str]]) -> list[Piece]:
-    """What follows an assistant turn that ended with ``<|im_end|>``: the observation messages
-    (their contents untrusted: :data:`~loong_agentflow.tokens.Piece`) and the next assistant header."""
-    pieces: list[Piece] = [("\n", False)]
-    for m in messages:
-        if m["role"] == "tool":
-            head, tail = "<|im_start|>user\n<tool_response>", "</tool_response><|im_end|>\n"
-        else:
-            head, tail = f"<|im_start|>{m['role']}\n", "<|im_end|>\n"
-        pieces += [(head, False), (m["content"], True), (tail, False)]
-    return [*pieces, ("<|im_start|>assistant\n", False)]
-
-
 def env_tools(env: Any, timeout_s: float = 10.0) -> ToolRegistry | None:
     """The registry of ``env.tools()`` (typed functions or bound methods, made tools by
     :func:`~loong_agentflow.tools.function_tool`, or :class:`~loong_agentflow.tools.Tool`), or
@@ -111,29 +98,30 @@ class EnvAgent:
     observation) and shows their results as a tool turn; a turn without calls goes to ``step``.
     """
 
-    def __init__(self, factory: Callable[[], Any], tool_timeout_s: float = 10.0) -> None:
-        self.factory, self.tool_timeout_s = factory, tool_timeout_s
+    def __init__(self, factory: Callable[[], Any], tool_timeout_s: float = 10.0, chat: Any = ChatML) -> None:
+        self.factory, self.tool_timeout_s, self.chat = factory, tool_timeout_s, chat
 
     async def run(self, episode: Episode | ScriptedEpisode) -> float:
         env = self.factory()
         total = 0.0
         try:
-            tools = env_tools(env, self.tool_timeout_s)
-            episode.prompt(ChatML.prompt_pieces(await _call(env.reset, episode.task)))
+            tools, chat = env_tools(env, self.tool_timeout_s), self.chat
+            schemas = tools.schemas() if tools is not None else None
+            episode.prompt(chat.prompt_pieces(await _call(env.reset, episode.task), schemas))
             while True:
                 text = await episode.generate()
                 if episode.truncated:
                     return total
                 if tools is not None and (calls := parse_tool_calls(text)):
-                    episode.observe(ChatML.tool_turn_pieces(await tools.run(calls)))
+                    episode.observe(chat.tool_turn_pieces(await tools.run(calls)))
                     continue
-                result: StepResult = await _call(env.step, ChatML.strip_end(text))
+                result: StepResult = await _call(env.step, chat.strip_end(text))
                 total += float(result.reward)
                 if result.done:
                     return total
                 if not result.observations:
                     raise ValueError("a step that is not done must return observations for the next turn")
-                episode.observe(observation_turns(result.observations))
+                episode.observe(chat.turn_pieces(result.observations))
         finally:
             close = getattr(env, "close", None)
             if close is not None:

@@ -13,19 +13,17 @@ and the model's tokens are never re-tokenized. Two renderers ship:
   :class:`~loong_agentflow.tokens.TextCodec`; it renders exactly like Loong's tiny tokenizer
   template and like :class:`~loong_agentflow.agent.ChatML` (the white-box layout).
 - :class:`HFChatRenderer`: any Hugging Face tokenizer's own ``apply_chat_template``, duck-typed
-  (transformers is never imported here). Its continuation is found by rendering a probe
-  conversation whose last assistant turn is a unique marker and cutting after the marker and the
-  stop token's text.
+  (transformers is never imported here), through :class:`~loong_agentflow.chat_template.TemplateChat`,
+  the layout white-box agents use for the same model.
 """
 
 from __future__ import annotations
 
 import json
-import os
-import re
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+from loong_agentflow.chat_template import TemplateChat
 from loong_agentflow.tokens import Piece, TextCodec, encode_pieces, joined
 from loong_agentflow.tools import ToolCall, parse_tool_calls
 
@@ -140,70 +138,21 @@ class HFChatRenderer:
     early with a ``ValueError`` rather than producing wrong tokens.
     """
 
-    _MARK = "\x00loong-continuation-marker\x00"
-
     def __init__(self, tokenizer: Any, stop_token: str | None = None) -> None:
         self.tokenizer = tokenizer
-        self.stop_text = stop_token or tokenizer.eos_token
+        self.chat = TemplateChat(tokenizer, stop_token)  # probes the continuation: refuses a template early
+        self.stop_text = self.chat.END
         self.stop_token_ids = tokenizer.encode(self.stop_text, add_special_tokens=False)
         if len(self.stop_token_ids) != 1:
             raise ValueError(f"stop token {self.stop_text!r} is not a single token")
         self.turn_end_ids = list(self.stop_token_ids)
         self.special_tokens = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
-        specials = sorted(self.special_tokens, key=len, reverse=True)
-        self._specials = re.compile("|".join(map(re.escape, specials)) or "(?!)")
-        self.continuation([{"role": "user", "content": "probe"}], None)
-
-    def _text(self, messages: Messages, tools: Tools, generation_prompt: bool = True) -> str:
-        return self.tokenizer.apply_chat_template(
-            list(messages),
-            tools=list(tools) if tools else None,
-            add_generation_prompt=generation_prompt,
-            tokenize=False,
-        )
 
     def render(self, messages: Messages, tools: Tools) -> list[int]:
-        guarded, marker, literals = self._guard(messages)
-        return self._encode_guarded(self._text(guarded, tools), marker, literals)
+        return encode_pieces(self, self.chat.prompt_pieces(messages, tools))
 
     def continuation(self, messages: Messages, tools: Tools) -> list[int]:
-        guarded, marker, literals = self._guard(messages)
-        probe = [{"role": "user", "content": "u"}, {"role": "assistant", "content": self._MARK}]
-        text = self._text([*probe, *guarded], tools)
-        cut = text.find(self._MARK + self.stop_text)
-        if cut < 0:
-            raise ValueError(
-                f"the chat template does not end an assistant turn with {self.stop_text!r} right after its content"
-            )
-        return self._encode_guarded(text[cut + len(self._MARK) + len(self.stop_text) :], marker, literals)
-
-    def _guard(self, messages: Messages) -> tuple[list[dict[str, Any]], str, list[str]]:
-        """``messages`` with every control token's text in a content replaced by a marker (the
-        template renders around it), the marker's prefix, and the texts the markers stand for."""
-        literals: list[str] = []
-        marker = f"\x00loong-{os.urandom(8).hex()}-"  # new per call: no content can forge one
-
-        def mark(match: re.Match[str]) -> str:
-            literals.append(match.group(0))
-            return f"{marker}{len(literals) - 1}\x00"
-
-        out = []
-        for m in messages:
-            content = m.get("content")
-            if isinstance(content, str) and self._specials.search(content):
-                m = {**m, "content": self._specials.sub(mark, content)}
-            out.append(m)
-        return out, marker, literals
-
-    def _encode_guarded(self, text: str, marker: str, literals: list[str]) -> list[int]:
-        """The template's text tokenized as usual, each marker as its literal text's characters."""
-        if not literals:
-            return self.encode(text)
-        parts = re.split(f"{re.escape(marker)}(\\d+)\x00", text)
-        pieces: list[Piece] = [
-            (part, False) if k % 2 == 0 else (literals[int(part)], True) for k, part in enumerate(parts)
-        ]
-        return encode_pieces(self, pieces)
+        return encode_pieces(self, self.chat.turn_pieces(messages, tools))
 
     def encode_literal(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)

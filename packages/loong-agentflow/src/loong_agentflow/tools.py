@@ -99,6 +99,18 @@ class ToolRegistry:
         self.tools = {t.name: t for t in tools}
         self.timeout_s = timeout_s
 
+    def schemas(self) -> list[dict[str, Any]] | None:
+        """The tools as OpenAI function schemas (what chat templates list), None when there are none."""
+        if not self.tools:
+            return None
+        return [
+            {
+                "type": "function",
+                "function": {"name": t.name, "description": t.description, "parameters": t.parameters},
+            }
+            for t in self.tools.values()
+        ]
+
     async def call(self, call: ToolCall) -> ToolResult:
         tool = self.tools.get(call.name)
         if tool is None:

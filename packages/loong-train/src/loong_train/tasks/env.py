@@ -39,7 +39,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from loong_agentflow import EnvAgent, GymTextEnv, ScriptedEpisode, SkyRLTextEnv
+from loong_agentflow import ChatML, EnvAgent, GymTextEnv, ScriptedEpisode, SkyRLTextEnv
 from loong_core.config import ConfigError
 from loong_train.tasks.base import Item
 from loong_train.tasks.data import DataConfig, DataTask
@@ -125,8 +125,8 @@ class EnvTask(DataTask):
                 env = GymTextEnv(env, system=c.system)
         return _RowEnvironment(env)
 
-    def agent(self) -> EnvAgent:
-        return EnvAgent(self.make)
+    def agent(self, chat: Any = ChatML) -> EnvAgent:
+        return EnvAgent(self.make, chat=chat)
 
     def reward(self, item: Item, answer: str) -> float:
         raise RuntimeError("an environment task's rewards come from its environment's steps")

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import inspect
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -21,6 +23,7 @@ from loong_agentflow import (
     EpisodeLimits,
     EpisodeSpec,
     ToolAgent,
+    chat_format,
     run_episodes,
 )
 from loong_core.protocols import SamplingParams
@@ -34,6 +37,9 @@ from loong_train.workers.agent import AgentConfig, BlackboxAgentConfig, BlackBox
 from loong_transfermesh import TransportConfig, catch_up, open_receiver
 
 __all__ = ["RolloutWorker"]
+
+
+log = logging.getLogger("loong.rollout")
 
 
 class RolloutWorker:
@@ -82,8 +88,14 @@ class RolloutWorker:
         self.sampling = SamplingParams(**sampling, stop_token_ids=stop)
         self.limits = EpisodeLimits(**limits)
         self.task = build_task(task, tables)
+        chat = chat_format(tokenizer)  # the model's own layout, unless it renders as ChatML does
+        if chat is not ChatML:
+            log.info("white-box episodes use %s's own chat template (it differs from ChatML)", model_path)
         own = getattr(self.task, "agent", None)  # a task that drives its episodes (environments)
-        self.agent = own() if callable(own) else ToolAgent(self.task.tools(), self.task.reward)
+        if callable(own):
+            self.agent = own(chat=chat) if "chat" in inspect.signature(own).parameters else own()
+        else:
+            self.agent = ToolAgent(self.task.tools(), self.task.reward, chat)
         self.blackbox = (
             BlackBoxHost(self.engine, tokenizer, agent, self.sampling, self.limits, self.task)
             if isinstance(agent, BlackboxAgentConfig)
