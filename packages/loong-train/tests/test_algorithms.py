@@ -122,15 +122,24 @@ def test_rloo_is_the_leave_one_out_baseline_and_counts_a_black_box_episode_once(
     assert adv[6] == 0.0  # a group of one has no baseline to leave out
 
 
-def test_reinforce_plus_plus_normalizes_over_the_whole_batch():
-    trajs = [_ep("a", 1), _ep("a", 0), _ep("b", 1), _ep("b", 1), _ep("b", 0, EpisodeStatus.FAILED)]
-    values = torch.tensor([1.0, 0.0, 1.0, 1.0], dtype=torch.float64)
-    want = ((values - values.mean()) / (values.std(correction=0) + 1e-6)).tolist()
-    assert advantages(trajs, LossConfig(estimator="reinforce++")) == pytest.approx([*want, 0.0], rel=1e-12)
-    centred = torch.tensor([0.5, -0.5, 0.0, 0.0], dtype=torch.float64)  # minus each group's mean
-    want = ((centred - centred.mean()) / (centred.std(correction=0) + 1e-6)).tolist()
-    got = advantages(trajs, LossConfig(estimator="reinforce++-baseline"))
-    assert got == pytest.approx([*want, 0.0], rel=1e-12)
+def test_reinforce_plus_plus_whitens_over_every_loss_token_of_the_batch():
+    """Token-weighted, as verl whitens: episodes of 3, 1, 2 and 2 model tokens; each token
+    carries its episode's value, mean and unbiased variance over those 8 tokens."""
+    lengths = [3, 1, 2, 2]
+    trajs = [_traj("a", 1, n_model=3), _traj("a", 0, n_model=1), _traj("b", 1), _traj("b", 0.5)]
+    trajs.append(_traj("b", 0, EpisodeStatus.FAILED))
+    for rewards, estimator in (
+        ([1.0, 0.0, 1.0, 0.5], "reinforce++"),
+        ([0.5, -0.5, 0.25, -0.25], "reinforce++-baseline"),
+    ):
+        tokens = torch.tensor(
+            [r for r, n in zip(rewards, lengths, strict=True) for _ in range(n)], dtype=torch.float64
+        )
+        want = (
+            (torch.tensor(rewards, dtype=torch.float64) - tokens.mean()) / torch.sqrt(tokens.var() + 1e-8)
+        ).tolist()
+        got = advantages(trajs, LossConfig(estimator=estimator))
+        assert got == pytest.approx([*want, 0.0], rel=1e-12)
 
 
 def test_the_default_estimator_is_grpo_unchanged():

@@ -13,11 +13,13 @@ divide by, ``torch.std``). Every model token of episode i (all its rows) gets A_
 estimators (``estimator``), over the same episodes:
 
     RLOO (Ahmadian et al., 2024):  A_i = r_i - (sum_{j != i} r_j) / (G - 1) = G / (G - 1) (r_i - mean(r))
-    REINFORCE++ (Hu, 2025):        A_i = (r_i - mean_B(r)) / (std_B(r) + eps)
-    REINFORCE++ with baseline:     A_i = (r_i - mean(r) - mean_B(c)) / (std_B(c) + eps),  c = r - mean(r)
+    REINFORCE++ (Hu, 2025):        A_i = (r_i - mean_T(r)) / sqrt(var_T(r) + 1e-8)
+    REINFORCE++ with baseline:     A_i = (c_i - mean_T(c)) / sqrt(var_T(c) + 1e-8),  c = r - mean(r)
 
-where mean_B and std_B (population) run over every episode of the step's batch (a global
-normalization rather than a per-group one). A group of one episode gets A = 0 from GRPO and RLOO.
+where mean_T and var_T (unbiased) run over every loss token of the step's batch, each token
+carrying its episode's value: a global normalization in which an episode weighs as many tokens
+as it has, as verl and OpenRLHF whiten. A group of one episode gets A = 0 from GRPO and RLOO
+(verl gives it its reward) and c = r from the baseline.
 
 Policy loss (:func:`policy_loss`, options in :class:`~loong_train.config.LossConfig`). Per token
 t of row i, all tensors ``[batch, seq]``: m mask (1 = loss token), A advantage, l the trainer's
@@ -128,17 +130,20 @@ def advantages(trajectories: Sequence[Trajectory], cfg: LossConfig) -> list[floa
             for t in trajectories
         ]
     baseline = cfg.estimator == "reinforce++-baseline"
-    episodes = {(t.group_id, episode_id(t)): t.reward for t in trajectories if t.status.trainable}
-    values = {k: r - means[k[0]] if baseline else r for k, r in episodes.items()}
-    if not values:
-        return [0.0] * len(trajectories)
-    mean = sum(values.values()) / len(values)
-    spread = math.sqrt(sum((v - mean) ** 2 for v in values.values()) / len(values))
-    scale = 1 / (spread + 1e-6) if spread > 0 else 1.0
-    return [
-        (values[(t.group_id, episode_id(t))] - mean) * scale if t.status.trainable else 0.0
+    single = {g for g, rs in groups.items() if len(rs) == 1}  # no baseline from a group of one
+    rows = [
+        (t.reward - (means[t.group_id] if baseline and t.group_id not in single else 0.0), t.num_model_tokens)
         for t in trajectories
+        if t.status.trainable
     ]
+    tokens = sum(n for _, n in rows)
+    if tokens < 2:
+        return [0.0] * len(trajectories)
+    mean = sum(v * n for v, n in rows) / tokens
+    var = sum(n * (v - mean) ** 2 for v, n in rows) / (tokens - 1)
+    scale = 1 / math.sqrt(var + 1e-8)
+    values = iter(rows)
+    return [(next(values)[0] - mean) * scale if t.status.trainable else 0.0 for t in trajectories]
 
 
 def _groups(trajectories: Sequence[Trajectory]) -> dict[str, list[float]]:
