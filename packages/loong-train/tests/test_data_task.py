@@ -678,3 +678,77 @@ def test_streamed_parquet_and_bad_streamed_input(tmp_path):
     ).train_stream(0, [])
     with pytest.raises(ConfigError, match=r"broken.jsonl, line 2: not valid JSON"):
         next(stream)
+
+
+def test_overlong_shaping_is_dapos_soft_punishment():
+    """Budget 20, buffer 8: free up to 12 tokens, then -1/8 per token, -1 (times the factor) at 20;
+    a black-box episode's rows count together; failed episodes are left alone."""
+    from loong_core.records import EpisodeStatus, SpanSource, TokenSpan, Trajectory
+    from loong_train.tasks.reward import overlong_penalty, shape_overlong
+
+    assert [overlong_penalty(n, 20, 8, 1.0) for n in (5, 12, 13, 16, 20)] == [0.0, 0.0, -0.125, -0.5, -1.0]
+    assert overlong_penalty(16, 20, 8, 0.5) == -0.25 and overlong_penalty(19, 20, 0, 1.0) == 0.0
+
+    def row(sample, n, status="ok", episode=""):
+        spans = [TokenSpan(token_ids=[1], source=SpanSource.PROMPT)]
+        spans.append(
+            TokenSpan(token_ids=[2] * n, source=SpanSource.MODEL, logprobs=[-1.0] * n, weight_version=0)
+        )
+        info = {"episode": episode} if episode else {}
+        return Trajectory(
+            sample_id=sample, group_id="g", spans=spans, reward=1.0, status=EpisodeStatus(status), info=info
+        )
+
+    trajs = [
+        row("a", 10),
+        row("b", 14, "truncated"),
+        row("c#0", 8, episode="c"),
+        row("c#1", 8, episode="c"),
+        row("d", 19, "failed"),
+    ]
+    shape_overlong(trajs, 20, 8, 1.0)
+    assert [t.reward for t in trajs] == [1.0, 0.75, 0.5, 0.5, 1.0]
+    assert [t.metrics.get("overlong_penalty") for t in trajs] == [0.0, -0.25, -0.5, -0.5, None]
+
+
+def test_overlong_shaping_reaches_training_rewards_only(tiny_dir, data):
+    """A real RolloutWorker: training rewards carry the penalty of their own length, evaluations
+    do not; a buffer as long as the budget is an error naming both keys."""
+    from loong_core.records import EpisodeStatus
+    from loong_train.pipeline import GroupSource
+    from loong_train.tasks.reward import overlong_penalty
+    from loong_train.workers.rollout import RolloutWorker
+
+    tables = TaskTables(data=DataConfig(train_files=[str(data)]), reward=RewardConfig(overlong_buffer=30))
+    worker = RolloutWorker(
+        str(tiny_dir),
+        seed=0,
+        sampling={"temperature": 1.0, "max_new_tokens": 40},
+        limits={"max_turns": 1, "max_model_tokens": 256},
+        task="data",
+        tables=tables,
+    )
+    try:
+        source = GroupSource(worker.task.train_stream(0, []), group_size=4)
+        specs = source.specs(source.next_group())
+        shaped = worker.rollout(specs)["trajectories"]
+        plain = worker.rollout(specs, evaluation=True)["trajectories"]
+    finally:
+        worker.close()
+    assert worker.budget == 40
+    scored = [t for t in shaped if t.status in (EpisodeStatus.OK, EpisodeStatus.TRUNCATED)]
+    assert scored and any(t.metrics["overlong_penalty"] < 0 for t in scored)
+    answers = {s.sample_id: s.task["answer"] for s in specs}
+    for t in scored:  # exact match (unset reward.fn), and nothing for a truncated episode, plus the penalty
+        base = (
+            float(worker._final_turn(t).strip() == answers[t.sample_id])
+            if t.status is EpisodeStatus.OK
+            else 0.0
+        )
+        assert t.reward == pytest.approx(base + overlong_penalty(t.num_model_tokens, 40, 30, 1.0))
+    assert all("overlong_penalty" not in t.metrics for t in plain)
+    with pytest.raises(
+        ValueError,
+        match=r"reward.overlong_buffer = 160 must be below the episode budget, min\(rollout.max_model_tokens",
+    ):
+        load_recipe("tiny-calc-agent", ["reward.overlong_buffer=160"])

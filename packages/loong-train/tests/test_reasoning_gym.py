@@ -141,3 +141,32 @@ def test_the_tiny_reasoning_recipe_never_trains_on_a_held_out_question():
         assert not held_ids & {i["id"] for i in drawn}
         assert not held_questions & {i["messages"][-1]["content"] for i in drawn}
     assert len(held_questions) == len(held)  # no question is held out twice
+
+
+def test_target_domains_name_the_tasks_the_warm_start_waits_for(tmp_path):
+    """The shipped recipe waits for both matrix tasks; a domain no probe task carries stops the
+    warm start at its first probe, naming the domains there are; target_domains without
+    target_per_domain is a config error."""
+    from loong_train.tiny.warmstart import build_tiny, warm_start
+
+    recipe = load_recipe("tiny-reasoning")
+    assert recipe.warmstart.target_per_domain and set(recipe.warmstart.target_domains) == {
+        "rotate_matrix",
+        "manipulate_matrix",
+    }
+    sets = [
+        "warmstart.steps=1",
+        "warmstart.eval_every=1",
+        "warmstart.eval_tasks=6",
+        'warmstart.target_domains=["nope"]',
+    ]
+    small = load_recipe(
+        "tiny-reasoning", [*sets, "reasoning_gym.train_size=200", "reasoning_gym.eval_size=30"]
+    )
+    path = build_tiny(tmp_path / "m", small)
+    with pytest.raises(
+        ValueError, match=r"target_domains names \['nope'\], which no probe task is tagged with"
+    ):
+        warm_start(path, small)
+    with pytest.raises(ValueError, match=r"set target_per_domain = true"):
+        load_recipe("tiny-reasoning", ["warmstart.target_per_domain=false"])

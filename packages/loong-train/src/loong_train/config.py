@@ -87,7 +87,8 @@ class WarmstartConfig(_Section):
     """Supervised warm start on the task's demonstrations (``demonstration(item)``: the calculator's
     expert episodes, a data row's reference answer, an environment row's expert turns), stopped early once the *sampled*
     (temperature 1) success on probe tasks reaches ``target_success`` (with ``target_per_domain``:
-    the success of each domain of a composite task, so the fastest-learned domain does not end it).
+    the success of each domain of a composite task, so the fastest-learned domain does not end it;
+    ``target_domains`` narrows that to the domains it names).
 
     ``label_smoothing`` spreads that much target mass over the vocabulary: the policy learns the
     skill (its greedy answers become right) while its temperature-1 samples still fail often
@@ -104,6 +105,16 @@ class WarmstartConfig(_Section):
     eval_every: int = 100
     eval_tasks: int = 128
     threads: int = 0  # torch threads of the warm start (it runs before any actor); 0: the recipe's
+    target_domains: list[
+        str
+    ] = []  # with target_per_domain: the domains that must reach the target (empty: all)
+
+    def __post_init__(self) -> None:
+        if self.target_domains and not self.target_per_domain:
+            raise ValueError(
+                f"warmstart.target_domains = {self.target_domains} names domains for warmstart.target_per_domain, "
+                "which is false: set target_per_domain = true"
+            )
 
 
 class RolloutConfig(_Section):
@@ -229,6 +240,13 @@ class Recipe(_Section):
             raise ValueError(
                 f"rollout.engine.partial = {engine.partial!r} needs agent.type = 'whitebox' "
                 f"(updates land between a white-box agent's decode steps), got {agent.type!r}"
+            )
+        r = self.rollout
+        budget = min(r.max_model_tokens, r.max_turns * r.max_new_tokens)
+        if self.reward.overlong_buffer >= budget:
+            raise ValueError(
+                f"reward.overlong_buffer = {self.reward.overlong_buffer} must be below the episode budget, "
+                f"min(rollout.max_model_tokens, rollout.max_turns * rollout.max_new_tokens) = {budget}"
             )
         if self.reward.group and agent.type != "whitebox":
             raise ValueError(

@@ -42,6 +42,12 @@ entry per episode (truncated, failed and timed-out episodes are left out), and i
 of as many scores. A failing call fails the group's episodes; an entry that is not a score fails
 its own. With ``style = "trl"`` the lists are TRL's, for the whole group. White-box agents only.
 
+Overlong shaping (DAPO's soft overlong punishment): ``overlong_buffer = L`` costs an episode
+that uses the last ``L`` tokens of its budget, linearly up to ``overlong_penalty`` at the budget
+(the budget: ``min(rollout.max_model_tokens, rollout.max_turns * rollout.max_new_tokens)``, the
+most model tokens an episode can hold); added to training rewards, never to evaluations, and
+logged as ``reward/overlong_penalty``. 0 (the default): off.
+
 Which reward wins: a black-box agent that posts its own reward (``/v1/sessions/reward``, see
 :mod:`loong_agentflow.blackbox`) overrides ``fn`` for that episode, and the metric
 ``reward/from_agent`` is the share of a step's black-box episodes scored that way (0: ``fn``
@@ -71,7 +77,16 @@ from loong_core.config import ConfigError
 from loong_core.records import EpisodeStatus, Trajectory
 from loong_train.tasks.objects import load_object
 
-__all__ = ["PARAMETERS", "RewardConfig", "RewardFn", "RewardService", "load_reward", "score_groups"]
+__all__ = [
+    "PARAMETERS",
+    "RewardConfig",
+    "RewardFn",
+    "RewardService",
+    "load_reward",
+    "overlong_penalty",
+    "score_groups",
+    "shape_overlong",
+]
 
 PARAMETERS = ("completion", "prompt", "messages", "answer", "metadata", "row")
 
@@ -88,6 +103,8 @@ class RewardConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     api_key_env: str = ""
     retries: int = 2
     group: bool = False
+    overlong_buffer: int = 0
+    overlong_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         if self.fn and (self.fn.count(":") < 1 or not all(self.fn.rsplit(":", 1))):
@@ -102,6 +119,11 @@ class RewardConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ValueError(f"style {self.style!r} is for functions; a url gets every parameter as JSON")
         if self.retries < 0:
             raise ValueError(f"retries must be >= 0, got {self.retries}")
+        if self.overlong_buffer < 0 or self.overlong_penalty < 0:
+            raise ValueError(
+                f"overlong_buffer ({self.overlong_buffer}) and overlong_penalty ({self.overlong_penalty}) "
+                "must be >= 0 (0 tokens: no overlong shaping)"
+            )
         if self.group and (self.url or self.style == "verl"):
             what = "a url" if self.url else "style 'verl' (one sample per call)"
             raise ValueError(
@@ -260,6 +282,33 @@ class RewardFn:
     def _call(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         out = self.fn(*args, **kwargs)
         return asyncio.run(out) if inspect.iscoroutine(out) else out
+
+
+def overlong_penalty(tokens: int, budget: int, buffer: int, factor: float) -> float:
+    """DAPO's soft overlong punishment (Yu et al., 2025) of an episode with ``tokens`` model
+    tokens, ``budget`` the most it may have and ``buffer`` the last tokens of it that cost:
+
+        0                                            tokens <= budget - buffer
+        -factor * (tokens - (budget - buffer)) / buffer   up to -factor at the budget
+    """
+    start = budget - buffer
+    if buffer <= 0 or tokens <= start:
+        return 0.0
+    return -factor * min(1.0, (tokens - start) / buffer)
+
+
+def shape_overlong(trajs: list[Trajectory], budget: int, buffer: int, factor: float) -> None:
+    """Add :func:`overlong_penalty` to the reward of every finished or truncated episode (in place;
+    a black-box episode's rows count together), and log it as ``reward/overlong_penalty``."""
+    tokens: dict[str, int] = {}
+    for t in trajs:
+        key = t.info.get("episode", t.sample_id)
+        tokens[key] = tokens.get(key, 0) + t.num_model_tokens
+    for t in trajs:
+        if t.status in (EpisodeStatus.OK, EpisodeStatus.TRUNCATED):
+            penalty = overlong_penalty(tokens[t.info.get("episode", t.sample_id)], budget, buffer, factor)
+            t.reward += penalty
+            t.metrics = {**t.metrics, "overlong_penalty": penalty}
 
 
 def score_groups(

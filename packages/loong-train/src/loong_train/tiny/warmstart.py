@@ -154,7 +154,14 @@ def warm_start(path: Path, recipe: Recipe) -> dict:
             log.info(
                 "warm start step %d: loss %.4f, sampled success %.3f%s", step, loss.item(), success, shown
             )
-            reached = min(domains.values()) if w.target_per_domain else success
+            if w.target_per_domain:
+                if missing := sorted(set(w.target_domains) - domains.keys()):
+                    raise ValueError(
+                        f"warmstart.target_domains names {missing}, which no probe task is tagged with "
+                        f"(its domains: {sorted(domains)})"
+                    )
+                watched = [domains[d] for d in w.target_domains] if w.target_domains else domains.values()
+            reached = min(watched) if w.target_per_domain else success
             if reached >= w.target_success:
                 break
     bar.close()

@@ -32,7 +32,7 @@ from loong_train.engines.base import build_engine, build_host
 from loong_train.engines.config import EmbeddedEngineConfig, EngineConfig
 from loong_train.models.tokenizer import HFCodec, end_of_turn_ids, load_tokenizer, pad_token_id
 from loong_train.tasks import Task, TaskTables, build_task
-from loong_train.tasks.reward import score_groups
+from loong_train.tasks.reward import score_groups, shape_overlong
 from loong_train.workers.agent import AgentConfig, BlackboxAgentConfig, BlackBoxHost
 from loong_transfermesh import TransportConfig, catch_up, open_receiver
 
@@ -87,6 +87,9 @@ class RolloutWorker:
         stop = end_of_turn_ids(tokenizer, model_path)
         self.sampling = SamplingParams(**sampling, stop_token_ids=stop)
         self.limits = EpisodeLimits(**limits)
+        reward = (tables or TaskTables()).reward
+        self.overlong = reward.overlong_buffer, reward.overlong_penalty
+        self.budget = min(self.limits.max_model_tokens, self.limits.max_turns * self.sampling.max_new_tokens)
         self.task = build_task(task, tables)
         chat = chat_format(tokenizer)  # the model's own layout, unless it renders as ChatML does
         if chat is not ChatML:
@@ -139,6 +142,8 @@ class RolloutWorker:
         self.engine.check()  # a server given up on fails the call, not just its episodes
         if (group := getattr(self.task, "group_reward", None)) is not None:
             score_groups(group, out, {s.sample_id: s.task for s in specs}, self._final_turn)
+        if self.overlong[0] and not evaluation:
+            shape_overlong(out, self.budget, *self.overlong)
         end = time.time()
         return {
             "trajectories": out,
