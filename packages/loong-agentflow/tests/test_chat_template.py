@@ -143,3 +143,13 @@ def test_a_template_that_does_not_end_turns_with_the_stop_token_is_refused():
     )
     with pytest.raises(ValueError, match=r"does not end an assistant turn with '<\|eot_id\|>'"):
         TemplateChat(tok)
+
+
+def test_a_template_that_refuses_the_probe_keeps_chatml_with_a_warning(caplog):
+    strict = (
+        "{% for m in messages %}{% if m.role == 'system' %}{{ raise_exception('roles must alternate') }}"
+        "{% endif %}<|start_header_id|>{{ m.role }}<|end_header_id|>{{ m.content }}<|eot_id|>{% endfor %}"
+    )
+    with caplog.at_level("WARNING"):
+        assert chat_format(_tokenizer(LLAMA_SPECIALS, strict, "<|eot_id|>")) is ChatML
+    assert "roles must alternate" in caplog.text

@@ -450,6 +450,7 @@ def test_a_reward_service_is_retried_on_5xx_and_timeouts_but_not_on_4xx(data, se
         ({"url": "http://127.0.0.1:1/s", "retries": -1}, r"retries must be >= 0"),
         ({"url": "http://127.0.0.1:1/s", "group": True}, r"group = true .*; a url cannot take that"),
         ({"fn": "r.py:f", "style": "verl", "group": True}, r"style 'verl' \(one sample per call\)"),
+        ({"group": True}, r"group = true calls a function once per group: set fn"),
     ],
 )
 def test_bad_reward_service_settings_are_errors(config, error):
@@ -459,7 +460,7 @@ def test_bad_reward_service_settings_are_errors(config, error):
 
 def test_a_group_reward_with_a_black_box_agent_is_an_error():
     with pytest.raises(ValueError, match=r"reward.group = true scores the final turns of white-box episodes"):
-        load_recipe("tiny-calc-agent", ["reward.group=true", "agent.type=blackbox"])
+        load_recipe("tiny-calc-agent", ["reward.group=true", 'reward.fn="r.py:f"', "agent.type=blackbox"])
 
 
 def test_an_unset_key_variable_is_an_error_before_training(data, monkeypatch):
@@ -752,3 +753,33 @@ def test_overlong_shaping_reaches_training_rewards_only(tiny_dir, data):
         match=r"reward.overlong_buffer = 160 must be below the episode budget, min\(rollout.max_model_tokens",
     ):
         load_recipe("tiny-calc-agent", ["reward.overlong_buffer=160"])
+
+
+def test_the_warm_start_probe_scores_a_group_reward_one_episode_at_a_time(
+    tiny_dir, tmp_path, data, monkeypatch
+):
+    """In group mode an episode's own reward is deferred; the warm start's probe still scores its
+    finished episodes (each a group of one), so its stopping rule sees real success."""
+    from loong_train.models.decoder import CausalLM
+    from loong_train.models.tokenizer import load_tokenizer
+    from loong_train.tiny.warmstart import sampled_success
+
+    calls = tmp_path / "calls.jsonl"
+    monkeypatch.setenv("LOONG_TEST_CALLS", str(calls))
+    (tmp_path / "rw.py").write_text(GROUP_REWARD)
+    sets = [
+        'task="data"',
+        f'data.train_files=["{data}"]',
+        f'reward.fn="{tmp_path}/rw.py:shortest"',
+        "reward.group=true",
+        "rollout.max_new_tokens=150",
+        "rollout.max_model_tokens=256",
+    ]
+    recipe = load_recipe("tiny-calc-agent", sets)
+    task = build_task(recipe.task, recipe.task_tables)
+    success = sampled_success(
+        CausalLM.from_pretrained(tiny_dir), load_tokenizer(tiny_dir), recipe, task.held_out(2) * 4, 0, task
+    )
+    made = [json.loads(line) for line in calls.read_text().splitlines()]
+    assert made and all(len(c["completion"]) == 1 for c in made)  # one call per finished probe episode
+    assert success == len(made) / 8  # a group of one: its only completion is the shortest

@@ -25,6 +25,7 @@ transformers is never imported here.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Sequence
@@ -33,6 +34,8 @@ from typing import Any
 from loong_agentflow.tokens import Piece
 
 __all__ = ["TemplateChat", "chat_format"]
+
+log = logging.getLogger("loong.agentflow")
 
 Messages = Sequence[dict[str, Any]]
 Tools = Sequence[dict[str, Any]] | None
@@ -121,20 +124,21 @@ _PROBE = [
 
 def chat_format(tokenizer: Any) -> Any:
     """The white-box layout for ``tokenizer``: :class:`~loong_agentflow.agent.ChatML` when its
-    template renders a probe conversation exactly as ChatML does (or it has no template), else
-    :class:`TemplateChat` of its template."""
+    template renders a probe conversation (system, user, assistant, tool) exactly as ChatML does,
+    has no template, or refuses the probe (a warning says why), else :class:`TemplateChat`."""
     from loong_agentflow.agent import ChatML
     from loong_agentflow.tools import ToolResult
 
     if not getattr(tokenizer, "chat_template", None):
         return ChatML
+    first, reply = _PROBE[:2], _PROBE[2]["content"]
     try:
         template = TemplateChat(tokenizer, ChatML.END if "<|im_end|>" in tokenizer.get_vocab() else None)
-    except ValueError:
-        return ChatML  # a template without a stop token after assistant turns: keep the known layout
-    first, reply = _PROBE[:2], _PROBE[2]["content"]
-    same = template.text(first) == ChatML.prompt(first) and (
-        ChatML.prompt(first) + reply + ChatML.END + ChatML.tool_turn([ToolResult(None, "T", ok=True)])
-        == template.text(_PROBE)
-    )
+        same = template.text(first) == ChatML.prompt(first) and (
+            ChatML.prompt(first) + reply + ChatML.END + ChatML.tool_turn([ToolResult(None, "T", ok=True)])
+            == template.text(_PROBE)
+        )
+    except Exception as e:  # a template that refuses the probe (roles must alternate, tool call ids...)
+        log.warning("white-box episodes keep ChatML's layout: the chat template cannot lay them out (%s)", e)
+        return ChatML
     return ChatML if same else template

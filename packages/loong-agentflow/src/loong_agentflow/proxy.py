@@ -169,11 +169,11 @@ class _LiveStream:
 
 
 async def _tokens(
-    engine: RolloutEngine, prompt: list[int], sampling: SamplingParams
+    engine: RolloutEngine, prompt: list[int], sampling: SamplingParams, live: bool
 ) -> AsyncIterator[TokenSpan]:
-    """The engine's tokens as they are sampled (``engine.stream``), or its whole completion at
-    once from an engine that cannot stream."""
-    stream = getattr(engine, "stream", None)
+    """The engine's tokens as they are sampled (``engine.stream``, when ``live``), or its whole
+    completion at once (not live, or an engine that cannot stream)."""
+    stream = getattr(engine, "stream", None) if live else None
     if stream is None:
         yield await engine.generate(prompt, sampling)
         return
@@ -439,10 +439,11 @@ class ProxyServer:
         text as it becomes showable, with the tokens it carries. An engine failure is the call's
         500 (the other choices are cancelled)."""
         stop_ids = frozenset(sampling.stop_token_ids)
+        follow = shown is not None or bool(stops)  # a whole completion needs no token-by-token watch
 
         async def one(i: int) -> LiveText:
             live = LiveText(self.renderer, stop_ids, stops, chat)
-            async with contextlib.aclosing(_tokens(self.engine, prompt, sampling)) as deltas:
+            async with contextlib.aclosing(_tokens(self.engine, prompt, sampling, follow)) as deltas:
                 async for delta in deltas:
                     text = live.push(delta)
                     if text and shown is not None:
@@ -455,6 +456,7 @@ class ProxyServer:
         self.inflight += 1
         try:
             lives = await asyncio.gather(*tasks)
+            choices = [finish_choice(x.span(), self.renderer, stop_ids, stops, chat) for x in lives]
         except Exception as e:  # the engine's failure is this call's 500, not the server's end
             session.errors.append(f"{type(e).__name__}: {e}")
             raise ApiError(500, f"The engine failed: {type(e).__name__}: {e}", type="server_error") from None
@@ -462,7 +464,7 @@ class ProxyServer:
             for t in tasks:
                 t.cancel()  # no-op once done
             self.inflight -= 1
-        return [finish_choice(x.span(), self.renderer, stop_ids, stops, chat) for x in lives], lives
+        return choices, lives
 
     def _answer(
         self,

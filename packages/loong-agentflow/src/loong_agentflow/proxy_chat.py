@@ -212,31 +212,39 @@ class LiveText:
         self.ids: list[int] = []
         self.logprobs: list[float] = []
         self.versions: list[int] = []
+        self.text = ""  # the decoded text of the tokens up to ``_read``
+        self._prefix = self._read = 0  # incremental detokenization: decode only ids[_prefix:]
+        self._reach = max(map(len, self.holds), default=0)
         self.shown = ""
         self.sent = 0  # leading tokens already sent with shown text
         self.stopped = False
 
     def push(self, delta: TokenSpan) -> str:
-        """Add the engine's new tokens; returns the text that became showable ("" if none)."""
+        """Add the engine's new tokens; returns the text that became showable ("" if none).
+
+        Decoding is incremental (each push decodes the tokens since the last complete character,
+        as vLLM's detokenizer does) and stop strings are looked for in the new text only, so a
+        long completion costs linear time."""
         self.ids += delta.token_ids
         self.logprobs += delta.logprobs
         self.versions += delta.token_versions()
-        ids = self.ids[:-1] if self.ids and self.ids[-1] in self.stop_ids else self.ids
-        text = self.decode(ids)
-        if any(s in text for s in self.stops):
+        end = len(self.ids) - (1 if self.ids and self.ids[-1] in self.stop_ids else 0)
+        before = len(self.text)
+        if end > self._read:
+            done = self.decode(self.ids[self._prefix : self._read])
+            now = self.decode(self.ids[self._prefix : end])
+            if len(now) > len(done) and not now.endswith("\ufffd"):  # a character's bytes all arrived
+                self.text += now[len(done) :]
+                self._prefix, self._read = self._read, end
+        text = self.text
+        if any(s in text[max(0, before - self._reach) :] for s in self.stops):
             self.stopped = True
             return ""
-        limit = len(text)
-        while limit and text[limit - 1] == "\ufffd":  # a character whose bytes did not all arrive
-            limit -= 1
-        call = text.find(TOOL_CALL) if self.chat else -1
-        limit = min(limit, call) if call >= 0 else limit - _held(text[:limit], self.holds)
-        visible = text[:limit]
-        if (self.chat and not visible.strip()) or len(visible) <= len(self.shown):
+        call = text.find(TOOL_CALL, max(0, len(self.shown) - len(TOOL_CALL))) if self.chat else -1
+        limit = call if call >= 0 else len(text) - _held(text, self.holds)
+        if (self.chat and not text[:limit].strip()) or limit <= len(self.shown):
             return ""
-        if not visible.startswith(self.shown):  # the tokenizer re-decoded earlier text differently
-            return ""
-        piece, self.shown = visible[len(self.shown) :], visible
+        piece, self.shown = text[len(self.shown) : limit], text[:limit]
         return piece
 
     def take(self) -> TokenSpan:

@@ -123,7 +123,7 @@ class SGLangEngine:
                     try:
                         out = msgspec.json.decode(line[6:], type=GenerateResponse)
                     except msgspec.DecodeError as e:
-                        raise SGLangError(f"{where}: a streamed event is not an SGLang answer: {e}") from None
+                        raise SGLangError(f"{where}: the stream says {line[6:300]!r} ({e})") from None
                     if len(out.output_ids) < got:
                         raise SGLangError(
                             f"{where}: a streamed answer shrank from {got} to {len(out.output_ids)} tokens "
@@ -144,7 +144,7 @@ class SGLangEngine:
             reason = msgspec.to_builtins(meta.finish_reason)
             raise SGLangError(f"request aborted by the server: {reason}")
         triples = meta.output_token_logprobs or []
-        if [t[1] for t in triples] != ids:
+        if len(triples) != len(ids) or [t[1] for t in triples[start:]] != ids[start:]:  # the new part
             raise SGLangError("output_token_logprobs do not match output_ids")
         version = self._parse_version(meta.weight_version)
         self._version = max(self._version, version)

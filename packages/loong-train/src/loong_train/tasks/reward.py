@@ -129,6 +129,10 @@ class RewardConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
             raise ValueError(
                 f"group = true calls a function once per group with lists; {what} cannot take that"
             )
+        if self.group and not self.fn:
+            raise ValueError(
+                "group = true calls a function once per group: set fn (exact match scores one episode)"
+            )
 
 
 def exact_match(completion: str, answer: Any) -> float:

@@ -21,11 +21,13 @@ from tqdm import tqdm
 
 from loong_agentflow import ChatML, EpisodeLimits, EpisodeSpec, ToolAgent, run_episodes
 from loong_core.protocols import SamplingParams
+from loong_core.records import Trajectory
 from loong_train.config import Recipe
 from loong_train.engines.embedded.engine import EmbeddedEngine
 from loong_train.models.decoder import CausalLM, DecoderConfig
 from loong_train.models.tokenizer import HFCodec, load_tokenizer
 from loong_train.tasks import Task, TaskTables, build_task
+from loong_train.tasks.reward import score_groups
 from loong_train.tiny.tokenizer import build_tokenizer
 
 __all__ = ["build_tiny", "prepare_model", "sampled_success", "tokenizer_corpus"]
@@ -89,7 +91,14 @@ def _probe_rewards(
     limits = EpisodeLimits(max_turns=r.max_turns, max_model_tokens=r.max_model_tokens)
     task = task or build_task(recipe.task, recipe.task_tables)
     agent = task.agent() if hasattr(task, "agent") else ToolAgent(task.tools(), task.reward)
-    trajs = asyncio.run(run_episodes(agent, specs, engine, HFCodec(tokenizer), sampling, limits))
+    codec = HFCodec(tokenizer)
+    trajs = asyncio.run(run_episodes(agent, specs, engine, codec, sampling, limits))
+    if (group := getattr(task, "group_reward", None)) is not None:  # each probe episode is a group of one
+
+        def final_turn(t: Trajectory) -> str:
+            return ChatML.strip_end(codec.decode(next(s for s in reversed(t.spans) if s.is_model).token_ids))
+
+        score_groups(group, trajs, {s.sample_id: s.task for s in specs}, final_turn)
     model.train()
     return [t.reward for t in trajs]
 

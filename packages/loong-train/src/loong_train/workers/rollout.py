@@ -91,7 +91,7 @@ class RolloutWorker:
         self.overlong = reward.overlong_buffer, reward.overlong_penalty
         self.budget = min(self.limits.max_model_tokens, self.limits.max_turns * self.sampling.max_new_tokens)
         self.task = build_task(task, tables)
-        chat = chat_format(tokenizer)  # the model's own layout, unless it renders as ChatML does
+        self.chat = chat = chat_format(tokenizer)  # the model's own layout, unless it renders as ChatML does
         if chat is not ChatML:
             log.info("white-box episodes use %s's own chat template (it differs from ChatML)", model_path)
         own = getattr(self.task, "agent", None)  # a task that drives its episodes (environments)
@@ -157,7 +157,7 @@ class RolloutWorker:
     def _final_turn(self, t: Trajectory) -> str:
         """The text of an episode's last model turn, as the white-box agent gives it to a reward."""
         span = next(s for s in reversed(t.spans) if s.is_model)
-        return ChatML.strip_end(self.codec.decode(span.token_ids))
+        return self.chat.strip_end(self.codec.decode(span.token_ids))
 
     def apply_weights(self, manifest: WeightManifest, restart_below: int = -1) -> dict[str, float]:
         """Receive an update through TransferMesh. Called like a rollout, Ray runs it between
