@@ -270,3 +270,32 @@ def test_entropy_metric_and_bonus_match_a_float64_entropy():
     assert losses[0.5][0] == pytest.approx(losses[0.0][0] - 0.5 * losses[0.0][1], rel=1e-5)
     with pytest.raises(ValueError, match="entropy_coef must be >= 0"):
         LossConfig(entropy_coef=-1.0)
+
+
+def test_overlong_filter_keeps_truncated_rows_without_loss_tokens():
+    """DAPO's overlong filtering: the truncated row stays in the batch (and its group's statistics)
+    with an all-zero loss mask; the others are packed unchanged; a batch with no loss token left
+    gives a zero loss, not NaN."""
+    from loong_train.algo.losses import pack_batch
+
+    trajs = [_traj("a", 1), _traj("a", 0, EpisodeStatus.TRUNCATED, n_model=3), _traj("a", 0.5)]
+    adv = advantages(trajs, LossConfig())
+    assert adv[1] != 0.0  # it still counts in the group's mean and std
+    plain, filtered = pack_batch(trajs, adv, 0), pack_batch(trajs, adv, 0, mask_truncated=True)
+    assert filtered.row_lens == plain.row_lens and filtered.token_ids == plain.token_ids
+    start, end = plain.row_lens[0], plain.row_lens[0] + plain.row_lens[1]
+    assert plain.loss_mask[start:end] == [0, 0, 1, 1, 1] and filtered.loss_mask[start:end] == [0] * 5
+    assert (
+        filtered.loss_mask[:start] == plain.loss_mask[:start]
+        and filtered.loss_mask[end:] == plain.loss_mask[end:]
+    )
+    assert all(a == 0 for a in filtered.advantages[start:end])
+    logprobs = torch.zeros(1, 3, dtype=torch.float64, requires_grad=True)
+    loss, _ = policy_loss(
+        logprobs,
+        torch.zeros(1, 3, dtype=torch.float64),
+        torch.ones(1, 3, dtype=torch.float64),
+        torch.zeros(1, 3, dtype=torch.float64),
+        LossConfig(),
+    )
+    assert float(loss) == 0.0

@@ -261,7 +261,7 @@ class Pipeline:
         trajs = [t for g in groups for t in self.finished.pop(g)]
         self.source.release(groups)
         adv = advantages(trajs, self.recipe.loss)
-        batch = pack_batch(trajs, adv, self.window.version)
+        batch = pack_batch(trajs, adv, self.window.version, self.recipe.loss.overlong_filter)
         self.train_ref = self.trainer.publish.remote(self.trainer.train_step.remote(batch), readers)
         return trajs
 

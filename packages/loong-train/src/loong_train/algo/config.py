@@ -47,6 +47,8 @@ class LossConfig(_Section):
       proximal / behaviour); ``tis_cap`` (C) truncates that weight and needs ``decoupled``.
     - ``mis_low``/``mis_high``: masked IS band for the proximal / behaviour ratio, per token
       or per sequence (``mis_level``); ``0``/``inf`` = off.
+    - ``overlong_filter``: DAPO's overlong filtering, no loss on truncated episodes (they still
+      count in their group's advantage statistics); with ``reward.overlong_buffer``, its shaping.
     """
 
     policy: Literal["ppo", "gspo", "gspo-token", "cispo"] = "ppo"
@@ -66,6 +68,7 @@ class LossConfig(_Section):
     mis_low: float = 0.0
     mis_high: float = math.inf
     mis_level: Literal["token", "sequence"] = "token"
+    overlong_filter: bool = False
 
     def __post_init__(self) -> None:
         if problems := _loss_problems(self):

@@ -76,7 +76,7 @@ from collections.abc import Sequence
 
 import torch
 
-from loong_core.records import TrainBatch, Trajectory
+from loong_core.records import EpisodeStatus, TrainBatch, Trajectory
 from loong_train.algo.config import LossConfig
 
 __all__ = [
@@ -156,13 +156,19 @@ def _groups(trajectories: Sequence[Trajectory]) -> dict[str, list[float]]:
 
 
 def pack_batch(
-    trajectories: Sequence[Trajectory], advantages: Sequence[float], policy_version: int
+    trajectories: Sequence[Trajectory],
+    advantages: Sequence[float],
+    policy_version: int,
+    mask_truncated: bool = False,
 ) -> TrainBatch:
-    """Concatenate trainable trajectories into a TrainBatch (one row each)."""
+    """Concatenate trainable trajectories into a TrainBatch (one row each); ``mask_truncated``
+    (DAPO's overlong filtering) keeps truncated rows but gives them no loss token."""
     keep = [(t, a) for t, a in zip(trajectories, advantages, strict=True) if t.status.trainable]
     token_ids, mask, adv, lps, versions, lens = [], [], [], [], [], []
     for t, a in keep:
         m = t.loss_mask
+        if mask_truncated and t.status is EpisodeStatus.TRUNCATED:
+            m = [0] * len(m)
         token_ids += t.token_ids
         mask += m
         adv += [a * x for x in m]
