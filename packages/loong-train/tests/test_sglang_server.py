@@ -203,6 +203,22 @@ def test_generate_response_shape_batch_and_stop(model_dir):
     assert flushed.status_code == 200
 
 
+def test_batch_request_ids_are_named_as_sglang_names_them(model_dir):
+    """sglang io_struct GenerateReqInput._normalize_rid (test/srt/test_io_struct.py): one id for a
+    batch becomes <rid>_<i>, a list gives each prompt its own, a list of the wrong length is a 400."""
+    with _serve(EmbeddedEngine(CausalLM.from_pretrained(model_dir))) as (url, _):
+        body = {"input_ids": [PROMPT, [1, 2]], "sampling_params": {"max_new_tokens": 1}}
+        one = httpx.post(f"{url}/generate", json={**body, "rid": "job"}).json()
+        listed = httpx.post(f"{url}/generate", json={**body, "rid": ["a", "b"]}).json()
+        short = httpx.post(f"{url}/generate", json={**body, "rid": ["a"]})
+        unnamed = httpx.post(f"{url}/generate", json=body).json()
+    assert [r["meta_info"]["id"] for r in one] == ["job_0", "job_1"]
+    assert [r["meta_info"]["id"] for r in listed] == ["a", "b"]
+    assert short.status_code == 400 and short.json()["param"] == "rid"
+    ids = [r["meta_info"]["id"] for r in unnamed]
+    assert len(set(ids)) == 2 and all(len(i) == 32 for i in ids)
+
+
 def test_pause_holds_requests_until_continue(model_dir):
     with _serve(EmbeddedEngine(CausalLM.from_pretrained(model_dir))) as (url, _):
 
@@ -238,6 +254,8 @@ def test_weight_updates_from_disk_and_tensor(model_dir, tmp_path):
         served = dict(state.engine.model.named_parameters())
         assert all(torch.equal(served[k], v) for k, v in new.named_parameters())
         assert httpx.get(f"{url}/get_weight_version").json() == {"weight_version": "5"}
+        # sglang test/srt/test_update_weights_from_disk.py: the served model_path follows the update
+        assert httpx.get(f"{url}/get_model_info").json()["model_path"] == str(tmp_path / "v5")
         name = "model.layers.0.mlp.up_proj.weight"
         row = httpx.post(f"{url}/get_weights_by_name", json={"name": name, "truncate_size": 2}).json()
         assert torch.equal(torch.tensor(row), new.state_dict()[name][:2])

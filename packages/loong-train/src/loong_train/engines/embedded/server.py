@@ -145,7 +145,16 @@ class SGLangServer:
             raise BadRequest("sampling_params", "a list must have one entry per prompt")
         if not batch and isinstance(body.rid, list):
             raise BadRequest("rid", "must be a string for a single prompt")
-        rid = body.rid if isinstance(body.rid, str) and not batch else uuid.uuid4().hex
+        if isinstance(body.rid, list) and len(body.rid) != len(prompts):  # SGLang's _normalize_rid
+            raise BadRequest(
+                "rid", f"a list needs one id per prompt: {len(prompts)} prompts, {len(body.rid)} ids"
+            )
+        if isinstance(body.rid, list):
+            rids = list(body.rid)
+        elif batch:  # a batch under one id: <rid>_<i>, as SGLang names them
+            rids = [f"{body.rid}_{i}" if body.rid else uuid.uuid4().hex for i in range(len(prompts))]
+        else:
+            rids = [body.rid or uuid.uuid4().hex]
         logprob, start = bool(body.return_logprob), body.logprob_start_len
         top_k = body.top_logprobs_num or 0
         jobs = []
@@ -165,7 +174,7 @@ class SGLangServer:
             first = len(prompt) - 1 if start in (None, -1) else start
             if not 0 <= first < len(prompt):
                 raise BadRequest("logprob_start_len", f"must be -1 or in [0, {len(prompt)})")
-            jobs.append((prompt, sampling, max_new, logprob, first, f"{rid}{suffix}", top_k))
+            jobs.append((prompt, sampling, max_new, logprob, first, rids[i], top_k))
         if body.stream:
             if batch:
                 raise BadRequest("stream", "streams one prompt at a time here (send a batch unstreamed)")
@@ -329,6 +338,7 @@ class SGLangServer:
         for f in files:
             named.update(await asyncio.to_thread(load_file, str(f)))
         await self.swap(named, body.weight_version, body.flush_cache)
+        self.model_path = body.model_path  # /get_model_info names the weights served, as SGLang's does
         message = "Succeeded to update model weights."
         return json_response(UpdateWeightsResponse(success=True, message=message, num_paused_requests=0))
 
