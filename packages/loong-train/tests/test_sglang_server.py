@@ -219,6 +219,27 @@ def test_batch_request_ids_are_named_as_sglang_names_them(model_dir):
     assert len(set(ids)) == 2 and all(len(i) == 32 for i in ids)
 
 
+@pytest.mark.parametrize(
+    "field",
+    [
+        {"token_ids_logprob": [1, 2]},  # test_srt_endpoint.py's token-id logprobs
+        {"return_text_in_logprobs": True},  # test_skip_tokenizer_init.py: texts need a tokenizer
+        {"custom_logit_processor": "{}"},  # test_srt_endpoint.py's custom logit processor
+        {"lora_path": "adapter"},
+    ],
+)
+def test_sglang_fields_this_server_does_not_implement_are_refused_by_name(model_dir, field):
+    """Issue 20 points 5 and 6: an SGLang field the embedded server does not implement is a 400
+    naming it, never silently ignored; the same field left empty is accepted."""
+    with _serve(EmbeddedEngine(CausalLM.from_pretrained(model_dir))) as (url, _):
+        body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1}}
+        refused = httpx.post(f"{url}/generate", json={**body, **field})
+        empty = httpx.post(f"{url}/generate", json={**body, **{k: None for k in field}})
+    (name,) = field
+    assert refused.status_code == 400 and refused.json()["param"] == name
+    assert "not supported" in refused.json()["message"] and empty.status_code == 200
+
+
 def test_pause_holds_requests_until_continue(model_dir):
     with _serve(EmbeddedEngine(CausalLM.from_pretrained(model_dir))) as (url, _):
 

@@ -111,6 +111,21 @@ from loong_transfermesh.sglang import bucket_dtype, join_weight_update_group, un
 __all__ = ["BadRequest", "SGLangServer", "build_app", "main", "serve"]
 
 
+def _refuse_unknown(raw: bytes, kind: type) -> None:
+    """A 400 naming the first field of SGLang's that this server does not implement and the
+    request set (``token_ids_logprob``, ``return_text_in_logprobs``, ``custom_logit_processor``,
+    ``lora_path``, ...): never ignored in silence. Left at an empty value, such a field is fine."""
+    try:
+        fields = msgspec.json.decode(raw or b"{}")
+    except msgspec.DecodeError:
+        return  # decode_body already answered that
+    if not isinstance(fields, dict):
+        return
+    for key, value in fields.items():
+        if key not in kind.__struct_fields__ and value not in (None, False, [], {}, ""):
+            raise BadRequest(key, "is not supported by the embedded server (SGLang's default only)")
+
+
 class SGLangServer:
     """State behind the routes: the engine, version labels, weight-update groups."""
 
@@ -134,6 +149,7 @@ class SGLangServer:
     # ---- generation ----
     async def generate(self, request: Request) -> Response:
         body = await decode_body(request, GenerateRequest)
+        _refuse_unknown(await request.body(), GenerateRequest)
         if body.text is not None:
             raise BadRequest("text", "this server takes input_ids only (it has no tokenizer)")
         ids = body.input_ids
