@@ -240,6 +240,18 @@ def test_sglang_fields_this_server_does_not_implement_are_refused_by_name(model_
     assert "not supported" in refused.json()["message"] and empty.status_code == 200
 
 
+def test_top_logprobs_as_sglang_shapes_them_and_refused_where_not_implemented(model_dir):
+    """Issue 20 point 3 (test_srt_endpoint.py's top-logprob cases): with the default
+    logprob_start_len the input side is SGLang's [None]; output-side top logprobs are not
+    implemented here, so asking for them while generating is a 400 naming top_logprobs_num."""
+    with _serve(EmbeddedEngine(CausalLM.from_pretrained(model_dir))) as (url, _):
+        body = {"input_ids": PROMPT, "return_logprob": True, "top_logprobs_num": 3}
+        last = httpx.post(f"{url}/generate", json={**body, "sampling_params": {"max_new_tokens": 0}}).json()
+        generating = httpx.post(f"{url}/generate", json={**body, "sampling_params": {"max_new_tokens": 2}})
+    assert last["meta_info"]["input_top_logprobs"] == [None]
+    assert generating.status_code == 400 and generating.json()["param"] == "top_logprobs_num"
+
+
 def test_pause_holds_requests_until_continue(model_dir):
     with _serve(EmbeddedEngine(CausalLM.from_pretrained(model_dir))) as (url, _):
 

@@ -15,8 +15,9 @@ The subset Loong uses, with SGLang's field names and shapes (``entrypoints/http_
   ``input_ids[start:]`` (``start = logprob_start_len``, ``-1`` means the last prompt token);
   entry 0 is always ``None`` and entry ``i`` is ``log p(x[start+i] | x[:start+i])`` at T = 1.
   With ``top_logprobs_num = k`` too, ``input_top_logprobs`` holds, per input entry (``None``
-  first), the ``k`` most likely ``[logprob, token_id, None]`` at that position, most likely first.
-  ``max_new_tokens = 0`` is prefill only (how teachers score). Output logprobs are
+  first), the ``k`` most likely ``[logprob, token_id, None]`` at that position, most likely first
+  (prefill requests only: there are no ``output_top_logprobs``, so a ``top_logprobs_num`` with
+  ``max_new_tokens > 0`` is a 400). ``max_new_tokens = 0`` is prefill only (how teachers score). Output logprobs are
   ``log_softmax(logits / T)`` of the sampled tokens; a matched stop token is in ``output_ids``.
   ``stream: true`` answers server-sent events, each the answer so far (``finish_reason`` on
   the last), then ``data: [DONE]``; a client that hangs up cancels the request.
@@ -187,6 +188,12 @@ class SGLangServer:
                     f"the prompt has {len(prompt)} tokens and max_new_tokens is {max_new}: together more "
                     f"than the model's context length of {positions}",
                 )
+            if top_k and max_new > 0:
+                raise BadRequest(
+                    "top_logprobs_num",
+                    "gives input_top_logprobs only here (prefill, max_new_tokens = 0): output_top_logprobs "
+                    "are not implemented",
+                )
             first = len(prompt) - 1 if start in (None, -1) else start
             if not 0 <= first < len(prompt):
                 raise BadRequest("logprob_start_len", f"must be -1 or in [0, {len(prompt)})")
@@ -211,6 +218,8 @@ class SGLangServer:
                 ]
             elif start < len(prompt) - 1:
                 scores, version = await self.engine.score(prompt)
+            if top_k and "input_top_logprobs" not in logprobs:  # only the first entry: SGLang's [None]
+                logprobs["input_top_logprobs"] = [None]
             logprobs["input_token_logprobs"] = [(None, prompt[start], None)] + [
                 (scores[j - 1], prompt[j], None) for j in range(start + 1, len(prompt))
             ]
