@@ -221,6 +221,11 @@ class _Call:
     body: Callable[[list[Choice]], dict[str, Any]]
 
 
+def _usage(req: ChatRequest | CompletionRequest) -> bool:
+    """Whether a streamed answer ends with a usage chunk (``stream_options.include_usage``)."""
+    return bool(req.stream_options and req.stream_options.include_usage)
+
+
 async def _unless_gone(request: Request, call: Awaitable[T]) -> T | None:
     """``await call``, or None when the client disconnected first (the call is cancelled)."""
     work = asyncio.ensure_future(call)
@@ -466,7 +471,7 @@ class ProxyServer:
             self.inflight -= 1
         return choices, lives
 
-    def _answer(
+    async def _answer(
         self,
         request: Request,
         session: ProxySession,
@@ -488,17 +493,13 @@ class ProxyServer:
             return choices, lives
 
         if chunks is None:
-
-            async def whole() -> Any:
-                try:
-                    out = await _unless_gone(request, run())
-                except ApiError as e:
-                    return _error(e)
-                if out is None:
-                    return _Gone()
-                return Response(_json.encode(call.body(out[0])), media_type=_JSON)
-
-            return whole()
+            try:
+                out = await _unless_gone(request, run())
+            except ApiError as e:
+                return _error(e)
+            if out is None:
+                return _Gone()
+            return Response(_json.encode(call.body(out[0])), media_type=_JSON)
 
         async def produce(emit: Emit) -> None:
             for event in chunks.start(call.prompt, call.n):
@@ -562,12 +563,8 @@ class ProxyServer:
             return chat_body(model, prompt, choices, self.renderer, logprobs, created, ids)
 
         call = _Call(prompt, sampling, self._stops(req), req.n, True, record, body)
-        chunks = None
-        if req.stream:
-            usage = bool(req.stream_options and req.stream_options.include_usage)
-            chunks = ChatChunks(model, created, self.renderer, logprobs, usage, ids)
-        answer = self._answer(request, session, call, chunks)
-        return answer if chunks else await answer
+        chunks = ChatChunks(model, created, self.renderer, logprobs, _usage(req), ids) if req.stream else None
+        return await self._answer(request, session, call, chunks)
 
     async def _completions(self, request: Request) -> Any:
         try:
@@ -607,12 +604,8 @@ class ProxyServer:
             return completion_body(model, prompt, choices, self.renderer, logprobs, created, ids)
 
         call = _Call(prompt, sampling, self._stops(req), req.n, False, record, body)
-        chunks = None
-        if req.stream:
-            usage = bool(req.stream_options and req.stream_options.include_usage)
-            chunks = CompletionChunks(model, created, usage)
-        answer = self._answer(request, session, call, chunks)
-        return answer if chunks else await answer
+        chunks = CompletionChunks(model, created, _usage(req)) if req.stream else None
+        return await self._answer(request, session, call, chunks)
 
     async def _models(self, request: Request) -> Response:
         try:

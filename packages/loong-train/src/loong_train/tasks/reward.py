@@ -82,6 +82,7 @@ __all__ = [
     "RewardConfig",
     "RewardFn",
     "RewardService",
+    "final_turn",
     "load_reward",
     "overlong_penalty",
     "score_groups",
@@ -313,6 +314,12 @@ def shape_overlong(trajs: list[Trajectory], budget: int, buffer: int, factor: fl
             penalty = overlong_penalty(tokens[t.info.get("episode", t.sample_id)], budget, buffer, factor)
             t.reward += penalty
             t.metrics = {**t.metrics, "overlong_penalty": penalty}
+
+
+def final_turn(t: Trajectory, decode: Callable[[list[int]], str], strip_end: Callable[[str], str]) -> str:
+    """The text of a white-box episode's last model turn, as its agent gives it to a reward."""
+    span = next(s for s in reversed(t.spans) if s.is_model)
+    return strip_end(decode(span.token_ids))
 
 
 def score_groups(

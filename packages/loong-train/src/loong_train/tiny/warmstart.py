@@ -9,6 +9,7 @@ sampled (rollout temperature) success reaches the target. Everything is determin
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import itertools
 import json
@@ -21,13 +22,12 @@ from tqdm import tqdm
 
 from loong_agentflow import ChatML, EpisodeLimits, EpisodeSpec, ToolAgent, run_episodes
 from loong_core.protocols import SamplingParams
-from loong_core.records import Trajectory
 from loong_train.config import Recipe
 from loong_train.engines.embedded.engine import EmbeddedEngine
 from loong_train.models.decoder import CausalLM, DecoderConfig
 from loong_train.models.tokenizer import HFCodec, load_tokenizer
 from loong_train.tasks import Task, TaskTables, build_task
-from loong_train.tasks.reward import score_groups
+from loong_train.tasks.reward import final_turn, score_groups
 from loong_train.tiny.tokenizer import build_tokenizer
 
 __all__ = ["build_tiny", "prepare_model", "sampled_success", "tokenizer_corpus"]
@@ -94,11 +94,8 @@ def _probe_rewards(
     codec = HFCodec(tokenizer)
     trajs = asyncio.run(run_episodes(agent, specs, engine, codec, sampling, limits))
     if (group := getattr(task, "group_reward", None)) is not None:  # each probe episode is a group of one
-
-        def final_turn(t: Trajectory) -> str:
-            return ChatML.strip_end(codec.decode(next(s for s in reversed(t.spans) if s.is_model).token_ids))
-
-        score_groups(group, trajs, {s.sample_id: s.task for s in specs}, final_turn)
+        text = functools.partial(final_turn, decode=codec.decode, strip_end=ChatML.strip_end)
+        score_groups(group, trajs, {s.sample_id: s.task for s in specs}, text)
     model.train()
     return [t.reward for t in trajs]
 

@@ -32,7 +32,7 @@ from loong_train.engines.base import build_engine, build_host
 from loong_train.engines.config import EmbeddedEngineConfig, EngineConfig
 from loong_train.models.tokenizer import HFCodec, end_of_turn_ids, load_tokenizer, pad_token_id
 from loong_train.tasks import Task, TaskTables, build_task
-from loong_train.tasks.reward import score_groups, shape_overlong
+from loong_train.tasks.reward import final_turn, score_groups, shape_overlong
 from loong_train.workers.agent import AgentConfig, BlackboxAgentConfig, BlackBoxHost
 from loong_transfermesh import TransportConfig, catch_up, open_receiver
 
@@ -156,8 +156,7 @@ class RolloutWorker:
 
     def _final_turn(self, t: Trajectory) -> str:
         """The text of an episode's last model turn, as the white-box agent gives it to a reward."""
-        span = next(s for s in reversed(t.spans) if s.is_model)
-        return self.chat.strip_end(self.codec.decode(span.token_ids))
+        return final_turn(t, self.codec.decode, self.chat.strip_end)
 
     def apply_weights(self, manifest: WeightManifest, restart_below: int = -1) -> dict[str, float]:
         """Receive an update through TransferMesh. Called like a rollout, Ray runs it between
