@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # GPU check: on a machine with a CUDA GPU and this repository, install the workspace (with the GPU
-# extras that resolve there), run every test marked `gpu`, then short real training runs on a tiny
+# extras that resolve there), run every test marked `gpu` (among them the SGLang contract cases of
+# tests/test_sglang_contract.py against a real SGLang server), then short real training runs on a tiny
 # model built here (Megatron on the GPU with the embedded engine, and with SGLang rollouts when an
 # SGLang interpreter is available), and print a summary table last. About 5 minutes plus
 # installation on one GPU.

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 import threading
 import time
@@ -17,7 +18,7 @@ import pytest
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from loong_agentflow.sglang_client import SGLangClientConfig, SGLangEngine, SGLangError
@@ -38,7 +39,8 @@ def _reply(version="default", finish=None, ids=(7, 8)):
 
 @contextlib.contextmanager
 def _scripted(answers: list):
-    """Serve ``answers`` in order (a dict is a 200 body, an int a bare status); log each request."""
+    """Serve ``answers`` in order (a dict is a 200 body, a str a 200 event stream, an int a bare
+    status); log each request."""
     seen: list[tuple[str, dict]] = []
 
     async def handle(request: Request):
@@ -46,6 +48,8 @@ def _scripted(answers: list):
         answer = answers.pop(0) if len(answers) > 1 else answers[0]
         if isinstance(answer, int):
             return JSONResponse({"message": f"scripted {answer}"}, status_code=answer)
+        if isinstance(answer, str):
+            return Response(answer, media_type="text/event-stream")
         return JSONResponse(answer)
 
     paths = ["/generate", "/pause_generation", "/continue_generation", "/get_weight_version"]
@@ -107,10 +111,33 @@ def test_unreachable_server_fails_after_the_retries():
         _generate(f"http://127.0.0.1:{port}", retries=2)
 
 
-def test_aborted_requests_and_non_integer_versions_raise():
+def test_an_aborted_answer_is_continued_from_its_tokens():
+    """An ``abort`` pause ends a request with the tokens so far; the client sends it again with
+    them appended and the budget reduced, and joins the two answers."""
+    aborted = _reply(version="3", finish={"type": "abort", "message": "paused"}, ids=(7,))
+    with _scripted([aborted, _reply(version="4", ids=(9,))]) as (url, seen):
+        span = _generate(url)
+    assert span.token_ids == [7, 9] and span.logprobs == [-0.5, -0.5] and span.token_versions() == [3, 4]
+    assert [body["input_ids"] for _, body in seen] == [[1, 2, 3], [1, 2, 3, 7]]
+    assert [body["sampling_params"]["max_new_tokens"] for _, body in seen] == [2, 1]
+
+
+def test_aborted_streams_and_non_integer_versions_raise():
     aborted = _reply(finish={"type": "abort", "message": "paused"})
-    with _scripted([aborted]) as (url, _), pytest.raises(SGLangError, match="aborted"):
-        _generate(url)
+
+    async def stream(url):
+        engine = SGLangEngine(SGLangClientConfig(url=url))
+        try:
+            return [s async for s in engine.stream([1, 2, 3], SamplingParams(max_new_tokens=2))]
+        finally:
+            await engine.aclose()
+
+    events = f"data: {json.dumps(aborted)}\n\ndata: [DONE]\n\n"
+    with _scripted([events]) as (url, _), pytest.raises(SGLangError, match="aborted"):
+        asyncio.run(stream(url))
+    cut = f"data: {json.dumps(_reply(ids=(7,)))}\n\n"  # no [DONE]: the stream broke off
+    with _scripted([cut]) as (url, _), pytest.raises(SGLangError, match=r"ended without data: \[DONE\]"):
+        asyncio.run(stream(url))
     with _scripted([_reply(version="step-3")]) as (url, _), pytest.raises(SGLangError, match="step-3"):
         _generate(url)
 

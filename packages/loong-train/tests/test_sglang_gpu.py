@@ -14,14 +14,13 @@ environment, as docs/gpu.md recommends), else this one if it imports ``sglang``.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import os
 import socket
-import sys
 import time
 
 import pytest
 import torch
+from train_testkit import sglang_python
 
 from loong_agentflow.sglang_client import SGLangClientConfig, SGLangEngine
 from loong_core.protocols import SamplingParams
@@ -29,18 +28,11 @@ from loong_train.engines.sglang.supervisor import SGLangServerConfig, SGLangSupe
 from loong_train.models.decoder import CausalLM, DecoderConfig
 from loong_transfermesh import SGLangPusherConfig, SGLangWeightPusher
 
-
-def _sglang_python() -> str | None:
-    if python := os.environ.get("SGLANG_PYTHON"):
-        return python
-    return sys.executable if importlib.util.find_spec("sglang") is not None else None
-
-
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.integration,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.skipif(_sglang_python() is None, reason="no SGLang: set SGLANG_PYTHON to its interpreter"),
+    pytest.mark.skipif(sglang_python() is None, reason="no SGLang: set SGLANG_PYTHON to its interpreter"),
 ]
 
 CFG = DecoderConfig(
@@ -88,7 +80,7 @@ def test_real_sglang_generates_pauses_and_takes_pushed_weights(tmp_path):
     first.save_pretrained(tmp_path / "model")
     log = tmp_path / "sglang.log"
     config = SGLangServerConfig(
-        model_path=str(tmp_path / "model"), command=sglang_launch_command(_sglang_python()),
+        model_path=str(tmp_path / "model"), command=sglang_launch_command(sglang_python()),
         port=_port(), args=ARGS, log_path=str(log), startup_timeout_s=300, health_interval_s=2.0,
         env={"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false"},  # as SGLangRollout launches it
     )  # fmt: skip

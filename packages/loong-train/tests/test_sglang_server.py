@@ -203,22 +203,6 @@ def test_generate_response_shape_batch_and_stop(model_dir):
     assert flushed.status_code == 200
 
 
-def test_batch_request_ids_are_named_as_sglang_names_them(model_dir):
-    """sglang io_struct GenerateReqInput._normalize_rid (test/srt/test_io_struct.py): one id for a
-    batch becomes <rid>_<i>, a list gives each prompt its own, a list of the wrong length is a 400."""
-    with _serve(EmbeddedEngine(CausalLM.from_pretrained(model_dir))) as (url, _):
-        body = {"input_ids": [PROMPT, [1, 2]], "sampling_params": {"max_new_tokens": 1}}
-        one = httpx.post(f"{url}/generate", json={**body, "rid": "job"}).json()
-        listed = httpx.post(f"{url}/generate", json={**body, "rid": ["a", "b"]}).json()
-        short = httpx.post(f"{url}/generate", json={**body, "rid": ["a"]})
-        unnamed = httpx.post(f"{url}/generate", json=body).json()
-    assert [r["meta_info"]["id"] for r in one] == ["job_0", "job_1"]
-    assert [r["meta_info"]["id"] for r in listed] == ["a", "b"]
-    assert short.status_code == 400 and short.json()["param"] == "rid"
-    ids = [r["meta_info"]["id"] for r in unnamed]
-    assert len(set(ids)) == 2 and all(len(i) == 32 for i in ids)
-
-
 @pytest.mark.parametrize(
     "field",
     [
@@ -340,6 +324,111 @@ def test_flush_cache_is_refused_while_an_in_place_pause_holds_running_requests(m
         assert idle_flush.status_code == 200
         assert span.weight_version == 1 and len(span.token_ids) > 0
         assert torch.equal(dict(state.engine.model.named_parameters())[name], patch[name])
+
+
+async def _running(state, http: httpx.AsyncClient, max_new_tokens: int = 400) -> asyncio.Task:
+    """A long /generate in flight, once it has sampled a few tokens."""
+    body = {
+        "input_ids": PROMPT,
+        "sampling_params": {"max_new_tokens": max_new_tokens},
+        "return_logprob": True,
+    }
+    task = asyncio.create_task(http.post("/generate", json=body))
+    while not any(len(r.versions) >= 3 for r in state.engine._batch.rows):
+        assert not task.done(), task.result().text
+        await asyncio.sleep(0.005)
+    return task
+
+
+def test_retract_pause_lets_a_flushing_update_through_and_reprefills(model_dir):
+    """Issue 20 point 8, mode ``retract`` (SGLang's ``Scheduler.pause_generation`` retracts the
+    running batch; TestServerUpdateWeightsFromTensorNonBlocking updates with flush_cache true
+    after it): the update succeeds, the held request continues after /continue_generation, and
+    its last token's logprob is the new weights' (the KV cache was recomputed, checked against a
+    float64 forward pass). The pause modes over HTTP alone: test_sglang_contract.py."""
+    name = "model.layers.0.mlp.up_proj.weight"
+    with _serve(EmbeddedEngine(CausalLM.from_pretrained(model_dir))) as (url, state):
+        params = dict(state.engine.model.named_parameters())
+        patch = {name: torch.randn(params[name].shape, generator=torch.Generator().manual_seed(5))}
+
+        async def run():
+            async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+                task = await _running(state, http)
+                await http.post("/pause_generation", json={"mode": "retract"})
+                body = {"serialized_named_tensors": [_tensor_payload(patch)], "weight_version": "1"}
+                updated = await http.post("/update_weights_from_tensor", json=body)
+                flushed = await http.post("/flush_cache")
+                await http.post("/continue_generation")
+                return updated, flushed, await asyncio.wait_for(task, 60)
+
+        updated, flushed, done = asyncio.run(run())
+        new = state.engine.model
+    assert updated.status_code == 200 and updated.json()["success"], updated.text
+    assert flushed.status_code == 200
+    answer = done.json()
+    assert answer["meta_info"]["finish_reason"]["type"] == "length"
+    assert answer["meta_info"]["weight_version"] == "1"
+    ids = PROMPT + answer["output_ids"]
+    want = _forward_logprobs(new, ids)[-1]
+    got = answer["meta_info"]["output_token_logprobs"][-1][0]
+    assert abs(got - float(want)) < 1e-4
+
+
+def test_client_continues_a_request_an_abort_pause_ended(model_dir):
+    """Loong's SGLang client under ``pause_mode = "abort"``: the aborted answer is sent again
+    with its tokens appended (a partial rollout), so the caller gets one whole span whose tokens
+    carry the version that sampled each, the later ones the new weights' (float64 forward)."""
+    name = "model.layers.0.mlp.up_proj.weight"
+    with _serve(EmbeddedEngine(CausalLM.from_pretrained(model_dir))) as (url, state):
+        params = dict(state.engine.model.named_parameters())
+        patch = {name: torch.randn(params[name].shape, generator=torch.Generator().manual_seed(6))}
+
+        async def run():
+            client = SGLangEngine(SGLangClientConfig(url=url, pause_mode="abort"))
+            try:
+                task = asyncio.create_task(client.generate(PROMPT, SamplingParams(max_new_tokens=300)))
+                while not any(len(r.versions) >= 3 for r in state.engine._batch.rows):
+                    await asyncio.sleep(0.005)
+                await asyncio.to_thread(client.pause)
+                body = {"serialized_named_tensors": [_tensor_payload(patch)], "weight_version": "1"}
+                async with httpx.AsyncClient(base_url=url) as http:
+                    await http.post("/update_weights_from_tensor", json=body)
+                await asyncio.to_thread(client.resume)
+                return await asyncio.wait_for(task, 60)
+            finally:
+                await client.aclose()
+
+        span = asyncio.run(run())
+        new = state.engine.model
+    versions = span.token_versions()
+    assert len(span.token_ids) == 300 and versions[0] == 0 and versions[-1] == 1
+    assert versions == sorted(versions)
+    want = _forward_logprobs(new, PROMPT + span.token_ids)[-1]
+    assert abs(span.logprobs[-1] - float(want)) < 1e-4
+
+
+def test_sglang_serializer_payload_is_a_clear_400(model_dir):
+    """Issue 20 point 9: /update_weights_from_tensor with a payload as SGLang's
+    MultiprocessingSerializer writes it (base64 of a ForkingPickler pickle) is a 400 naming
+    the field, not a 500; nothing is unpickled or applied and the server keeps serving."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # registers torch's tensor reductions with ForkingPickler, as SGLang's does
+
+    name = "model.norm.weight"
+    with _serve(EmbeddedEngine(CausalLM.from_pretrained(model_dir))) as (url, state):
+        before = dict(state.engine.model.named_parameters())[name].detach().clone()
+        payload = base64.b64encode(bytes(ForkingPickler.dumps([(name, torch.zeros_like(before))]))).decode()
+        body = {"serialized_named_tensors": [payload], "weight_version": "1"}
+        refused = httpx.post(f"{url}/update_weights_from_tensor", json=body)
+        after = dict(state.engine.model.named_parameters())[name]
+        version = httpx.get(f"{url}/get_weight_version").json()["weight_version"]
+        ok = httpx.post(
+            f"{url}/generate", json={"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 1}}
+        )
+    assert refused.status_code == 400, refused.text
+    assert refused.json()["param"] == "serialized_named_tensors" and "pickle" in refused.json()["message"]
+    assert torch.equal(after, before) and version == "0" and ok.status_code == 200
 
 
 @pytest.mark.parametrize(

@@ -16,8 +16,11 @@
 from __future__ import annotations
 
 import glob
+import importlib.util
 import json
+import os
 import struct
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -92,6 +95,14 @@ _SHAPE = {
     "num_key_value_heads": 2,
     "head_dim": 8,
 }
+
+
+def sglang_python() -> str | None:
+    """The interpreter that runs SGLang: ``SGLANG_PYTHON`` (SGLang's own environment, as
+    docs/gpu.md recommends), else this one if it imports ``sglang``; None when there is none."""
+    if python := os.environ.get("SGLANG_PYTHON"):
+        return python
+    return sys.executable if importlib.util.find_spec("sglang") is not None else None
 
 
 def tiny_config(**fields: Any) -> DecoderConfig:

@@ -101,8 +101,23 @@ class SGLangEngine:
         return self._version
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams) -> TokenSpan:
-        out = await self._request("POST", "/generate", GenerateResponse, _generate_body(input_ids, sampling))
-        return self._span(out, 0)
+        """One completion. An answer the server aborted (an ``abort`` pause for a weight update)
+        is continued, as a partial rollout: the request goes again with the tokens so far
+        appended to the prompt (the server holds it until generation continues), and the span
+        joins the parts (per-token ``versions`` when they differ)."""
+        parts: list[TokenSpan] = []
+        done = 0
+        while True:
+            body = _generate_body(
+                [*input_ids, *(t for p in parts for t in p.token_ids)],
+                msgspec.structs.replace(sampling, max_new_tokens=sampling.max_new_tokens - done),
+            )
+            out = await self._request("POST", "/generate", GenerateResponse, body)
+            aborted = out.meta_info.finish_reason is not None and out.meta_info.finish_reason.type == "abort"
+            parts.append(self._span(out, 0, aborted_ok=aborted))
+            done += len(parts[-1].token_ids)
+            if not aborted or done >= sampling.max_new_tokens:
+                return _joined(parts)
 
     async def stream(self, input_ids: list[int], sampling: SamplingParams) -> AsyncIterator[TokenSpan]:
         """``generate`` as SGLang streams it (``stream: true``): each event is the answer so far,
@@ -134,13 +149,15 @@ class SGLangEngine:
                     got = len(out.output_ids)
                     if span.token_ids:
                         yield span
+            raise SGLangError(f"{where}: the stream ended without data: [DONE] after {got} tokens")
         except httpx.TransportError as e:
             raise SGLangError(f"{where}: the stream broke after {got} tokens: {e}") from e
 
-    def _span(self, out: GenerateResponse, start: int) -> TokenSpan:
-        """Tokens ``start:`` of an answer, checked (not aborted; logprobs match the ids)."""
+    def _span(self, out: GenerateResponse, start: int, aborted_ok: bool = False) -> TokenSpan:
+        """Tokens ``start:`` of an answer, checked (not aborted unless ``aborted_ok``; logprobs
+        match the ids)."""
         meta, ids = out.meta_info, out.output_ids
-        if meta.finish_reason is not None and meta.finish_reason.type == "abort":
+        if not aborted_ok and meta.finish_reason is not None and meta.finish_reason.type == "abort":
             reason = msgspec.to_builtins(meta.finish_reason)
             raise SGLangError(f"request aborted by the server: {reason}")
         triples = meta.output_token_logprobs or []
@@ -222,6 +239,20 @@ class SGLangEngine:
         where = f"{self._base}{path}"
         with httpx.Client(headers=self._headers, timeout=self._timeout) as client:
             _checked(client.post(where, content=msgspec.json.encode(body), headers=_JSON), where)
+
+
+def _joined(parts: list[TokenSpan]) -> TokenSpan:
+    """Consecutive model spans as one (``versions`` per token when they differ)."""
+    if len(parts) == 1:
+        return parts[0]
+    versions = [v for p in parts for v in p.token_versions()]
+    return TokenSpan(
+        token_ids=[t for p in parts for t in p.token_ids],
+        logprobs=[lp for p in parts for lp in p.logprobs],
+        source=SpanSource.MODEL,
+        weight_version=max(p.weight_version for p in parts),
+        versions=versions if len(set(versions)) > 1 else [],
+    )
 
 
 def _generate_body(input_ids: list[int], sampling: SamplingParams, stream: bool = False) -> GenerateRequest:

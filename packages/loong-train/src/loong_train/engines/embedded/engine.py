@@ -28,6 +28,10 @@ with no forward running, so weights can be swapped (``load_weights`` or a copy p
 ``set_version``). After ``resume()`` the running rows are re-prefilled under the new weights and
 continue; each token is stamped with the version that produced it, and a span that crossed the
 update lists per-token ``versions`` (``TokenSpan``) with ``weight_version`` the newest.
+``abort_all()`` ends every queued and running request at once: its caller gets
+``RequestAborted`` carrying the tokens sampled so far (SGLang's ``abort`` pause); ``retract()``
+drops the running rows' KV cache, so they are re-prefilled when generation continues (SGLang's
+``retract`` pause).
 
 ``continuous=False`` admits requests only into an empty batch (static batching: a batch runs
 until its longest row finishes); it exists as the benchmark's baseline.
@@ -47,7 +51,15 @@ from loong_core.records import SpanSource, TokenSpan
 from loong_train.engines.embedded.batching import BatchStats, Request, RunningBatch
 from loong_train.models.decoder import CausalLM
 
-__all__ = ["EmbeddedEngine"]
+__all__ = ["EmbeddedEngine", "RequestAborted"]
+
+
+class RequestAborted(Exception):
+    """``abort_all`` ended the request; ``span``: the tokens it had sampled (possibly none)."""
+
+    def __init__(self, span: TokenSpan) -> None:
+        super().__init__(f"request aborted after {len(span.token_ids)} tokens")
+        self.span = span
 
 
 class EmbeddedEngine:
@@ -89,13 +101,13 @@ class EmbeddedEngine:
 
     @property
     def running(self) -> int:
-        """Requests in the running batch."""
-        return len(self._batch.rows)
+        """Live requests in the running batch (an aborted or abandoned row leaves at the next step)."""
+        return sum(not r.future.done() for r in self._batch.rows)
 
     @property
     def queued(self) -> int:
-        """Requests waiting to join the running batch."""
-        return len(self._queue)
+        """Live requests waiting to join the running batch."""
+        return sum(not r.future.done() for r in self._queue)
 
     def request_seed(self, n: int) -> int:
         """The generator seed of request number ``n``: a 32-bit hash of (engine seed, n), since
@@ -110,6 +122,26 @@ class EmbeddedEngine:
 
     def resume(self) -> None:
         self._running.set()
+
+    def abort_all(self) -> int:
+        """End every queued and running request now; each caller gets ``RequestAborted`` with
+        the tokens sampled so far (a token sampled by the step in flight is dropped). Returns how
+        many were aborted."""
+        live = [r for r in [*self._batch.rows, *self._queue] if not r.future.done()]
+        for r in live:
+            n = len(r.versions)  # appended last of a token's three lists
+            partial = (
+                _delta(r, 0, n)
+                if n
+                else TokenSpan(token_ids=[], source=SpanSource.MODEL, weight_version=self._version)
+            )
+            r.future.set_exception(RequestAborted(partial))
+        return len(live)
+
+    def retract(self) -> None:
+        """Drop the running rows' KV cache: before their next token they are re-prefilled, prompt
+        plus tokens so far, under the weights current then."""
+        self._epoch += 1
 
     async def wait_idle(self) -> None:
         """Return once no decode step or scoring pass is running (after ``pause()``: stays so).

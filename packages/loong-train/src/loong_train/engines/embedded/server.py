@@ -38,17 +38,24 @@ The subset Loong uses, with SGLang's field names and shapes (``entrypoints/http_
   ``MultiprocessingSerializer`` pickles whose tensors are CUDA IPC handles, meaningful only to a
   colocated GPU process, and unpickling them runs arbitrary code. This server instead takes, in
   the same field, base64 of ``torch.save([(name, tensor), ...])`` (tensors by value), loaded with
-  ``torch.load(weights_only=True)``; SGLang's own payloads are refused with a 400.
+  ``torch.load(weights_only=True)``; SGLang's own payloads (bare pickles) are refused with a 400,
+  never unpickled.
 
 Differences from SGLang: no ``text`` input, ``stream`` for one prompt at a time (cumulative
 events, as SGLang streams by default), greedy (``temperature = 0``) and the
 sampling options other than ``max_new_tokens``, ``temperature``, ``top_p``, ``stop_token_ids`` are
-refused (400) unless left at SGLang's defaults; every pause mode holds running and queued requests
-between decode steps rather than aborting or retracting them; ``abort_all_requests`` is accepted
-and ignored. ``flush_cache`` (default true, as in SGLang) on a weight update while an ``in_place``
-or ``retract`` pause holds running requests answers 400 after the weights arrived, unapplied:
-SGLang's scheduler asserts on that failed flush and dies, so a client must send
-``flush_cache: false`` there (and flush later through ``/flush_cache``). ``weight_version`` is a
+refused (400) unless left at SGLang's defaults.
+
+Pause modes, as SGLang's tokenizer manager and scheduler do them: every mode holds requests that
+arrive while paused until ``/continue_generation`` and stops decoding between steps. ``abort``
+(the default) ends every queued and running request before answering: each answers 200 with
+``finish_reason: {"type": "abort"}`` and the tokens sampled so far. ``retract`` takes running
+requests out of the batch and drops their KV cache (re-prefilled, under the weights current
+then, on continue). ``in_place`` keeps them as they are. ``/flush_cache`` answers 400 while
+requests are queued, or running in an ``in_place`` pause (retracted requests do not count while
+paused, as in current SGLang). A weight update with ``flush_cache`` (default true, as in SGLang)
+in such a state answers 400 before applying anything: SGLang's scheduler asserts on that failed
+flush and dies, so a client must send ``flush_cache: false`` there (and flush later). ``weight_version`` is a
 string as in SGLang; when it reads as an integer it also becomes the engine's version stamp.
 
 Errors: a bad field answers 400 with SGLang's error body (``object``, ``message``, ``type``,
@@ -66,6 +73,7 @@ import contextlib
 import datetime
 import hmac
 import io
+import pickle
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -97,7 +105,7 @@ from loong_core.sglang_api import (
     UpdateWeightsResponse,
     WeightVersionResponse,
 )
-from loong_train.engines.embedded.engine import EmbeddedEngine
+from loong_train.engines.embedded.engine import EmbeddedEngine, RequestAborted
 from loong_train.engines.embedded.wire import (
     BadRequest,
     bad_request,
@@ -136,6 +144,8 @@ class SGLangServer:
         self.labels = {engine.weight_version: self.label}
         self.paused = False
         self.pause_mode = "abort"
+        self._resumed = asyncio.Event()  # cleared while paused: new requests wait, as SGLang's do
+        self._resumed.set()
         self.groups: dict[str, dist.ProcessGroup] = {}
         self._update_lock = asyncio.Lock()
 
@@ -198,6 +208,7 @@ class SGLangServer:
             if not 0 <= first < len(prompt):
                 raise BadRequest("logprob_start_len", f"must be -1 or in [0, {len(prompt)})")
             jobs.append((prompt, sampling, max_new, logprob, first, rids[i], top_k))
+        await self._resumed.wait()
         if body.stream:
             if batch:
                 raise BadRequest("stream", "streams one prompt at a time here (send a batch unstreamed)")
@@ -238,7 +249,9 @@ class SGLangServer:
         return GenerateResponse(output_ids=list(out), meta_info=meta)
 
     @staticmethod
-    def _finish(out: list[int], sampling: SamplingParams, max_new: int) -> FinishReason:
+    def _finish(out: list[int], sampling: SamplingParams, max_new: int, aborted: bool) -> FinishReason:
+        if aborted:
+            return FinishReason(type="abort", message="Aborted by pause_generation (mode abort).")
         if out and out[-1] in sampling.stop_token_ids:
             return FinishReason(type="stop", matched=out[-1])
         return FinishReason(type="length", length=max_new)
@@ -250,12 +263,15 @@ class SGLangServer:
         logprobs, version = await self._prompt_logprobs(prompt, logprob, start, top_k)
         out: list[int] = []
         lps: list[float] = []
+        aborted = False
         if max_new > 0:
-            span = await self.engine.generate(prompt, sampling)
+            try:
+                span = await self.engine.generate(prompt, sampling)
+            except RequestAborted as e:
+                span, aborted = e.span, True
             out, lps, version = span.token_ids, span.logprobs, span.weight_version
-        return self._answer(
-            prompt, rid, out, lps, version, logprobs, self._finish(out, sampling, max_new), t0
-        )
+        finish = self._finish(out, sampling, max_new, aborted)
+        return self._answer(prompt, rid, out, lps, version, logprobs, finish, t0)
 
     async def _stream(
         self, prompt, sampling: SamplingParams, max_new: int, logprob: bool, start: int, rid, top_k: int
@@ -268,26 +284,40 @@ class SGLangServer:
         logprobs, version = await self._prompt_logprobs(prompt, logprob, start, top_k)
         out: list[int] = []
         lps: list[float] = []
+        aborted = False
         if max_new > 0:
-            async with contextlib.aclosing(self.engine.stream(prompt, sampling)) as deltas:
-                async for delta in deltas:
-                    out, lps, version = out + delta.token_ids, lps + delta.logprobs, delta.weight_version
-                    answer = self._answer(prompt, rid, out, lps, version, logprobs, None, t0)
-                    yield b"data: " + msgspec.json.encode(answer) + b"\n\n"
-        answer = self._answer(
-            prompt, rid, out, lps, version, logprobs, self._finish(out, sampling, max_new), t0
-        )
+            try:
+                async with contextlib.aclosing(self.engine.stream(prompt, sampling)) as deltas:
+                    async for delta in deltas:
+                        out, lps, version = out + delta.token_ids, lps + delta.logprobs, delta.weight_version
+                        answer = self._answer(prompt, rid, out, lps, version, logprobs, None, t0)
+                        yield b"data: " + msgspec.json.encode(answer) + b"\n\n"
+            except RequestAborted as e:
+                out, lps, version, aborted = e.span.token_ids, e.span.logprobs, e.span.weight_version, True
+        finish = self._finish(out, sampling, max_new, aborted)
+        answer = self._answer(prompt, rid, out, lps, version, logprobs, finish, t0)
         yield b"data: " + msgspec.json.encode(answer) + b"\n\n"
         yield b"data: [DONE]\n\n"
 
     async def pause(self, request: Request) -> Response:
+        """SGLang's three modes. All hold new requests until ``/continue_generation`` and stop
+        decoding between steps; ``abort`` (the default) also ends every queued and running
+        request now (``finish_reason: abort``, with the tokens sampled so far), ``retract`` takes
+        the running ones out of the batch and drops their KV cache (re-prefilled on continue),
+        ``in_place`` keeps them, cache and all."""
         mode = (await decode_body(request, PauseGenerationRequest)).mode
         self.paused, self.pause_mode = True, mode
+        self._resumed.clear()
         self.engine.pause()
+        if mode == "abort":
+            self.engine.abort_all()
+        elif mode == "retract":
+            self.engine.retract()
         return json_response(StatusResponse(message="Generation paused successfully."))
 
     async def resume(self, request: Request) -> Response:
         self.paused = False
+        self._resumed.set()
         self.engine.resume()
         return json_response(StatusResponse(message="Generation continued successfully."))
 
@@ -310,20 +340,27 @@ class SGLangServer:
 
     # ---- weight updates ----
     def busy(self) -> bool:
-        """Requests queued or running: SGLang's scheduler would refuse to flush its cache."""
-        return bool(self.engine.running or self.engine.queued)
+        """Requests SGLang's scheduler counts against a cache flush: queued ones, and running ones
+        unless a ``retract`` pause took them out of the batch (SGLang ignores retracted requests
+        while paused; an ``abort`` pause has ended them all)."""
+        retracted = self.paused and self.pause_mode == "retract"
+        return bool(self.engine.queued or (self.engine.running and not retracted))
 
-    async def swap(self, named: dict[str, torch.Tensor], label: str | None, flush: bool = False) -> None:
-        """Check every tensor, then copy all of them between decode steps and relabel the version.
+    async def swap(self, named: dict[str, torch.Tensor], update) -> None:
+        """Check every tensor, then copy all of them between decode steps and relabel the version
+        (``update``: the request, for ``weight_version``, ``flush_cache``, ``abort_all_requests``).
 
-        ``flush`` (the request's ``flush_cache``) while a non-abort pause holds running requests is
-        refused: SGLang applies the weights, fails the flush and its scheduler dies on an assert."""
-        if flush and self.paused and self.pause_mode != "abort" and self.engine.running:
+        ``abort_all_requests`` ends every queued and running request first, as SGLang does.
+        ``flush_cache`` while a pause holds requests that block a flush (``busy``) is refused:
+        SGLang applies the weights, fails the flush and its scheduler dies on an assert."""
+        if update.abort_all_requests:
+            self.engine.abort_all()
+        if update.flush_cache and self.paused and self.busy():
             raise BadRequest(
                 "flush_cache",
-                f"{self.engine.running} requests are held by the {self.pause_mode!r} pause, so the "
-                "cache cannot be flushed (SGLang's scheduler asserts and dies here); send "
-                "flush_cache: false and flush later",
+                f"{self.engine.running + self.engine.queued} requests are held by the "
+                f"{self.pause_mode!r} pause, so the cache cannot be flushed (SGLang's scheduler "
+                "asserts and dies here); send flush_cache: false and flush later",
             )
         params = dict(self.engine.model.named_parameters())
         if self.engine.model.config.tie_word_embeddings:
@@ -337,7 +374,7 @@ class SGLangServer:
                     f"tensor {name!r} has shape {list(t.shape)}, model has {list(params[name].shape)}",
                 )
         async with self._update_lock:
-            label = self.label if label is None else label
+            label = self.label if update.weight_version is None else update.weight_version
             version = int(label) if label.lstrip("-").isdigit() else self.engine.weight_version + 1
             self.engine.pause()
             try:
@@ -362,7 +399,7 @@ class SGLangServer:
         named: dict[str, torch.Tensor] = {}
         for f in files:
             named.update(await asyncio.to_thread(load_file, str(f)))
-        await self.swap(named, body.weight_version, body.flush_cache)
+        await self.swap(named, body)
         self.model_path = body.model_path  # /get_model_info names the weights served, as SGLang's does
         message = "Succeeded to update model weights."
         return json_response(UpdateWeightsResponse(success=True, message=message, num_paused_requests=0))
@@ -404,7 +441,7 @@ class SGLangServer:
             raise BadRequest("load_format", "must be null or 'flattened_bucket'")
         receive = _receive_flat if body.load_format == "flattened_bucket" else _receive_each
         named = await asyncio.to_thread(receive, group, names, dtypes, shapes, self.device)
-        await self.swap(named, body.weight_version, body.flush_cache)
+        await self.swap(named, body)
         return json_response(
             UpdateWeightsResponse(success=True, message="Succeeded to update parameter online.")
         )
@@ -422,18 +459,27 @@ class SGLangServer:
     async def from_tensor(self, request: Request) -> Response:
         body = await decode_body(request, UpdateWeightsFromTensorRequest)
         payloads = body.serialized_named_tensors
+        expected = "entry 0 must be base64 of torch.save([(name, tensor), ...])"
         try:
             raw = base64.b64decode(payloads[0], validate=True)
+            if not raw.startswith(_ZIP_MAGIC):  # torch.save writes a zip archive; a pickle is not one
+                raise BadRequest(
+                    "serialized_named_tensors",
+                    f"{expected}; it is a bare pickle, as SGLang's MultiprocessingSerializer sends "
+                    "(tensors as CUDA IPC or shared-memory handles, meaningful only to a colocated "
+                    "process), which the embedded server does not unpickle",
+                )
             loaded = torch.load(io.BytesIO(raw), weights_only=True, map_location=self.device)
             named = dict(loaded)
-        except (IndexError, TypeError, ValueError, binascii.Error, RuntimeError) as e:
-            raise BadRequest(
-                "serialized_named_tensors",
-                "entry 0 must be base64 of torch.save([(name, tensor), ...]) (SGLang's CUDA IPC "
-                f"pickles are not accepted by the embedded server): {e}",
-            ) from None
-        await self.swap(named, body.weight_version, body.flush_cache)
+        except (
+            IndexError, TypeError, ValueError, binascii.Error, RuntimeError, pickle.UnpicklingError
+        ) as e:  # fmt: skip
+            raise BadRequest("serialized_named_tensors", f"{expected}: {e}") from None
+        await self.swap(named, body)
         return json_response(UpdateWeightsResponse(success=True, message="Success"))
+
+
+_ZIP_MAGIC = b"PK\x03\x04"
 
 
 def _receive_flat(group, names, dtypes, shapes, device) -> dict[str, torch.Tensor]:
