@@ -181,8 +181,9 @@ def _schedulable(deadlines: list[int], first_version: int, batch_size: int) -> b
 @given(k=st.integers(0, 3), b=st.integers(1, 3), data=st.data())
 def test_controller_loop_with_stragglers(k: int, b: int, data: st.DataObject) -> None:
     """The real controller's loop with adversarial engines: keep the window full, finish the
-    newest entries first so the oldest straggle, train whenever a batch is ready, sync weights
-    after a random delay. Nothing is evicted or trained twice, and staleness stays <= k."""
+    newest entries first so the oldest straggle (dropping some, as dynamic sampling does), train
+    whenever a batch is ready, sync weights after a random delay. Nothing is evicted, trained
+    twice or both trained and dropped, and staleness stays <= k."""
     w = StalenessWindow(k, b)
     start: dict[str, int] = {}
     oldest: dict[str, int] = {}
@@ -195,6 +196,9 @@ def test_controller_loop_with_stragglers(k: int, b: int, data: st.DataObject) ->
             start[entry_id] = engine
         newest_first = sorted(w.in_flight, key=lambda i: -start[i])
         for entry_id in newest_first[: data.draw(st.integers(0, len(newest_first)))]:
+            if data.draw(st.integers(0, 3)) == 0:
+                w.drop(entry_id)
+                continue
             oldest[entry_id] = data.draw(st.integers(start[entry_id], engine))
             w.finish(entry_id, oldest[entry_id])
         if step % 7 == 6 and w.in_flight:
@@ -210,14 +214,15 @@ def test_controller_loop_with_stragglers(k: int, b: int, data: st.DataObject) ->
             engine = w.version
         assert w.stats.evicted == 0
     assert len(trained) == len(set(trained)) == len(w.trained)
+    assert not w.trained & w.dropped and w.stats.dropped == len(w.dropped)
 
 
-_STATES = ("in_flight", "buffered", "taken", "trained", "reissue")
+_STATES = ("in_flight", "buffered", "taken", "trained", "reissue", "dropped")
 
 
 class WindowMachine(RuleBasedStateMachine):
-    """Random interleavings of admit, finish (out of order), abort, take, train, weight sync and
-    checkpoint/restore. The engine's version only changes by a sync to the trainer's version,
+    """Random interleavings of admit, finish (out of order), drop (dynamic sampling), abort, take,
+    train, weight sync and checkpoint/restore. The engine's version only changes by a sync to the trainer's version,
     immediately after each train step (``immediate``) or whenever the ``sync`` rule fires."""
 
     @initialize(k=st.integers(0, 3), b=st.integers(1, 3), immediate=st.booleans(), restores=st.booleans())
@@ -272,6 +277,16 @@ class WindowMachine(RuleBasedStateMachine):
         oldest = data.draw(st.integers(self.start[entry_id], self.engine))
         self.w.finish(entry_id, oldest)
         self.state[entry_id], self.oldest[entry_id] = "buffered", oldest
+
+    @precondition(lambda self: self._ids("in_flight"))
+    @rule(data=st.data())
+    def drop(self, data: st.DataObject) -> None:
+        """A finished entry with nothing to learn leaves for good; its id is never admitted again."""
+        entry_id = data.draw(st.sampled_from(self._ids("in_flight")))
+        self.w.drop(entry_id)
+        self.state[entry_id] = "dropped"
+        with pytest.raises(ValueError, match="dropped"):
+            self.w.admit(entry_id, self.engine)
 
     @precondition(lambda self: self._ids("in_flight"))
     @rule(data=st.data())
@@ -336,6 +351,7 @@ class WindowMachine(RuleBasedStateMachine):
             "taken": set(w.taken),
             "trained": w.trained,
             "reissue": set(w.reissue),
+            "dropped": w.dropped,
         }
         for name in _STATES:
             assert views[name] == set(self._ids(name)), name

@@ -8,6 +8,8 @@ Each entry moves through the ledger::
                  |  abort, restore                 | evict (never in normal flow)
                  v                                 v
               awaiting re-issue (admitted again later under the same id)
+                 |
+                 +--drop--> dropped (finished with nothing to learn: DAPO's dynamic sampling)
 
 Staleness of an entry trained at version t is ``t - oldest``, where ``oldest`` is the oldest
 weight version among its model tokens. Its *bound* b is the engine version at admit while in
@@ -36,8 +38,8 @@ Guarantees and why they hold.
 3. No eviction and no lost work: invariant F = "the live, untaken entries fit from the next take
    version". ``admit`` checks F; ``finish`` only raises a deadline; ``abort`` removes; a take
    commits only if the rest fits from t + 1, and ``advance`` makes t + 1 the next take version.
-   A restore drops in-flight entries and returns the taken B (deadlines >= t) ahead of a set
-   fitting from t + 1, so F holds from t. Under F every deadline is >= t, so nothing is evicted.
+   ``drop`` removes a deadline, as ``abort`` does. A restore drops in-flight entries and
+   returns the taken B (deadlines >= t) ahead of a set fitting from t + 1, so F holds from t. Under F every deadline is >= t, so nothing is evicted.
    Waiting is never in vain: if the rest fails to fit at some D while F holds, the batch holds
    an entry with deadline > D, so every buffered entry with deadline <= D is in it and the excess
    is in flight; once those entries finish or are aborted, that D is satisfied. An entry admitted
@@ -69,6 +71,7 @@ class WindowStats(msgspec.Struct, frozen=True):
     trained: int
     awaiting_reissue: int
     evicted: int
+    dropped: int = 0
 
 
 def _fits(deadlines: Iterable[int], first_version: int, batch_size: int) -> bool:
@@ -104,6 +107,7 @@ class StalenessWindow:
         self._taken: dict[str, int] = {}  # the batch being trained: entry_id -> oldest version
         self._trained: set[str] = set()
         self._reissue: dict[str, None] = {}  # FIFO of ids to generate again
+        self._dropped: set[str] = set()
         self._evicted = 0
         self._last_staleness: list[int] = []
 
@@ -121,6 +125,8 @@ class StalenessWindow:
             raise ValueError(f"entry {entry_id!r} is already admitted and not yet trained")
         if entry_id in self._trained:
             raise ValueError(f"entry {entry_id!r} was already trained")
+        if entry_id in self._dropped:
+            raise ValueError(f"entry {entry_id!r} was dropped")
         if not self.can_admit(engine_version):
             raise RuntimeError(f"cannot admit {entry_id!r} at engine version {engine_version} now")
         self._reissue.pop(entry_id, None)
@@ -134,6 +140,13 @@ class StalenessWindow:
             raise ValueError(f"entry {entry_id!r}: oldest_version {oldest_version} < admit version {start}")
         del self._in_flight[entry_id]
         self._buffered[entry_id] = oldest_version
+
+    def drop(self, entry_id: str) -> None:
+        """The rollout finished but will not be trained (all its samples scored the same, so
+        they carry no advantage): it leaves the window for good, and its place is free for
+        another entry. ``dropped`` records it, so the ledger still accounts for every id."""
+        del self._in_flight[self._require_in_flight(entry_id)]
+        self._dropped.add(entry_id)
 
     def abort(self, entry_id: str) -> None:
         """The generation was lost; the id waits in ``reissue`` to be admitted again."""
@@ -197,6 +210,10 @@ class StalenessWindow:
         return frozenset(self._trained)
 
     @property
+    def dropped(self) -> frozenset[str]:
+        return frozenset(self._dropped)
+
+    @property
     def reissue(self) -> tuple[str, ...]:
         """Ids to generate again, oldest request first; each leaves when admitted again."""
         return tuple(self._reissue)
@@ -204,7 +221,7 @@ class StalenessWindow:
     @property
     def stats(self) -> WindowStats:
         sizes = map(len, (self._in_flight, self._buffered, self._taken, self._trained, self._reissue))
-        return WindowStats(self._version, *sizes, self._evicted)
+        return WindowStats(self._version, *sizes, self._evicted, len(self._dropped))
 
     def state_dict(self) -> dict[str, Any]:
         """JSON-serialisable checkpoint (plain dicts, lists, ints, strs)."""
@@ -218,6 +235,7 @@ class StalenessWindow:
             "trained": sorted(self._trained),
             "reissue": list(self._reissue),
             "evicted": self._evicted,
+            "dropped": sorted(self._dropped),
         }
 
     @classmethod
@@ -230,6 +248,7 @@ class StalenessWindow:
         window._trained = set(state["trained"])
         window._reissue = dict.fromkeys([*state["reissue"], *state["in_flight"]])
         window._evicted = state["evicted"]
+        window._dropped = set(state.get("dropped", ()))  # absent from checkpoints before dropping
         return window
 
     def _live_deadlines(self) -> list[int]:

@@ -31,7 +31,7 @@ import ray
 from loong_agentflow import EpisodeSpec
 from loong_core.records import Trajectory, WeightManifest
 from loong_core.window import StalenessWindow
-from loong_train.algo.losses import advantages, pack_batch
+from loong_train.algo.losses import advantages, no_signal, pack_batch
 from loong_train.config import Recipe
 from loong_train.models.tokenizer import copy_model_files
 from loong_train.scheduler import Scheduler
@@ -120,6 +120,7 @@ class Pipeline:
     probes: dict[Any, int] = field(default_factory=dict)  # pid() call -> worker, while it is down
     restarts: int = 0
     reissued: int = 0  # groups whose generation was lost and issued again
+    dropped: list[str] = field(default_factory=list)  # dynamic sampling: dropped since the last step
     restarted: int = 0  # episodes a weight update restarted (rollout.engine.partial = "restart")
     vocab_size: int = 0  # the model's, from config.json: token ids past it fail their row
 
@@ -199,13 +200,36 @@ class Pipeline:
         for group_id, trajs in by_group.items():
             versions = [t.oldest_version for t in trajs if t.oldest_version >= 0]
             oldest = min(versions) if versions else self.window.version
-            if self.scheduler.finish(group_id, oldest):
-                self.finished[group_id] = trajs
+            drop = self.recipe.loss.dynamic_sampling and no_signal(trajs)
+            if self.scheduler.finish(group_id, oldest, drop):
+                if drop:
+                    self._dropped(group_id)
+                else:
+                    self.finished[group_id] = trajs
             else:  # a restarted worker not yet caught up: the scheduler issues it again
                 self.reissued += 1
                 log.warning(
                     "group %s ran at version %d, below its admission: re-issuing it", group_id, oldest
                 )
+
+    def _dropped(self, group_id: str) -> None:
+        """Dynamic sampling dropped the group: its prompt is released, and a run whose groups all
+        stopped carrying signal ends with an error instead of generating forever."""
+        self.source.release([group_id])
+        self.dropped.append(group_id)
+        loss = self.recipe.loss
+        if len(self.dropped) >= loss.dynamic_sampling_max_rounds * self.window.batch_size:
+            raise RuntimeError(
+                f"dynamic sampling dropped {len(self.dropped)} groups in a row without a train step: "
+                "every sample of every group scored the same (the prompts are all solved, or all "
+                "failed, by this policy). Raise loss.dynamic_sampling_max_rounds "
+                f"(now {loss.dynamic_sampling_max_rounds}) or turn loss.dynamic_sampling off"
+            )
+
+    def take_dropped(self) -> list[str]:
+        """The groups dropped since the last call (for the ledger)."""
+        dropped, self.dropped = self.dropped, []
+        return dropped
 
     def _lost(self, w: int, groups: list[str], why: object) -> None:
         """A rollout call's generations are lost: its groups wait in ``window.reissue``."""

@@ -13,6 +13,7 @@ Lifecycle::
     s = Scheduler(StalenessWindow(max_staleness=1, batch_size=16), steps=100)
     groups = s.admit(room=16, new_group=source.next_group)  # command: run these groups
     s.finish("g3", oldest=0)          # event: a group's episodes came back -> True (accepted)
+    s.finish("g5", oldest=0, drop=True)  # ...with nothing to learn: dropped, another takes its place
     s.abort(["g4"])                   # event: a call was lost -> its groups are admitted again
     batch = s.take()                  # command: train these groups (None: not yet)
     s.published(1)                    # event: the trainer published version 1
@@ -57,16 +58,19 @@ class Scheduler:
         self._log("admit", room=room, out=groups)
         return groups
 
-    def finish(self, group_id: str, oldest: int) -> bool:
+    def finish(self, group_id: str, oldest: int, drop: bool = False) -> bool:
         """A group's episodes came back, their oldest model token at version ``oldest``. False
         (and the group is issued again) when it ran below the version it was admitted at (a
-        restarted worker not caught up yet)."""
+        restarted worker not caught up yet). An accepted group with ``drop`` (dynamic sampling:
+        nothing to learn) leaves the window for good, so ``admit`` fills its place."""
         accepted = oldest >= self.window.in_flight[group_id]
-        if accepted:
-            self.window.finish(group_id, oldest)
-        else:
+        if not accepted:
             self.window.abort(group_id)
-        self._log("finish", group=group_id, oldest=oldest, out=accepted)
+        elif drop:
+            self.window.drop(group_id)
+        else:
+            self.window.finish(group_id, oldest)
+        self._log("finish", group=group_id, oldest=oldest, **({"drop": True} if drop else {}), out=accepted)
         return accepted
 
     def abort(self, group_ids: Iterable[str]) -> None:
@@ -128,7 +132,7 @@ def replay(journal: Iterable[dict[str, Any]], window: StalenessWindow, *, steps:
             recorded = iter(entry["out"])
             scheduler.admit(entry["room"], lambda recorded=recorded: next(recorded, "<not recorded>"))
         elif call == "finish":
-            scheduler.finish(entry["group"], entry["oldest"])
+            scheduler.finish(entry["group"], entry["oldest"], entry.get("drop", False))
         elif call == "abort":
             scheduler.abort(entry["groups"])
         elif call == "take":

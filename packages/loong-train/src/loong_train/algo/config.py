@@ -49,6 +49,15 @@ class LossConfig(_Section):
       or per sequence (``mis_level``); ``0``/``inf`` = off.
     - ``overlong_filter``: DAPO's overlong filtering, no loss on truncated episodes (they still
       count in their group's advantage statistics); with ``reward.overlong_buffer``, its shaping.
+    - ``dynamic_sampling``: DAPO's dynamic sampling. A group whose trainable episodes all scored
+      the same (every row's GRPO or RLOO advantage is 0) is dropped when it comes back, never
+      trained, and another group is admitted in its place, so each batch holds ``batch_groups``
+      groups that carry signal. Only trained groups count against the staleness bound; each
+      ``ledger.jsonl`` line lists the groups dropped since the previous one (``dropped``) and
+      ``metrics.jsonl`` counts them (``dropped_groups``). ``dynamic_sampling_max_rounds``: the
+      run stops with an error once ``rounds * batch_groups`` groups in a row were dropped
+      without a train step (every prompt solved, or failed, by all its samples; DAPO's
+      ``max_num_gen_batches``).
     """
 
     policy: Literal["ppo", "gspo", "gspo-token", "cispo"] = "ppo"
@@ -69,6 +78,8 @@ class LossConfig(_Section):
     mis_high: float = math.inf
     mis_level: Literal["token", "sequence"] = "token"
     overlong_filter: bool = False
+    dynamic_sampling: bool = False
+    dynamic_sampling_max_rounds: int = 10
 
     def __post_init__(self) -> None:
         if problems := _loss_problems(self):
@@ -106,6 +117,16 @@ def _loss_problems(c: LossConfig) -> list[str]:
             0 <= c.mis_low < 1 < c.mis_high,
             f"mis_low and mis_high must satisfy 0 <= mis_low < 1 < mis_high (off: 0 and inf), "
             f"got {c.mis_low} and {c.mis_high}",
+        ),
+        (
+            not c.dynamic_sampling or c.estimator in ("grpo", "rloo"),
+            f"dynamic_sampling needs estimator = 'grpo' or 'rloo', got estimator = {c.estimator!r}: "
+            "its batch-whitened advantages are not 0 on a group whose rewards are all equal, so "
+            "dropping such a group would discard signal",
+        ),
+        (
+            c.dynamic_sampling_max_rounds >= 1,
+            f"dynamic_sampling_max_rounds must be >= 1, got {c.dynamic_sampling_max_rounds}",
         ),
     ]
     return [msg for ok, msg in checks if not ok]

@@ -85,6 +85,7 @@ __all__ = [
     "episode_id",
     "grpo_advantages",
     "kl_estimate",
+    "no_signal",
     "pack_batch",
     "policy_loss",
 ]
@@ -144,6 +145,12 @@ def advantages(trajectories: Sequence[Trajectory], cfg: LossConfig) -> list[floa
     scale = 1 / math.sqrt(var + 1e-8)
     values = iter(rows)
     return [(next(values)[0] - mean) * scale if t.status.trainable else 0.0 for t in trajectories]
+
+
+def no_signal(group: Sequence[Trajectory]) -> bool:
+    """True when one group's trainable episodes all scored the same (or none is trainable):
+    GRPO and RLOO give each of its rows advantage 0 (dynamic sampling drops such groups)."""
+    return all(len(set(rewards)) <= 1 for rewards in _groups(group).values())
 
 
 def _groups(trajectories: Sequence[Trajectory]) -> dict[str, list[float]]:

@@ -181,6 +181,9 @@ class RunDir:
             "groups": list(dict.fromkeys(t.group_id for t in trajs)),
             "sample_ids": [t.sample_id for t in trajs],
         }
+        if self.recipe.loss.dynamic_sampling:  # the groups dropped since the previous line
+            self.batch_ids["dropped"] = pipe.take_dropped()
+            self.batch["dropped_groups"] = len(self.batch_ids["dropped"])
 
     def on_train_step(self, pipe: Pipeline, m: dict[str, Any]) -> None:
         version = pipe.window.version
