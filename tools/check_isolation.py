@@ -12,7 +12,8 @@ For every selected package NAME:
    installs of torch hard links, so this stays fast);
 3. in that venv (``python -I``, so neither the workspace nor PYTHONPATH leak in), import ``loong_<name>``
    and every submodule, skipping lazily imported GPU backends (``--lazy`` patterns);
-4. assert that no forbidden module is in ``sys.modules`` and name the first module that pulled one in;
+4. assert that no forbidden module is in ``sys.modules`` and name the first module that pulled one in,
+   and that importing printed nothing to stderr (a clean import: no warning about a missing dependency);
 5. run every code block of the package README fenced as ```` ```python example ```` as a script in that
    venv: the README's examples work with nothing but the package installed.
 
@@ -182,7 +183,7 @@ def probe(venv: pathlib.Path, package: str, lazy: Sequence[str]) -> dict | str:
     lines = proc.stdout.strip().splitlines()
     if proc.returncode != 0 or not lines:
         return f"import probe crashed (exit {proc.returncode}):\n{tail(proc.stderr + proc.stdout)}"
-    return json.loads(lines[-1])
+    return json.loads(lines[-1]) | {"stderr": proc.stderr}
 
 
 def judge(package: str, venv: pathlib.Path, report: dict) -> tuple[bool, str]:
@@ -192,6 +193,8 @@ def judge(package: str, venv: pathlib.Path, report: dict) -> tuple[bool, str]:
         problems.append(f"{module_name(package)} was imported from {report['file']}, not from the fresh venv")
     for mod, via in sorted(report["culprits"].items()):
         problems.append(f"forbidden import {mod!r} (first pulled in by {via})")
+    if report["stderr"].strip():
+        problems.append(f"importing printed to stderr (an import should be silent):\n{tail(report['stderr'])}")
     n, n_bad = len(report["imported"]), len(report["culprits"])
     skipped = f", {len(report['skipped'])} lazy skipped" if report["skipped"] else ""
     if problems:
