@@ -1,15 +1,21 @@
-"""Held-out success of several runs of one recipe (one per seed) in one plot, and their table.
+"""Held-out success of several runs in one plot, and their table: one curve per run, or one per
+group of runs (an algorithm over seeds: its mean, with the seeds' range shaded).
 
     uv run python tools/plot_seeds.py runs/seed0 runs/seed1 runs/seed2 --out docs/curve.png
+    uv run python tools/plot_seeds.py grpo=runs/grpo-s0,runs/grpo-s1 dapo=runs/dapo-s0,runs/dapo-s1 \\
+        --out docs/algorithms.png
 
 Each run directory's ``metrics.jsonl`` gives ``eval_reward_mean`` by step (its first evaluation
-is the model before RL). Prints a Markdown table: start, best, final and gain per run.
+is the model before RL) and ``summary.json`` its wall time. Prints a Markdown table: per run,
+start, best, final and gain; per group, the means over its runs, each run's final success, and
+the mean wall time.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 from pathlib import Path
 
 
@@ -18,9 +24,20 @@ def curve(run: Path) -> list[tuple[int, float]]:
     return [(r["step"], r["eval_reward_mean"]) for r in rows if "eval_reward_mean" in r]
 
 
+def wall_s(run: Path) -> float:
+    return json.loads((run / "summary.json").read_text())["wall_s"]
+
+
+def _group(spec: str) -> tuple[str, list[Path]]:
+    """``name=dir,dir,...`` -> (name, dirs); a plain directory is a group of one named after it."""
+    name, _, dirs = spec.rpartition("=")
+    paths = [Path(d) for d in dirs.split(",")]
+    return name or paths[0].name, paths
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("runs", nargs="+", type=Path)
+    parser.add_argument("runs", nargs="+", help="a run directory, or NAME=DIR,DIR,... for a group")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--title", default="held-out success")
     args = parser.parse_args()
@@ -29,14 +46,31 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    groups = [_group(spec) for spec in args.runs]
+    grouped = any(len(runs) > 1 for _, runs in groups)
     fig, ax = plt.subplots(figsize=(6.4, 3.6))
-    print("| run | start | best | final | final - start |\n|---|---|---|---|---|")
-    for run in args.runs:
-        points = curve(run)
-        steps, values = zip(*points, strict=True)
-        ax.plot(steps, values, label=run.name)
-        first, last = values[0], values[-1]
-        print(f"| {run.name} | {first:.2f} | {max(values):.2f} | {last:.2f} | {last - first:+.2f} |")
+    if not grouped:
+        print("| run | start | best | final | final - start |\n|---|---|---|---|---|")
+    else:
+        print("| runs | start | best | final | final - start | final per run | wall time |")
+        print("|---|---|---|---|---|---|---|")
+    for name, runs in groups:
+        curves = [curve(run) for run in runs]
+        steps = [s for s, _ in curves[0]]
+        if any([s for s, _ in c] != steps for c in curves):
+            raise SystemExit(f"{name}: its runs were evaluated at different steps")
+        mean = [statistics.fmean(c[i][1] for c in curves) for i in range(len(steps))]
+        ax.plot(steps, mean, label=name)
+        if len(runs) > 1:
+            low = [min(c[i][1] for c in curves) for i in range(len(steps))]
+            high = [max(c[i][1] for c in curves) for i in range(len(steps))]
+            ax.fill_between(steps, low, high, alpha=0.15)
+        first, last = mean[0], mean[-1]
+        row = f"| {name} | {first:.2f} | {max(mean):.2f} | {last:.2f} | {last - first:+.2f} |"
+        if grouped:
+            finals = ", ".join(f"{c[-1][1]:.2f}" for c in curves)
+            row += f" {finals} | {statistics.fmean(map(wall_s, runs)) / 60:.1f} min |"
+        print(row)
     ax.set_xlabel("policy version (train step)")
     ax.set_ylabel("held-out success")
     ax.set_ylim(0, 1)

@@ -61,6 +61,23 @@ def test_bpe_tokenizer_is_learned_from_the_task_and_encodes_any_text(tmp_path, b
     assert [tok.decode(emoji[:n]) for n in (1, 2, 3)] == ["\ufffd"] * 3 and tok.decode(emoji) == "🙂"
 
 
+def test_bare_word_bpe_gives_a_word_one_token_wherever_it_stands(tmp_path):
+    """``bpe-bare``: the space before a word is a token of its own, so a word after a space and
+    the same word at a line start are the same token (with Qwen2's pattern they are two unrelated
+    tokens); text still round-trips."""
+    from loong_train.tiny.tokenizer import build_tokenizer
+
+    corpus = ["Reverse this list of words: hundred, go\ngo, hundred", "Rotate:\n9 1\n4 1"] * 50
+    bare = load_tokenizer(build_tokenizer(tmp_path / "bare", "bpe-bare", corpus, 400))
+    qwen = load_tokenizer(build_tokenizer(tmp_path / "qwen", "bpe", corpus, 400))
+    prompt, answer = "list of words: hundred, go\n", "go, hundred"
+    for tok, same in ((bare, True), (qwen, False)):
+        after_space = tok.encode(prompt, add_special_tokens=False)[-2]  # "go" in the prompt
+        at_start = tok.encode(answer, add_special_tokens=False)[0]  # "go" starting the answer
+        assert (tok.decode([at_start]) == "go") and ((after_space == at_start) is same)
+        assert tok.decode(tok.encode(prompt + answer, add_special_tokens=False)) == prompt + answer
+
+
 def test_a_bpe_vocabulary_too_small_for_the_bytes_is_refused_naming_the_key(tmp_path):
     recipe = load_recipe("tiny-calc-agent", ['model.tokenizer="bpe"', "model.bpe_vocab_size=200"])
     with pytest.raises(ValueError, match=r"bpe_vocab_size 200 is too small: a byte-level BPE holds 256 byte"):

@@ -64,8 +64,9 @@ class _Section(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, frozen=
 
 class ModelConfig(_Section):
     """An HF checkpoint directory, or (``path = ""``) a tiny Qwen3 built from these sizes with a
-    ``tokenizer`` built locally: ``"char"`` (one token per character) or ``"bpe"`` (byte-level BPE
-    trained on the task's text to at most ``bpe_vocab_size`` tokens; :mod:`loong_train.tiny.tokenizer`).
+    ``tokenizer`` built locally: ``"char"`` (one token per character), ``"bpe"`` (byte-level BPE
+    trained on the task's text to at most ``bpe_vocab_size`` tokens) or ``"bpe-bare"`` (the same
+    with a space before a word a token of its own; :mod:`loong_train.tiny.tokenizer`).
 
     ``trust_remote_code``: run a checkpoint whose ``config.json`` names its own modeling code
     (``auto_map``), as ``transformers`` does with the same switch; off, such a checkpoint is refused.
@@ -79,7 +80,7 @@ class ModelConfig(_Section):
     num_attention_heads: int = 4
     num_key_value_heads: int = 2
     head_dim: int = 32
-    tokenizer: Literal["char", "bpe"] = "char"
+    tokenizer: Literal["char", "bpe", "bpe-bare"] = "char"
     bpe_vocab_size: int = 512
 
 

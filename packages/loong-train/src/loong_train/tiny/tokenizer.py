@@ -5,7 +5,11 @@ Tiny recipes cannot download a tokenizer, so Loong builds one (``[model] tokeniz
 - ``"char"``: every printable ASCII character and newline is a token;
 - ``"bpe"``: a byte-level BPE (GPT-2 / Qwen style: any UTF-8 text encodes, a multi-byte character
   may span tokens) trained with ``tokenizers`` on the task's own text to ``bpe_vocab_size``
-  tokens, with Qwen2's pre-tokenizer pattern (digits one by one, words with their leading space).
+  tokens, with Qwen2's pre-tokenizer pattern (digits one by one, words with their leading space);
+  ``"bpe-bare"``: the same, but a space before a word is a token of its own, so a word is the
+  same token wherever it stands. With Qwen2's pattern ``go`` at the start of a line and `` go``
+  after a space are unrelated tokens: a task that moves words around (reverse a list of words)
+  then asks a tiny model to learn that pairing word by word, rather than to copy.
 
 Both carry the ChatML and Hermes tool-call tokens (``<|im_start|>`` ... as special tokens, the
 ``<tool_call>`` tags as added tokens that never merge with their neighbours) and a Qwen-style chat
@@ -30,6 +34,8 @@ QWEN2_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
     r"|\s+(?!\S)|\s+"
 )
+# Qwen2's pattern with bare words: no leading character joins a run of letters.
+BARE_WORDS_PATTERN = QWEN2_PATTERN.replace(r"[^\r\n\p{L}\p{N}]?\p{L}+", r"\p{L}+")
 
 # ChatML with Hermes-style tool calls, rendered compactly (no tool list in the system prompt).
 CHAT_TEMPLATE = (
@@ -65,10 +71,11 @@ def build_tokenizer(
         vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + TOOL_TOKENS + chars)}
         tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<|endoftext|>"))
         tok.decoder = decoders.Fuse()
-    elif kind == "bpe":
-        tok = _train_bpe(corpus, vocab_size - len(TOOL_TOKENS))
+    elif kind in ("bpe", "bpe-bare"):
+        pattern = BARE_WORDS_PATTERN if kind == "bpe-bare" else QWEN2_PATTERN
+        tok = _train_bpe(corpus, vocab_size - len(TOOL_TOKENS), pattern)
     else:
-        raise ValueError(f"tokenizer {kind!r}: expected 'char' or 'bpe'")
+        raise ValueError(f"tokenizer {kind!r}: expected 'char', 'bpe' or 'bpe-bare'")
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TOOL_TOKENS])
     path = Path(path)
@@ -79,7 +86,7 @@ def build_tokenizer(
         "model_max_length": 4096,
         "eos_token": "<|im_end|>",
         "pad_token": "<|endoftext|>",
-        "unk_token": None if kind == "bpe" else "<|endoftext|>",  # byte-level encodes every text
+        "unk_token": None if kind != "char" else "<|endoftext|>",  # byte-level encodes every text
         "chat_template": CHAT_TEMPLATE,
         "clean_up_tokenization_spaces": False,
     }
@@ -87,7 +94,7 @@ def build_tokenizer(
     return path
 
 
-def _train_bpe(corpus: Iterable[str], vocab_size: int):
+def _train_bpe(corpus: Iterable[str], vocab_size: int, pattern: str = QWEN2_PATTERN):
     """A byte-level BPE trained on ``corpus`` with the special tokens as ids 0-2; the 256 byte
     symbols are always in the vocabulary, so ``vocab_size`` must exceed 259."""
     from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -100,7 +107,7 @@ def _train_bpe(corpus: Iterable[str], vocab_size: int):
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(QWEN2_PATTERN), behavior="isolated"),
+            pre_tokenizers.Split(Regex(pattern), behavior="isolated"),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )

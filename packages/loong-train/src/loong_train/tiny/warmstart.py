@@ -38,7 +38,7 @@ log = logging.getLogger("loong.warmstart")
 def build_tiny(path: Path, recipe: Recipe) -> Path:
     """A random-init tiny Qwen3 + the recipe's local tokenizer, saved as a Hugging Face directory."""
     m = recipe.model
-    corpus = tokenizer_corpus(recipe) if m.tokenizer == "bpe" else []
+    corpus = tokenizer_corpus(recipe) if m.tokenizer != "char" else []
     build_tokenizer(path, m.tokenizer, corpus, m.bpe_vocab_size)
     vocab = len(load_tokenizer(path))
     sizes = msgspec.structs.asdict(m)

@@ -55,8 +55,10 @@ then, on continue). ``in_place`` keeps them as they are. ``/flush_cache`` answer
 requests are queued, or running in an ``in_place`` pause (retracted requests do not count while
 paused, as in current SGLang). A weight update with ``flush_cache`` (default true, as in SGLang)
 in such a state answers 400 before applying anything: SGLang's scheduler asserts on that failed
-flush and dies, so a client must send ``flush_cache: false`` there (and flush later). ``weight_version`` is a
-string as in SGLang; when it reads as an integer it also becomes the engine's version stamp.
+flush and dies, so a client must send ``flush_cache: false`` there (and flush later). A weight
+update's ``abort_all_requests`` ends every queued and running request first, as ``abort`` does.
+``weight_version`` is a string as in SGLang; when it reads as an integer it also becomes the
+engine's version stamp.
 
 Errors: a bad field answers 400 with SGLang's error body (``object``, ``message``, ``type``,
 ``code``) plus ``param`` naming the field and ``success: false``. With an API key, every path but
