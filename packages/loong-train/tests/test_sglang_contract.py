@@ -71,6 +71,7 @@ def _real_sglang(model_dir, log_path):
     config = SGLangServerConfig(
         model_path=str(model_dir), command=sglang_launch_command(sglang_python()), port=_port(), args=args,
         log_path=str(log_path), startup_timeout_s=300, health_interval_s=2.0,
+        env={"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false"},  # a paused server stays healthy
     )  # fmt: skip
     sup = SGLangSupervisor(config)
     sup.start()
