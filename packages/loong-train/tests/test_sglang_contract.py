@@ -13,16 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
-import threading
-import time
 
 import httpx
 import msgspec
 import pytest
-import torch
-import uvicorn
-from train_testkit import sglang_python, tiny_qwen3
+from train_testkit import NEEDS_REAL_SGLANG, real_sglang_config, serve_in_thread, tiny_qwen3
 
 from loong_train.engines.embedded.engine import EmbeddedEngine
 from loong_train.engines.embedded.server import build_app
@@ -31,61 +26,21 @@ from loong_train.models.decoder import CausalLM
 PROMPT = [3, 14, 15, 9, 26, 5]
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@contextlib.contextmanager
 def _embedded(model_dir):
     app = build_app(EmbeddedEngine(CausalLM.from_pretrained(model_dir)), model_path=str(model_dir))
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    return serve_in_thread(app)
 
 
 @contextlib.contextmanager
 def _real_sglang(model_dir, log_path):
-    from loong_train.engines.sglang.supervisor import (
-        SGLangServerConfig,
-        SGLangSupervisor,
-        sglang_launch_command,
-    )
+    from loong_train.engines.sglang.supervisor import SGLangSupervisor
 
-    args = [
-        "--skip-tokenizer-init",
-        "--dtype",
-        "bfloat16",
-        "--mem-fraction-static",
-        "0.2",
-        "--disable-cuda-graph",
-    ]
-    config = SGLangServerConfig(
-        model_path=str(model_dir), command=sglang_launch_command(sglang_python()), port=_port(), args=args,
-        log_path=str(log_path), startup_timeout_s=300, health_interval_s=2.0,
-        env={"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false"},  # a paused server stays healthy
-    )  # fmt: skip
-    sup = SGLangSupervisor(config)
+    sup = SGLangSupervisor(real_sglang_config(model_dir, log_path))
     sup.start()
     try:
         yield sup.url
     finally:
         sup.stop()
-
-
-_needs_sglang = [
-    pytest.mark.gpu,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.skipif(sglang_python() is None, reason="no SGLang: set SGLANG_PYTHON to its interpreter"),
-]
 
 
 @pytest.fixture(scope="module")
@@ -95,7 +50,7 @@ def model_dir(tmp_path_factory):
     return path
 
 
-@pytest.fixture(params=["embedded", pytest.param("sglang", marks=_needs_sglang)])
+@pytest.fixture(params=["embedded", pytest.param("sglang", marks=NEEDS_REAL_SGLANG)])
 def url(request, model_dir, tmp_path):
     """The base URL of a fresh server of each kind on the same tiny checkpoint."""
     if request.param == "embedded":

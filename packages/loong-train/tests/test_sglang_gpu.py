@@ -20,20 +20,15 @@ import time
 
 import pytest
 import torch
-from train_testkit import sglang_python
+from train_testkit import NEEDS_REAL_SGLANG, real_sglang_config
 
 from loong_agentflow.sglang_client import SGLangClientConfig, SGLangEngine
 from loong_core.protocols import SamplingParams
-from loong_train.engines.sglang.supervisor import SGLangServerConfig, SGLangSupervisor, sglang_launch_command
+from loong_train.engines.sglang.supervisor import SGLangSupervisor
 from loong_train.models.decoder import CausalLM, DecoderConfig
 from loong_transfermesh import SGLangPusherConfig, SGLangWeightPusher
 
-pytestmark = [
-    pytest.mark.gpu,
-    pytest.mark.integration,
-    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
-    pytest.mark.skipif(sglang_python() is None, reason="no SGLang: set SGLANG_PYTHON to its interpreter"),
-]
+pytestmark = [*NEEDS_REAL_SGLANG, pytest.mark.integration]
 
 CFG = DecoderConfig(
     vocab_size=256,
@@ -45,14 +40,6 @@ CFG = DecoderConfig(
     head_dim=64,  # a head size every SGLang attention kernel supports
 )
 PROMPT = [3, 14, 15, 92, 65, 35, 89, 79]
-ARGS = [
-    "--skip-tokenizer-init",
-    "--dtype",
-    "bfloat16",
-    "--mem-fraction-static",
-    "0.2",
-    "--disable-cuda-graph",
-]
 
 
 def _model(seed: int) -> CausalLM:
@@ -79,12 +66,7 @@ def test_real_sglang_generates_pauses_and_takes_pushed_weights(tmp_path):
     first, second = _model(0), _model(1)
     first.save_pretrained(tmp_path / "model")
     log = tmp_path / "sglang.log"
-    config = SGLangServerConfig(
-        model_path=str(tmp_path / "model"), command=sglang_launch_command(sglang_python()),
-        port=_port(), args=ARGS, log_path=str(log), startup_timeout_s=300, health_interval_s=2.0,
-        env={"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false"},  # as SGLangRollout launches it
-    )  # fmt: skip
-    sup = SGLangSupervisor(config)
+    sup = SGLangSupervisor(real_sglang_config(tmp_path / "model", log))
     sup.start()
     pusher = SGLangWeightPusher(SGLangPusherConfig(urls=[sup.url], master_port=_port(), timeout_s=120))
     try:

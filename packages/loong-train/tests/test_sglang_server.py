@@ -15,15 +15,13 @@ import os
 import socket
 import subprocess
 import sys
-import threading
 import time
 
 import httpx
 import msgspec
 import pytest
 import torch
-import uvicorn
-from train_testkit import tiny_config, tiny_qwen3
+from train_testkit import serve_in_thread, tiny_config, tiny_qwen3
 
 from loong_agentflow.sglang_client import SGLangClientConfig, SGLangEngine, SGLangError
 from loong_core.protocols import SamplingParams
@@ -58,17 +56,8 @@ def _port() -> int:
 def _serve(engine: EmbeddedEngine, **kwargs):
     """The app on a uvicorn server in a thread; yields (base url, server state)."""
     app = build_app(engine, **kwargs)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    while not server.started:
-        time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
-    try:
-        yield f"http://127.0.0.1:{port}", getattr(app, "app", app).state.sglang
-    finally:
-        server.should_exit = True
-        thread.join(10)
+    with serve_in_thread(app) as url:
+        yield url, getattr(app, "app", app).state.sglang
 
 
 def _forward_logprobs(model: CausalLM, ids: list[int], temperature: float = 1.0) -> torch.Tensor:

@@ -15,16 +15,23 @@
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import importlib.util
 import json
 import os
+import socket
 import struct
 import sys
+import threading
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
+import uvicorn
 from safetensors.torch import load_file
 
 from loong_train.models.decoder import CausalLM, DecoderConfig
@@ -103,6 +110,53 @@ def sglang_python() -> str | None:
     if python := os.environ.get("SGLANG_PYTHON"):
         return python
     return sys.executable if importlib.util.find_spec("sglang") is not None else None
+
+
+NEEDS_REAL_SGLANG = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.skipif(sglang_python() is None, reason="no SGLang: set SGLANG_PYTHON to its interpreter"),
+]
+"""The marks of a test against a real SGLang server (``gpu``; skipped without CUDA or SGLang)."""
+
+
+def real_sglang_config(model_path: Path, log_path: Path):
+    """How the GPU tests launch a real SGLang server on a tiny checkpoint: token ids in and out,
+    bfloat16, a fifth of the GPU, no CUDA graphs, and ``/health`` without generation, as
+    ``SGLangRollout`` launches it (a paused server stays healthy)."""
+    from loong_train.engines.sglang.supervisor import SGLangServerConfig, sglang_launch_command
+
+    args = [
+        "--skip-tokenizer-init",
+        "--dtype",
+        "bfloat16",
+        "--mem-fraction-static",
+        "0.2",
+        "--disable-cuda-graph",
+    ]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return SGLangServerConfig(
+        model_path=str(model_path), command=sglang_launch_command(sglang_python()), port=port, args=args,
+        log_path=str(log_path), startup_timeout_s=300, health_interval_s=2.0,
+        env={"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false"},
+    )  # fmt: skip
+
+
+@contextlib.contextmanager
+def serve_in_thread(app) -> Iterator[str]:
+    """``app`` on a uvicorn server in a daemon thread, on a free loopback port; yields its URL."""
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
 
 
 def tiny_config(**fields: Any) -> DecoderConfig:
