@@ -57,7 +57,9 @@ class LossConfig(_Section):
       ``metrics.jsonl`` counts them (``dropped_groups``). ``dynamic_sampling_max_rounds``: the
       run stops with an error once ``rounds * batch_groups`` groups in a row were dropped
       without a train step (every prompt solved, or failed, by all its samples; DAPO's
-      ``max_num_gen_batches``).
+      ``max_num_gen_batches``, whose recipe's 10 batches of 3x over-sampled prompts make the
+      default 30). On ``tiny-reasoning``, once the matrices are solved and the word task is not,
+      up to 15 rounds pass between steps.
     """
 
     policy: Literal["ppo", "gspo", "gspo-token", "cispo"] = "ppo"
@@ -79,7 +81,7 @@ class LossConfig(_Section):
     mis_level: Literal["token", "sequence"] = "token"
     overlong_filter: bool = False
     dynamic_sampling: bool = False
-    dynamic_sampling_max_rounds: int = 10
+    dynamic_sampling_max_rounds: int = 30
 
     def __post_init__(self) -> None:
         if problems := _loss_problems(self):
