@@ -6,7 +6,8 @@ group of runs (an algorithm over seeds: its mean, with the seeds' range shaded).
         --out docs/algorithms.png
 
 Each run directory's ``metrics.jsonl`` gives ``eval_reward_mean`` by step (its first evaluation
-is the model before RL) and ``summary.json`` its wall time. Prints a Markdown table: per run,
+is the model before RL) and ``summary.json`` its wall time. A group's curve ends where its
+shortest run's does (a run that stopped early). Prints a Markdown table: per run,
 start, best, final and gain; per group, the means over its runs, each run's final success, and
 the mean wall time.
 """
@@ -25,7 +26,10 @@ def curve(run: Path) -> list[tuple[int, float]]:
 
 
 def wall_s(run: Path) -> float:
-    return json.loads((run / "summary.json").read_text())["wall_s"]
+    """The run's wall time; for a run that stopped early (no summary), its last step's."""
+    if (run / "summary.json").exists():
+        return json.loads((run / "summary.json").read_text())["wall_s"]
+    return json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["elapsed_s"]
 
 
 def _group(spec: str) -> tuple[str, list[Path]]:
@@ -56,6 +60,8 @@ def main() -> None:
         print("|---|---|---|---|---|---|---|")
     for name, runs in groups:
         curves = [curve(run) for run in runs]
+        n = min(map(len, curves))  # a run that stopped early ends its group's curve there
+        curves = [c[:n] for c in curves]
         steps = [s for s, _ in curves[0]]
         if any([s for s, _ in c] != steps for c in curves):
             raise SystemExit(f"{name}: its runs were evaluated at different steps")
