@@ -194,7 +194,9 @@ def judge(package: str, venv: pathlib.Path, report: dict) -> tuple[bool, str]:
     for mod, via in sorted(report["culprits"].items()):
         problems.append(f"forbidden import {mod!r} (first pulled in by {via})")
     if report["stderr"].strip():
-        problems.append(f"importing printed to stderr (an import should be silent):\n{tail(report['stderr'])}")
+        problems.append(
+            f"importing printed to stderr (an import should be silent):\n{tail(report['stderr'])}"
+        )
     n, n_bad = len(report["imported"]), len(report["culprits"])
     skipped = f", {len(report['skipped'])} lazy skipped" if report["skipped"] else ""
     if problems:
