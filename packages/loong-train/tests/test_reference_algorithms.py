@@ -1,10 +1,11 @@
-"""Loong's advantages, policy losses and KL estimators against verl's own implementations.
+"""Loong's advantages, policy losses and KL estimators against verl's and TRL's own implementations.
 
-The fixture holds fixed float64 inputs and what verl 0.9.1 computes from them
-(``tools/reference_algorithms.sh`` regenerates it in a throwaway environment; verl is never a
-dependency). Losses are compared with their gradients with respect to the current logprobs.
+The fixtures hold fixed float64 inputs and what verl 0.9.1 and TRL 1.16.0 compute from them
+(``tools/reference_algorithms.sh`` regenerates both, each in a throwaway environment; neither is
+a dependency). Losses are compared with their gradients with respect to the current logprobs.
 Where the conventions differ on purpose the test says so: verl gives a group of one episode
-the advantage of its reward, Loong gives it 0 (the fixture has no such group)."""
+the advantage of its reward, Loong gives it 0 (the fixture has no such group); TRL adds 1e-4 to
+the group's standard deviation where verl and Loong add 1e-6."""
 
 from __future__ import annotations
 
@@ -17,9 +18,10 @@ import torch
 
 from loong_core.records import SpanSource, TokenSpan, Trajectory
 from loong_train.algo.config import LossConfig
-from loong_train.algo.losses import advantages, kl_estimate, policy_loss
+from loong_train.algo.losses import advantages, grpo_advantages, kl_estimate, policy_loss
 
 FIXTURE = json.loads((Path(__file__).parent / "fixtures" / "reference_algorithms.json").read_text())
+TRL = json.loads((Path(__file__).parent / "fixtures" / "reference_trl.json").read_text())
 X = {k: torch.tensor(v, dtype=torch.float64) for k, v in FIXTURE["inputs"].items() if k != "lengths"}
 LENGTHS = FIXTURE["inputs"]["lengths"]
 CLIP = FIXTURE["ppo_clip"]
@@ -108,5 +110,72 @@ def test_kl_estimators_equal_verls(ours, verls):
     )
 
 
+def test_the_fixtures_make_every_clip_bind():
+    """Each clip changes the reference loss, so a Loong clip that never bound would fail."""
+    for fixture, bound in ((FIXTURE, "dual_clip"), (TRL, "delta")):
+        for cases in fixture["ppo"].values():
+            assert cases[bound]["loss"] != pytest.approx(cases["clip_high"]["loss"], abs=1e-6)
+    ratio = torch.exp(X["new"] - X["old"])[X["mask"] > 0]
+    assert (ratio > 1 + CLIP["high"]).any() and (ratio < 1 - CLIP["low"]).any()
+
+
 def test_the_fixture_names_what_made_it():
     assert FIXTURE["versions"]["verl"] == "0.9.1"
+
+
+def test_both_fixtures_share_their_inputs():
+    assert TRL["inputs"] == FIXTURE["inputs"]
+    assert TRL["advantages"]["groups"] == FIXTURE["advantages"]["groups"]
+
+
+@pytest.mark.parametrize(("scale", "by_std"), [("group", True), ("none", False)])
+def test_grpo_advantages_equal_trls(scale, by_std):
+    """TRL's ``scale_rewards = "group"`` is GRPO with the unbiased std (at TRL's eps); "none" is Dr. GRPO.
+    TRL's ``nanstd`` computes its n / (n - 1) correction in float32, hence the 1e-7 tolerance."""
+    got = grpo_advantages(_trajectories(), by_std, eps=TRL["advantages"]["eps"], std="unbiased")
+    assert got == pytest.approx(TRL["advantages"][scale], abs=1e-7)
+
+
+# TRL's loss_type is its aggregation; one process and no gradient accumulation, dapo equals bnpo
+TRL_AGGREGATIONS = {
+    "grpo": "seq-mean-token-mean",
+    "bnpo": "token-mean",
+    "dapo": "token-mean",
+    "dr_grpo": "seq-mean-token-sum-norm",
+}
+
+
+@pytest.mark.parametrize("loss_type", list(TRL_AGGREGATIONS))
+@pytest.mark.parametrize("case", ["clip_high", "delta"])
+def test_ppo_equals_trls_for_each_loss_type(loss_type, case):
+    """TRL's ``delta`` (two-sided clipping) caps the ratio of every token at delta; for negative
+    advantages that is the dual clip with c = delta, and for positive ones the upper clip already
+    binds below delta, so the two objectives and their gradients are the same."""
+    clip = TRL["ppo_clip"]
+    agg = TRL_AGGREGATIONS[loss_type]
+    cfg = LossConfig(
+        clip_eps=clip["low"],
+        clip_eps_high=clip["high"],
+        dual_clip=clip["delta"] if case == "delta" else math.inf,
+        agg_mode=agg,
+        norm_length=clip["max_completion_length"] if agg == "seq-mean-token-sum-norm" else 0,
+    )
+    _same(_loong(cfg), TRL["ppo"][loss_type][case])
+
+
+def test_gspo_equals_trls_sequence_level_importance_sampling():
+    low, high = TRL["gspo"]["clip"]
+    cfg = LossConfig(policy="gspo", clip_eps=low, clip_eps_high=high, agg_mode="seq-mean-token-mean")
+    _same(_loong(cfg), TRL["gspo"])
+
+
+def test_cispo_equals_trls():
+    """TRL caps the IS weight at ``epsilon_high`` itself and has no lower bound; Loong clips to
+    [1 - eps, 1 + eps_high], so eps = 0.99 (no fixture ratio is below 0.01) and eps_high = cap - 1."""
+    assert float(torch.exp(X["new"] - X["old"])[X["mask"] > 0].min()) > 0.01
+    cfg = LossConfig(policy="cispo", clip_eps=0.99, clip_eps_high=TRL["cispo"]["cap"] - 1)
+    _same(_loong(cfg), TRL["cispo"])
+
+
+def test_the_trl_fixture_names_what_made_it():
+    assert TRL["versions"]["trl"] == "1.16.0"
