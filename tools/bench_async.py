@@ -1,15 +1,25 @@
-"""Real CPU benchmark of the asynchronous pipeline: the same recipe and seed trained synchronously
-(``train.max_staleness = 0``: rollout and training alternate) and asynchronously (a sliding window
-of ``--window`` versions), with the same cores and thread settings.
+"""Real CPU benchmark of the asynchronous pipeline against the best synchronous run on the same
+cores, per workload.
 
     uv run python tools/bench_async.py --json async.json [--recipe tiny-calc-agent] [--window 2]
-        [--steps 80] [--seeds 0,1]
+        [--steps 80] [--seeds 0,1] [--workload compute] [--workload tools=rollout.tool_latency_ms=200]
 
-Each run is ``loong-train run`` in its own process (the warm start is cached and shared, so it is
-built once and excluded from the timing). Throughput is ``trained_samples_per_s`` of the run's
-last metrics line: samples trained divided by the wall time since the actors started. The JSON
-holds ``sync_samples_per_s``, ``async_samples_per_s``, ``sync_final_eval``, ``async_final_eval``
-(means over seeds), ``window``, ``speedup`` and the per-seed rows.
+A workload is a name and the recipe overrides that make it (``NAME=KEY=VALUE,KEY=VALUE``; the
+default: ``compute``, the recipe as shipped, and ``tools``, a 200 ms median tool latency per call,
+:class:`loong_agentflow.Latency`). Per workload and seed, each configuration is its own
+``loong-train run`` process (the warm start is cached and shared, so it is built once and excluded
+from the timing):
+
+- ``sync-t1``: ``train.max_staleness = 0`` (rollout and training alternate), one torch thread per
+  actor (while one phase runs, the other actor's core idles);
+- ``sync-t2``: synchronous, ``threads = 2``: each phase gets both cores;
+- ``async-t1``: ``train.max_staleness = --window``, one thread per actor (the shipped setting).
+
+The synchronous baseline is the faster of the two synchronous configurations, chosen per workload
+on the mean over seeds. Throughput is ``trained_samples_per_s`` of the run's last metrics line:
+samples trained divided by the wall time since the actors started. The JSON holds, per workload,
+every configuration's mean samples/s and final held-out success, the best synchronous one, and
+``speedup`` (asynchronous over the best synchronous); then every run.
 """
 
 from __future__ import annotations
@@ -22,22 +32,59 @@ import sys
 import tempfile
 from pathlib import Path
 
+CONFIGS = {  # name -> recipe overrides (besides the workload's)
+    "sync-t1": {"train.max_staleness": 0, "threads": 1},
+    "sync-t2": {"train.max_staleness": 0, "threads": 2},
+    "async-t1": {"threads": 1},  # train.max_staleness = --window, set in main
+}
+DEFAULT_WORKLOADS = ["compute", "tools=rollout.tool_latency_ms=200"]
 
-def train(recipe: str, window: int, steps: int, seed: int, out: Path, cache: Path) -> dict:
-    """One run; returns its throughput and final held-out success."""
+
+def train(recipe: str, sets: dict, out: Path, cache: Path) -> dict:
+    """One run with ``sets`` overrides; returns its throughput and final held-out success."""
     cmd = [sys.executable, "-m", "loong_train.cli", "run", recipe, "--out", str(out), "--cache", str(cache)]
-    for key, value in (("train.max_staleness", window), ("train.steps", steps), ("seed", seed)):
+    for key, value in sets.items():
         cmd += ["--set", f"{key}={value}"]
     subprocess.run(cmd, check=True)
     last = json.loads((out / "metrics.jsonl").read_text().splitlines()[-1])
     summary = json.loads((out / "summary.json").read_text())
     return {
-        "window": window,
-        "seed": seed,
         "samples_per_s": last["trained_samples_per_s"],
         "final_eval": summary["final_eval"],
         "wall_s": summary["wall_s"],
     }
+
+
+def parse_workload(spec: str) -> tuple[str, dict[str, str]]:
+    """``NAME`` or ``NAME=KEY=VALUE,KEY=VALUE`` -> (name, overrides)."""
+    name, _, rest = spec.partition("=")
+    sets = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq:
+            raise SystemExit(f"--workload {spec!r}: expected NAME=KEY=VALUE,KEY=VALUE, got {item!r}")
+        sets[key] = value
+    return name, sets
+
+
+def summarize(rows: list[dict]) -> dict:
+    """Per workload: each configuration's means over seeds, the best synchronous one, the speedup."""
+    out = {}
+    for workload in dict.fromkeys(r["workload"] for r in rows):
+        configs = {}
+        for config in dict.fromkeys(r["config"] for r in rows if r["workload"] == workload):
+            mine = [r for r in rows if r["workload"] == workload and r["config"] == config]
+            configs[config] = {
+                "samples_per_s": statistics.fmean(r["samples_per_s"] for r in mine),
+                "final_eval": statistics.fmean(r["final_eval"] for r in mine),
+            }
+        sync = max((c for c in configs if c.startswith("sync")), key=lambda c: configs[c]["samples_per_s"])
+        out[workload] = {
+            "configs": configs,
+            "best_sync": sync,
+            "speedup": configs["async-t1"]["samples_per_s"] / configs[sync]["samples_per_s"],
+        }
+    return out
 
 
 def main() -> None:
@@ -47,32 +94,32 @@ def main() -> None:
     parser.add_argument("--window", type=int, default=2, help="max_staleness of the asynchronous run")
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--seeds", default="0", help="comma-separated seeds")
+    parser.add_argument("--workload", action="append", help="NAME[=KEY=VALUE,...]; repeatable")
     parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "loong")
     args = parser.parse_args()
+    workloads = [parse_workload(w) for w in args.workload or DEFAULT_WORKLOADS]
     rows = []
     with tempfile.TemporaryDirectory(prefix="loong-bench-async-") as tmp:
-        for seed in [int(s) for s in args.seeds.split(",")]:
-            for window in (0, args.window):
-                out = Path(tmp) / f"w{window}-s{seed}"
-                rows.append(train(args.recipe, window, args.steps, seed, out, args.cache))
-                print(json.dumps(rows[-1]), flush=True)
-
-    def mean(window: int, key: str) -> float:
-        return statistics.fmean(r[key] for r in rows if r["window"] == window)
-
+        for name, workload in workloads:
+            for seed in [int(s) for s in args.seeds.split(",")]:
+                for config, sets in CONFIGS.items():
+                    sets = {**workload, **sets, "train.steps": args.steps, "seed": seed}
+                    sets.setdefault("train.max_staleness", args.window)
+                    out = Path(tmp) / f"{name}-{config}-s{seed}"
+                    rows.append(
+                        {"workload": name, "config": config, "seed": seed}
+                        | train(args.recipe, sets, out, args.cache)
+                    )
+                    print(json.dumps(rows[-1]), flush=True)
     result = {
         "recipe": args.recipe,
         "steps": args.steps,
         "window": args.window,
-        "sync_samples_per_s": mean(0, "samples_per_s"),
-        "async_samples_per_s": mean(args.window, "samples_per_s"),
-        "sync_final_eval": mean(0, "final_eval"),
-        "async_final_eval": mean(args.window, "final_eval"),
+        "workloads": summarize(rows),
         "runs": rows,
     }
-    result["speedup"] = result["async_samples_per_s"] / result["sync_samples_per_s"]
     args.json.write_text(json.dumps(result, indent=2))
-    print(json.dumps({k: v for k, v in result.items() if k != "runs"}, indent=2))
+    print(json.dumps(result["workloads"], indent=2))
 
 
 if __name__ == "__main__":

@@ -5,13 +5,24 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
+import random
+import statistics
 import threading
 import time
 from typing import Literal
 
 import pytest
 
-from loong_agentflow import Tool, ToolCall, ToolRegistry, ToolResult, function_tool, parse_tool_calls
+from loong_agentflow import (
+    Latency,
+    Tool,
+    ToolCall,
+    ToolRegistry,
+    ToolResult,
+    function_tool,
+    parse_tool_calls,
+)
 
 _NEEDS_NAME = 'error: tool call needs {"name": str, "arguments": object}'
 _NEEDS_OBJECT = "error: tool call arguments must be a JSON object"
@@ -339,3 +350,58 @@ def test_function_tool_runs_a_bound_method_and_refuses_untyped_parameters():
 
     with pytest.raises(TypeError, match=r"tool 'odd', parameter 'x': cannot describe type"):
         function_tool(odd)
+
+
+# ---- simulated latency ---------------------------------------------------------------------------
+
+
+def test_latency_draws_are_lognormal_with_the_given_median_and_sigma() -> None:
+    rng, latency = random.Random(7), Latency(0.2, 0.5)
+    logs = sorted(math.log(latency.draw(rng)) for _ in range(20001))
+    assert math.exp(logs[10000]) == pytest.approx(0.2, rel=0.02)  # the sample median
+    assert statistics.stdev(logs) == pytest.approx(0.5, rel=0.03)
+    assert Latency(0.2, 0.0).draw(rng) == pytest.approx(0.2)
+
+
+@pytest.mark.parametrize(("median", "sigma"), [(0.0, 0.5), (-1.0, 0.5), (0.1, -0.1)])
+def test_latency_refuses_impossible_settings(median: float, sigma: float) -> None:
+    with pytest.raises(ValueError, match="median_s > 0 and sigma >= 0"):
+        Latency(median, sigma)
+
+
+def test_every_call_waits_one_seeded_draw_while_other_episodes_go_on(monkeypatch) -> None:
+    """The wait is ``asyncio.sleep`` of a lognormal draw, seeded, one per successful call (an
+    unknown tool answers at once); an inline tool then yields the event loop to other episodes."""
+    waits: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def recorded(delay: float, *args):
+        waits.append(delay)
+        await real_sleep(0)
+
+    registry = ToolRegistry([Tool("double", lambda x: 2 * x, inline=True)]).with_latency(
+        Latency(0.3, 0.4), seed=5
+    )
+    calls = [ToolCall("double", {"x": 1}), ToolCall("nope", {}), ToolCall("double", {"x": 4})]
+
+    async def main() -> tuple[list[ToolResult], bool]:
+        other_ran = False
+
+        async def other() -> None:
+            nonlocal other_ran
+            other_ran = True
+
+        task = asyncio.create_task(other())
+        monkeypatch.setattr(asyncio, "sleep", recorded)
+        results = [await registry.call(c) for c in calls[:1]]
+        ran_during_the_first_call = other_ran
+        results += await registry.run(calls[1:])
+        await task
+        return results, ran_during_the_first_call
+
+    results, yielded = asyncio.run(main())
+    reference = random.Random(5)
+    assert waits == [reference.lognormvariate(math.log(0.3), 0.4) for _ in range(2)]
+    assert [(r.content, r.ok) for r in results][::2] == [("2", True), ("8", True)]
+    assert not results[1].ok and yielded
+    assert ToolRegistry([Tool("double", lambda x: 2 * x)]).latency is None  # off unless asked

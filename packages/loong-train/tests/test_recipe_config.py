@@ -106,3 +106,20 @@ def test_an_entropy_bonus_on_megatron_is_refused_naming_both_keys():
 
     with pytest.raises(ConfigError, match=r"entropy_coef = 0.1 is a torch-backend option.*'megatron'"):
         load_recipe("tiny-calc-agent", ["loss.entropy_coef=0.1", "train.backend.type=megatron"])
+
+
+def test_a_negative_tool_latency_is_refused():
+    with pytest.raises(ConfigError, match="tool_latency_ms and tool_latency_sigma must be >= 0"):
+        load_recipe("tiny-calc-agent", ["rollout.tool_latency_ms=-5"])
+    assert load_recipe("tiny-calc-agent", ["rollout.tool_latency_ms=200"]).rollout.tool_latency_ms == 200
+
+
+def test_tool_latency_with_a_black_box_agent_fails_before_any_work_naming_both_keys(tmp_path):
+    """A black-box agent runs its own tools, so Loong's simulated latency could not apply."""
+    from loong_train.controller import run
+
+    recipe = load_recipe("tiny-calc-agent", ["agent.type=blackbox", "rollout.tool_latency_ms=100"])
+    with pytest.raises(ConfigError) as err:
+        run(recipe, tmp_path / "run", tmp_path / "cache")
+    assert "rollout.tool_latency_ms = 100.0" in str(err.value) and "agent.type = 'blackbox'" in str(err.value)
+    assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()

@@ -19,7 +19,15 @@ from loong_agentflow.proxy_render import ChatMLRenderer, ChatRenderer, HFChatRen
 from loong_agentflow.proxy_session import ProxySession
 from loong_agentflow.sglang_client import SGLangClientConfig, SGLangEngine, SGLangError
 from loong_agentflow.tokens import TextCodec, TokenBuffer
-from loong_agentflow.tools import Tool, ToolCall, ToolRegistry, ToolResult, function_tool, parse_tool_calls
+from loong_agentflow.tools import (
+    Latency,
+    Tool,
+    ToolCall,
+    ToolRegistry,
+    ToolResult,
+    function_tool,
+    parse_tool_calls,
+)
 
 __all__ = [
     # white-box agents
@@ -53,6 +61,7 @@ __all__ = [
     "TextCodec",
     "TokenBuffer",
     # tools
+    "Latency",
     "Tool",
     "ToolCall",
     "ToolRegistry",

@@ -4,6 +4,11 @@ Tool calls use the Qwen/Hermes format ``<tool_call>{"name": ..., "arguments": {.
 a completion may hold several (parallel calls). A tool that raises or times out does not end
 the episode: its error text becomes the observation.
 
+A registry may add a simulated :class:`Latency` to every call (``ToolRegistry.with_latency``): the
+call's result comes back after a lognormal wait spent in ``asyncio.sleep``, so the episode waits
+as it would on a sandbox or a web API while the event loop, and the engine's batch, go on with
+other episodes. This is how a benchmark models agents that idle (it costs no CPU).
+
 :func:`function_tool` makes a :class:`Tool` of a typed Python function (a bound method too, so a
 per-episode environment's tools share its state), its JSON schema read from the signature and a
 Google-style docstring, as the OpenAI SDK, ``transformers.get_json_schema`` and TRL read them::
@@ -22,6 +27,8 @@ from __future__ import annotations
 import asyncio
 import inspect
 import json
+import math
+import random
 import re
 import types
 import typing
@@ -29,7 +36,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["Tool", "ToolCall", "ToolRegistry", "ToolResult", "function_tool", "parse_tool_calls"]
+__all__ = ["Latency", "Tool", "ToolCall", "ToolRegistry", "ToolResult", "function_tool", "parse_tool_calls"]
 
 _CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 
@@ -92,12 +99,38 @@ class Tool:
     inline: bool = False
 
 
+@dataclass(frozen=True)
+class Latency:
+    """A tool call's simulated wait: lognormal, ``median_s * exp(sigma * z)`` with z standard normal
+    (so half the calls wait less than ``median_s``; sigma 0.5 puts 5% above 2.3x the median)."""
+
+    median_s: float
+    sigma: float = 0.5
+
+    def __post_init__(self) -> None:
+        if not (self.median_s > 0 and self.sigma >= 0):
+            raise ValueError(
+                f"Latency needs median_s > 0 and sigma >= 0, got {self.median_s} and {self.sigma}"
+            )
+
+    def draw(self, rng: random.Random) -> float:
+        return rng.lognormvariate(math.log(self.median_s), self.sigma)
+
+
 class ToolRegistry:
     """Named tools, each call bounded by ``timeout_s``."""
 
     def __init__(self, tools: list[Tool], timeout_s: float = 10.0) -> None:
         self.tools = {t.name: t for t in tools}
         self.timeout_s = timeout_s
+        self.latency: Latency | None = None
+        self._rng = random.Random(0)
+
+    def with_latency(self, latency: Latency | None, seed: int = 0) -> ToolRegistry:
+        """This registry with every call followed by a wait drawn from ``latency`` (seeded); None: none."""
+        out = ToolRegistry(list(self.tools.values()), self.timeout_s)
+        out.latency, out._rng = latency, random.Random(seed)
+        return out
 
     def schemas(self) -> list[dict[str, Any]] | None:
         """The tools as OpenAI function schemas (what chat templates list), None when there are none."""
@@ -124,6 +157,8 @@ class ToolRegistry:
                 out = tool.fn(**call.arguments)
             else:  # off the event loop, so a slow sync tool cannot stall other episodes
                 out = await asyncio.wait_for(asyncio.to_thread(tool.fn, **call.arguments), self.timeout_s)
+            if self.latency is not None:
+                await asyncio.sleep(self.latency.draw(self._rng))
             return ToolResult(call, str(out), ok=True)
         except TimeoutError:
             return ToolResult(call, f"error: tool {call.name!r} timed out after {self.timeout_s}s", ok=False)
@@ -143,6 +178,8 @@ class ToolRegistry:
 
     def _inline(self, call: ToolCall) -> bool:
         tool = self.tools.get(call.name)
+        if tool is not None and self.latency is not None:
+            return False
         return tool is None or (tool.inline and not asyncio.iscoroutinefunction(tool.fn))
 
 

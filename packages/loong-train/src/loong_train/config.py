@@ -123,7 +123,11 @@ class RolloutConfig(_Section):
 
     ``engine``: the ``[rollout.engine]`` table (:mod:`loong_train.engines.config`).
     ``max_restarts``: how often Ray restarts a rollout worker whose process died (its lost
-    groups are issued again, see :mod:`loong_train.pipeline`); 0 = a dead worker ends the run."""
+    groups are issued again, see :mod:`loong_train.pipeline`); 0 = a dead worker ends the run.
+    ``tool_latency_ms``: a simulated wait after every tool call of a white-box episode, lognormal
+    with this median and ``tool_latency_sigma`` (:class:`loong_agentflow.Latency`), spent idle as
+    a sandbox or web API would keep an agent waiting; 0 (the default): none. A workload knob for
+    benchmarks (``tools/bench_async.py``); episodes then finish in an order that depends on timing."""
 
     workers: int = 1
     engine: EngineConfig = EmbeddedEngineConfig()
@@ -135,10 +139,17 @@ class RolloutConfig(_Section):
     max_turns: int = 3
     max_model_tokens: int = 160
     episode_timeout_s: float = 60.0
+    tool_latency_ms: float = 0.0
+    tool_latency_sigma: float = 0.5
 
     def __post_init__(self) -> None:
         _at_least(self, workers=1, group_size=2, max_new_tokens=1, max_turns=1, max_model_tokens=1)
         _at_least(self, max_restarts=0)
+        if self.tool_latency_ms < 0 or self.tool_latency_sigma < 0:
+            raise ValueError(
+                f"tool_latency_ms and tool_latency_sigma must be >= 0 (0 ms: no latency), got "
+                f"{self.tool_latency_ms} and {self.tool_latency_sigma}"
+            )
         if self.temperature <= 0:
             raise ValueError(f"temperature must be > 0, got {self.temperature}")
         if self.top_p != 1.0:

@@ -23,7 +23,7 @@ import msgspec
 import ray
 from tqdm import tqdm
 
-from loong_agentflow import EpisodeLimits
+from loong_agentflow import EpisodeLimits, Latency
 from loong_core.config import ConfigError
 from loong_core.window import StalenessWindow
 from loong_train.backends.base import BackendOptions
@@ -166,9 +166,16 @@ def _preflight(recipe: Recipe) -> Task:
     task = build_task(recipe.task, recipe.task_tables)
     require_installed(recipe.train.backend)
     require_loggers(recipe.log)
-    if isinstance(recipe.agent, BlackboxAgentConfig):
-        r = recipe.rollout
+    r, blackbox = recipe.rollout, isinstance(recipe.agent, BlackboxAgentConfig)
+    if blackbox:
         agent_program(recipe.agent, task, EpisodeLimits(r.max_turns, r.max_model_tokens, r.episode_timeout_s))
+    if r.tool_latency_ms and (blackbox or callable(getattr(task, "agent", None))):
+        owner = "agent.type = 'blackbox'" if blackbox else f"task {recipe.task!r} (an environment)"
+        raise ConfigError(
+            f"rollout.tool_latency_ms = {r.tool_latency_ms} delays the tools Loong runs for white-box "
+            f"episodes (the task's tools()), but {owner} runs its own: set the latency there, or "
+            "leave rollout.tool_latency_ms at 0"
+        )
     return task
 
 
@@ -218,6 +225,9 @@ def _start(
             task=registered(recipe.task) or recipe.task,  # a task made in code: its factory
             tables=recipe.task_tables,
             trust_remote_code=recipe.model.trust_remote_code,
+            tool_latency=Latency(r.tool_latency_ms / 1000, r.tool_latency_sigma)
+            if r.tool_latency_ms
+            else None,
         )
         for i in range(r.workers)
     ]

@@ -22,6 +22,7 @@ from loong_agentflow import (
     ChatML,
     EpisodeLimits,
     EpisodeSpec,
+    Latency,
     ToolAgent,
     chat_format,
     run_episodes,
@@ -70,6 +71,7 @@ class RolloutWorker:
         task: str | Callable[[], Task] = "calc",
         tables: TaskTables | None = None,
         trust_remote_code: bool = False,
+        tool_latency: Latency | None = None,
     ) -> None:
         torch.set_num_threads(threads)
         self.worker_id, self._model_path = worker_id, model_path
@@ -98,7 +100,8 @@ class RolloutWorker:
         if callable(own):
             self.agent = own(chat=chat) if "chat" in inspect.signature(own).parameters else own()
         else:
-            self.agent = ToolAgent(self.task.tools(), self.task.reward, chat)
+            tools = self.task.tools().with_latency(tool_latency, seed) if tool_latency else self.task.tools()
+            self.agent = ToolAgent(tools, self.task.reward, chat)
         self.blackbox = (
             BlackBoxHost(self.engine, tokenizer, agent, self.sampling, self.limits, self.task)
             if isinstance(agent, BlackboxAgentConfig)

@@ -1,0 +1,43 @@
+"""``tools/bench_async.py``'s bookkeeping: workload specs, and the speedup taken against the faster
+synchronous configuration of each workload (a hand-made set of run rows; no training here)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).parents[3] / "tools" / "bench_async.py"
+_spec = importlib.util.spec_from_file_location("loong_tools_bench_async", _PATH)
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+
+def test_a_workload_spec_names_its_overrides():
+    assert bench.parse_workload("compute") == ("compute", {})
+    assert bench.parse_workload("tools=rollout.tool_latency_ms=200,rollout.tool_latency_sigma=1") == (
+        "tools",
+        {"rollout.tool_latency_ms": "200", "rollout.tool_latency_sigma": "1"},
+    )
+    with pytest.raises(SystemExit, match="expected NAME=KEY=VALUE"):
+        bench.parse_workload("tools=rollout.tool_latency_ms")
+
+
+def _row(workload, config, seed, sps, ev):
+    return {"workload": workload, "config": config, "seed": seed, "samples_per_s": sps, "final_eval": ev}
+
+
+def test_the_speedup_is_over_the_best_synchronous_configuration_of_each_workload():
+    rows = [
+        _row("compute", "sync-t1", 0, 24.0, 0.8), _row("compute", "sync-t1", 1, 26.0, 0.9),
+        _row("compute", "sync-t2", 0, 44.0, 0.8), _row("compute", "sync-t2", 1, 42.0, 0.7),
+        _row("compute", "async-t1", 0, 45.0, 0.9), _row("compute", "async-t1", 1, 43.0, 0.8),
+        _row("tools", "sync-t1", 0, 12.0, 0.8), _row("tools", "sync-t2", 0, 10.0, 0.8),
+        _row("tools", "async-t1", 0, 30.0, 0.85),
+    ]  # fmt: skip
+    out = bench.summarize(rows)
+    assert out["compute"]["best_sync"] == "sync-t2" and out["tools"]["best_sync"] == "sync-t1"
+    assert out["compute"]["speedup"] == pytest.approx(44.0 / 43.0)
+    assert out["tools"]["speedup"] == pytest.approx(2.5)
+    assert out["compute"]["configs"]["sync-t1"] == {"samples_per_s": 25.0, "final_eval": pytest.approx(0.85)}
