@@ -80,14 +80,13 @@ def _same(got: tuple[float, list], want: dict) -> None:
 @pytest.mark.parametrize("agg", list(FIXTURE["ppo"]))
 @pytest.mark.parametrize("case", ["clip_high", "dual_clip"])
 def test_ppo_with_clip_higher_and_dual_clip_equals_verls_in_every_aggregation(agg, case):
-    cfg = LossConfig(
-        clip_eps=CLIP["low"],
-        clip_eps_high=CLIP["high"],
-        dual_clip=CLIP["dual"] if case == "dual_clip" else math.inf,
-        agg_mode=agg,
-        norm_length=CLIP["norm_length"] if agg == "seq-mean-token-sum-norm" else 0,
-    )
-    _same(_loong(cfg), FIXTURE["ppo"][agg][case])
+    dual = CLIP["dual"] if case == "dual_clip" else math.inf
+    _same(_loong(_ppo(CLIP["low"], CLIP["high"], dual, agg, CLIP["norm_length"])), FIXTURE["ppo"][agg][case])
+
+
+def _ppo(low: float, high: float, dual: float, agg: str, norm_length: int) -> LossConfig:
+    norm_length = norm_length if agg == "seq-mean-token-sum-norm" else 0
+    return LossConfig(clip_eps=low, clip_eps_high=high, dual_clip=dual, agg_mode=agg, norm_length=norm_length)
 
 
 @pytest.mark.parametrize("policy", ["gspo", "gspo-token"])
@@ -152,14 +151,8 @@ def test_ppo_equals_trls_for_each_loss_type(loss_type, case):
     advantages that is the dual clip with c = delta, and for positive ones the upper clip already
     binds below delta, so the two objectives and their gradients are the same."""
     clip = TRL["ppo_clip"]
-    agg = TRL_AGGREGATIONS[loss_type]
-    cfg = LossConfig(
-        clip_eps=clip["low"],
-        clip_eps_high=clip["high"],
-        dual_clip=clip["delta"] if case == "delta" else math.inf,
-        agg_mode=agg,
-        norm_length=clip["max_completion_length"] if agg == "seq-mean-token-sum-norm" else 0,
-    )
+    dual = clip["delta"] if case == "delta" else math.inf
+    cfg = _ppo(clip["low"], clip["high"], dual, TRL_AGGREGATIONS[loss_type], clip["max_completion_length"])
     _same(_loong(cfg), TRL["ppo"][loss_type][case])
 
 
