@@ -14,6 +14,12 @@ Model. Time is in units of the mean solo generation time of one GRPO group.
   lognormal (sigma), Pareto (alpha), exponential or constant distribution, optionally truncated
   at ``cap`` (max new tokens, episode timeout). The k-th group of a run gets the k-th draw, so
   all windows see the same workload (common random numbers).
+- Tool calls (``turns`` > 1): a group's work is ``turns`` equal segments, and between two of
+  them it waits on tools for ``tool_latency`` times exp(``tool_sigma`` z), the slowest of
+  ``episodes`` lognormal draws (each episode of the group calls its tool; the group goes on when
+  the last answer is back). While it waits the group holds no engine slot (Loong's engines
+  batch only episodes that are generating); it then returns to the same engine, ahead of new
+  groups, or queues there for a slot.
 - Controller, after every event (simultaneous events first): if B groups are buffered,
   ``Scheduler.take()`` (a batch unless a step is training); then, for each engine with a free
   slot (least loaded first), ``Scheduler.admit(1, new id)`` (a group while the run still needs
@@ -83,6 +89,7 @@ Usage::
     python tools/simulate.py [--engines 8,64,256,1024] [--windows 0,1,2] [--steps 200] [--seed 0]
         [--max-groups 20480] [--dist lognormal] [--sigma 1] [--cap 0] [--step-ratio 1]
         [--sync-time 0.05] [--slots 1] [--slot-cost 0.15] [--batch-per-engine 1]
+        [--turns 1] [--tool-latency 0] [--tool-sigma 0.5] [--episodes 8]
         [--json FILE] [--plot FILE.png]
 
 ``--json`` writes a list with one object per row: engines, window, batch, steps, sim_time,
@@ -95,6 +102,7 @@ from __future__ import annotations
 import argparse
 import heapq
 import json
+import math
 import sys
 import time
 from collections import Counter
@@ -109,7 +117,7 @@ from loong_train.scheduler import Scheduler, replay
 
 __all__ = ["SimConfig", "SimResult", "simulate", "sweep"]
 
-_GEN, _TRAIN, _SYNC = 0, 1, 2  # event kinds; at equal times generations are handled first
+_GEN, _TRAIN, _SYNC, _TOOL = 0, 1, 2, 3  # event kinds; at equal times generations are handled first
 
 
 @dataclass(frozen=True)
@@ -126,6 +134,10 @@ class SimConfig:
     sigma: float = 1.0  # lognormal shape
     alpha: float = 2.0  # pareto shape (> 1)
     cap: float = 0.0  # truncate generation times at cap (max tokens, episode timeout); 0: none
+    turns: int = 1  # generation segments per group; a tool wait between two of them
+    tool_latency: float = 0.0  # median tool wait, in mean generation times of a group
+    tool_sigma: float = 0.5  # lognormal shape of one episode's tool wait
+    episodes: int = 8  # episodes per group: a group's wait is the slowest of this many draws
     step_ratio: float = 1.0  # step_time = step_ratio * batch_per_engine (one batch)
     sync_time: float = 0.05  # weight publish + apply after each step; the trainer waits for it
     seed: int = 0
@@ -198,6 +210,7 @@ class _Engine:
         self.busy_since = 0.0
         self.busy = 0.0
         self.intervals: list[tuple[float, float]] = []
+        self.returning: list[str] = []  # groups back from a tool wait, queued for a slot
 
     def progress(self, now: float, slot_cost: float) -> None:
         n = len(self.active)
@@ -219,6 +232,9 @@ class _Sim:
         self.scheduler = Scheduler(StalenessWindow(cfg.window, cfg.batch), steps=cfg.steps)
         self.window = self.scheduler.window
         self.draw = _sampler(cfg, Random(cfg.seed))  # same stream for every window: common numbers
+        self.tool_rng = Random(cfg.seed + 1)
+        self.segments: dict[str, list[float]] = {}  # group -> work of the segments still to run
+        self.waiting: dict[int, tuple[str, int]] = {}  # tool event seq -> (group, engine)
         self.engines = [_Engine(i) for i in range(cfg.engines)]
         self.free = [(0, i) for i in range(cfg.engines)]  # (groups running, engine): least loaded
         self.events: list[tuple[float, int, int, int, int]] = []
@@ -249,6 +265,10 @@ class _Sim:
     def handle(self, kind: int, engine: int, epoch: int) -> None:
         if kind == _GEN:
             self.on_generation(self.engines[engine], epoch)
+        elif kind == _TOOL:
+            group, index = self.waiting.pop(epoch)
+            self.engines[index].returning.append(group)
+            self.serve_returning(self.engines[index])
         elif kind == _TRAIN:
             self.push(self.now + self.cfg.sync_time, _SYNC)
         else:
@@ -262,11 +282,17 @@ class _Sim:
         engine.progress(self.now, self.cfg.slot_cost)
         for group in [g for g, end in engine.active.items() if end <= engine.work + 1e-9]:
             del engine.active[group]
-            self.scheduler.finish(group, self.window.in_flight[group])  # no partial rollout
+            if self.segments[group]:  # a tool call: the group leaves the engine while it waits
+                self.waiting[self.seq] = (group, engine.index)
+                self.push(self.now + self.tool_wait(), _TOOL, engine.index, self.seq)
+            else:
+                del self.segments[group]
+                self.scheduler.finish(group, self.window.in_flight[group])  # no partial rollout
         if not engine.active:
             engine.busy += self.now - engine.busy_since
             if self.cfg.record:
                 engine.intervals.append((engine.busy_since, self.now))
+        self.serve_returning(engine, reschedule=False)  # ahead of new groups
         self.reschedule(engine)
 
     def schedule(self) -> None:
@@ -299,11 +325,33 @@ class _Sim:
             self.start_generation(engine, groups[0])
 
     def start_generation(self, engine: _Engine, group: str) -> None:
+        work, turns = self.draw(), self.cfg.turns
+        self.segments[group] = [work / turns] * turns
+        self.run_segment(engine, group)
+        self.reschedule(engine)
+
+    def run_segment(self, engine: _Engine, group: str) -> None:
+        """Put ``group``'s next segment on ``engine`` (whose clock is at ``now``)."""
         engine.progress(self.now, self.cfg.slot_cost)
         if not engine.active:
             engine.busy_since = self.now
-        engine.active[group] = engine.work + self.draw()
-        self.reschedule(engine)
+        engine.active[group] = engine.work + self.segments[group].pop()
+
+    def serve_returning(self, engine: _Engine, reschedule: bool = True) -> None:
+        """Groups back from their tools take the engine's free slots, first come first served."""
+        served = False
+        while engine.returning and len(engine.active) < self.cfg.slots:
+            self.run_segment(engine, engine.returning.pop(0))
+            served = True
+        if served and reschedule:
+            self.reschedule(engine)
+
+    def tool_wait(self) -> float:
+        """The slowest of ``episodes`` lognormal tool waits with median ``tool_latency``."""
+        cfg, rng = self.cfg, self.tool_rng
+        if cfg.tool_latency <= 0:
+            return 0.0
+        return max(cfg.tool_latency * math.exp(cfg.tool_sigma * rng.gauss(0, 1)) for _ in range(cfg.episodes))
 
     def reschedule(self, engine: _Engine) -> None:
         engine.epoch += 1
@@ -444,6 +492,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--sigma", type=float, default=d.sigma)
     p.add_argument("--alpha", type=float, default=d.alpha)
     p.add_argument("--cap", type=float, default=d.cap)
+    p.add_argument("--turns", type=int, default=d.turns)
+    p.add_argument("--tool-latency", type=float, default=d.tool_latency)
+    p.add_argument("--tool-sigma", type=float, default=d.tool_sigma)
+    p.add_argument("--episodes", type=int, default=d.episodes)
     p.add_argument("--step-ratio", type=float, default=d.step_ratio)
     p.add_argument("--sync-time", type=float, default=d.sync_time)
     p.add_argument("--json", help="write a list of per-run result objects to this file")
@@ -452,7 +504,8 @@ def main(argv: list[str] | None = None) -> None:
     base = SimConfig(
         steps=a.steps, seed=a.seed, batch_per_engine=a.batch_per_engine, slots=a.slots,
         slot_cost=a.slot_cost, dist=a.dist, sigma=a.sigma, alpha=a.alpha, cap=a.cap,
-        step_ratio=a.step_ratio, sync_time=a.sync_time,
+        step_ratio=a.step_ratio, sync_time=a.sync_time, turns=a.turns, tool_latency=a.tool_latency,
+        tool_sigma=a.tool_sigma, episodes=a.episodes,
     )  # fmt: skip
     started = time.perf_counter()
     results = sweep(base, a.engines, a.windows, a.max_groups)

@@ -122,3 +122,36 @@ def test_cli_json(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     keys = {"speedup", "trainer_busy", "engine_busy", "throughput", "staleness_max", "staleness_mean"}
     assert keys | {"staleness_hist"} <= rows[0].keys()
     assert "speedup" in capsys.readouterr().out
+
+
+def test_hand_checked_tool_waits_hold_no_engine_slot() -> None:
+    """2 engines, B = 2, generation 1 in two halves with a tool wait of exactly 1 between them
+    (sigma 0), train step 1, no sync. Window 0: generate [0, 0.5], wait [0.5, 1.5], generate
+    [1.5, 2], train [2, 3]; a step takes 3 and an engine runs a group 1 of those 3."""
+    r = _hand(0, 0.0, turns=2, tool_latency=1.0, tool_sigma=0.0)
+    assert r.sim_time == 20 * 3
+    assert r.throughput == pytest.approx(2 / 3)
+    assert r.engine_busy == pytest.approx(1 / 3)
+    assert r.staleness_hist == {"0": 40}
+
+
+def test_a_group_waits_for_its_slowest_episode() -> None:
+    """The wait is the largest of ``episodes`` lognormal draws: more episodes, longer steps."""
+    times = {
+        n: sim.simulate(sim.SimConfig(engines=2, window=0, steps=20, dist="constant", turns=2,
+                                      tool_latency=1.0, tool_sigma=0.5, episodes=n)).sim_time
+        for n in (1, 8)
+    }  # fmt: skip
+    assert times[8] > times[1] > 20 * (2 + 0.05)  # a draw of one episode is sometimes below 1
+
+
+def test_tool_waits_widen_what_asynchrony_gains() -> None:
+    """Synchronous steps wait on tools while the trainer idles; a window of 2 trains meanwhile."""
+
+    def speedup(latency: float) -> float:
+        cfg = sim.SimConfig(engines=8, steps=40, dist="lognormal", sigma=0.5, cap=3.0, turns=3,
+                            tool_latency=latency)  # fmt: skip
+        runs = {r.window: r for r in sim.sweep(cfg, engines=[8], windows=[0, 2])}
+        return runs[2].speedup
+
+    assert speedup(1.0) > speedup(0.0) + 0.2
