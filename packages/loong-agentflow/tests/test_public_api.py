@@ -18,6 +18,7 @@ def test_exports_are_pinned():
         "EpisodeSpec",
         "GymTextEnv",
         "HFChatRenderer",
+        "Latency",
         "ProxyConfig",
         "ProxyServer",
         "ProxySession",
