@@ -58,9 +58,10 @@ class LossConfig(_Section):
       run stops with an error once ``rounds * batch_groups`` groups in a row were dropped
       without a train step (every prompt solved, or failed, by all its samples; DAPO's
       ``max_num_gen_batches``, whose recipe's 10 batches of 3x over-sampled prompts make the
-      default 30). Dropping costs generation: on ``tiny-reasoning``, once the matrix tasks are
-      solved and the word task never is, 26 rounds (seed 0) and over 48 (seed 1) passed
-      between late steps, and seed 1 stopped at step 184 with ``max_rounds = 50``.
+      default 30). Dropping costs generation: on ``tiny-reasoning`` with a third task the model
+      never solves (word reversal), once the matrix tasks were solved 26 rounds (seed 0) and
+      over 48 (seed 1) passed between late steps, and seed 1 stopped at step 184 with
+      ``max_rounds = 50``.
     """
 
     policy: Literal["ppo", "gspo", "gspo-token", "cispo"] = "ppo"
