@@ -5,8 +5,8 @@ group of runs (an algorithm over seeds: its mean, with the seeds' range shaded).
     uv run python tools/plot_seeds.py grpo=runs/grpo-s0,runs/grpo-s1 dapo=runs/dapo-s0,runs/dapo-s1 \\
         --out docs/algorithms.png
 
-Each run directory's ``metrics.jsonl`` gives ``eval_reward_mean`` by step (its first evaluation
-is the model before RL) and ``summary.json`` its wall time. A group's curve ends where its
+Each run directory's ``metrics.jsonl`` gives ``eval_reward_mean`` by the policy version it
+evaluated (``eval_policy_version``; the first is the model before RL) and ``summary.json`` its wall time. A group's curve ends where its
 shortest run's does (a run that stopped early). Prints a Markdown table: per run,
 start, best, final and gain; per group, the means over its runs, each run's final success, and
 the mean wall time.
@@ -21,8 +21,14 @@ from pathlib import Path
 
 
 def curve(run: Path) -> list[tuple[int, float]]:
+    """(policy version evaluated, held-out success) pairs. An evaluation's result lands at whichever
+    train step is running when it finishes, so the version it evaluated is the x value."""
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    return [(r["step"], r["eval_reward_mean"]) for r in rows if "eval_reward_mean" in r]
+    return [
+        (r.get("eval_policy_version", r["step"]), r["eval_reward_mean"])
+        for r in rows
+        if "eval_reward_mean" in r
+    ]
 
 
 def wall_s(run: Path) -> float:
