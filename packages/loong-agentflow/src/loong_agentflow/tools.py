@@ -4,7 +4,8 @@ Tool calls use the Qwen/Hermes format ``<tool_call>{"name": ..., "arguments": {.
 a completion may hold several (parallel calls). A tool that raises or times out does not end
 the episode: its error text becomes the observation.
 
-A registry may add a simulated :class:`Latency` to every call (``ToolRegistry.with_latency``): the
+A registry may add a simulated :class:`Latency` to every call that returns a result
+(``ToolRegistry.with_latency``; an unknown, failing or timed-out call answers at once): the
 call's result comes back after a lognormal wait spent in ``asyncio.sleep``, so the episode waits
 as it would on a sandbox or a web API while the event loop, and the engine's batch, go on with
 other episodes. This is how a benchmark models agents that idle (it costs no CPU).
@@ -127,7 +128,8 @@ class ToolRegistry:
         self._rng = random.Random(0)
 
     def with_latency(self, latency: Latency | None, seed: int = 0) -> ToolRegistry:
-        """This registry with every call followed by a wait drawn from ``latency`` (seeded); None: none."""
+        """This registry with every call that returns a result followed by a wait drawn from
+        ``latency`` (seeded); None: no wait."""
         out = ToolRegistry(list(self.tools.values()), self.timeout_s)
         out.latency, out._rng = latency, random.Random(seed)
         return out
