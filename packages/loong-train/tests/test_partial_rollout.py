@@ -17,12 +17,14 @@ from collections import Counter
 import pytest
 import torch
 
+from loong_core.config import ConfigError
 from loong_core.protocols import SamplingParams
 from loong_core.records import Trajectory, WeightManifest
 from loong_core.telemetry import read_metrics
 from loong_core.window import StalenessWindow
 from loong_train import controller
 from loong_train.config import load_recipe
+from loong_train.engines.config import EmbeddedEngineConfig
 from loong_train.engines.embedded.host import crossed_update
 from loong_train.models.decoder import CausalLM
 from loong_train.pipeline import GroupSource
@@ -36,16 +38,19 @@ TOKENS = 96  # per episode; no stop token, so every episode is long
 
 @pytest.fixture
 def setup(tiny_dir, request):
-    """A worker at version 0 and version 1 (perturbed weights) pushed into its transport (shm,
-    receiving in mode ``request.param``, default copy)."""
+    """A worker at version 0 and version 1 (perturbed weights) pushed into its transport (shm).
+    ``request.param``: ``"copy"`` (the default) or ``"zero_copy"``, the receiving mode, with
+    ``partial = "continue"``; or ``"off"``: copy mode, ``partial = "off"``."""
     name = f"partial-{request.node.name}".replace("[", "-").replace("]", "")
-    mode = getattr(request, "param", "copy")
+    param = getattr(request, "param", "copy")
+    mode, partial = ("copy", "off") if param == "off" else (param, "continue")
     worker = RolloutWorker(
         str(tiny_dir),
         seed=0,
         sampling={"temperature": 1.0, "max_new_tokens": TOKENS},
         limits={"max_turns": 1, "max_model_tokens": TOKENS},
         transport=TransportConfig(name=name, mode=mode),
+        engine=EmbeddedEngineConfig(partial=partial),
     )
     worker.sampling = SamplingParams(temperature=1.0, max_new_tokens=TOKENS, stop_token_ids=[])
     old = CausalLM.from_pretrained(str(tiny_dir)).eval()
@@ -137,12 +142,77 @@ def test_an_update_waits_for_a_running_evaluation(setup):
     _check_logprobs(trajs, models)
 
 
+def _specs(groups: int, seed: int = 7) -> list:
+    source = GroupSource(calc.train_tasks(seed, []), group_size=4, seed=seed)
+    return [s for _ in range(groups) for s in source.specs(source.next_group())]
+
+
+def _in_threads(*calls) -> list:
+    """Run each ``(fn, *args)`` on its own thread (as Ray's ``rollout`` group does); their results."""
+    out: list = [None] * len(calls)
+
+    def run(i, fn, *args):
+        out[i] = fn(*args)
+
+    threads = [threading.Thread(target=run, args=(i, *c)) for i, c in enumerate(calls)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+@torch.no_grad()
+def test_concurrent_calls_share_the_running_batch_and_sample_what_each_would_alone(setup):
+    worker, _, _ = setup
+    a, b = _specs(1, seed=3), _specs(1, seed=4)
+    alone = [worker.rollout(a)["trajectories"], worker.rollout(b)["trajectories"]]
+    worker.engine.stats.steps = worker.engine.stats.tokens = 0
+    together = [r["trajectories"] for r in _in_threads((worker.rollout, a), (worker.rollout, b))]
+    assert worker.engine.stats.mean_occupancy > len(a)  # rows of both calls in one decode step
+    for solo, shared in zip(alone, together, strict=True):
+        assert [t.sample_id for t in solo] == [t.sample_id for t in shared]
+        for x, y in zip(solo, shared, strict=True):  # per-episode seeds: the same tokens
+            assert x.token_ids == y.token_ids
+            assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs, strict=True)) < 1e-4
+
+
+@pytest.mark.parametrize("setup", ["off"], indirect=True)
+@torch.no_grad()
+def test_with_partial_off_an_update_waits_for_the_running_calls_and_holds_new_ones(setup):
+    """``partial = "off"`` with concurrent calls: an update that arrives mid-generation waits for
+    both running calls (none of their tokens is from version 1), and a call that arrives while
+    the update waits starts only after it (all its tokens are from version 1)."""
+    worker, models, manifest = setup
+    assert worker.between_calls
+    first, second, later = _specs(1, seed=3), _specs(1, seed=4), _specs(1, seed=5)
+    out: dict = {}
+
+    def update_then_call():
+        while worker.engine.stats.tokens < 10 * (len(first) + len(second)):
+            time.sleep(0.001)
+        apply = threading.Thread(target=lambda: out.update(applied=worker.apply_weights(manifest)))
+        apply.start()
+        while not worker.host._swapping:  # the update is pending: the next call must wait for it
+            time.sleep(0.001)
+        out["later"] = worker.rollout(later)
+        apply.join()
+
+    results = _in_threads((worker.rollout, first), (worker.rollout, second), (update_then_call,))
+    assert out["applied"]["version"] == 1 and worker.weight_version() == 1
+    running = [t for r in results[:2] for t in r["trajectories"]]
+    assert all(t.num_model_tokens == TOKENS for t in running)  # still generating when it came
+    assert {v for t in running for v in t.token_versions[t.prompt_len :]} == {0}
+    assert {v for t in out["later"]["trajectories"] for v in t.token_versions[t.prompt_len :]} == {1}
+    _check_logprobs([*running, *out["later"]["trajectories"]], models)
+
+
 @pytest.mark.slow  # ~6 s of training; Ray's start dominates (26 to 84 s in all on the shared 2 cores)
 @pytest.mark.integration
-def test_pipeline_with_partial_continue_keeps_the_window_bound(tmp_path, monkeypatch):
-    """Ray run, 2 workers, max_staleness 1, long generations (random init: few stop tokens), so
-    updates land mid-call: mixed-version samples get trained, staleness stays <= 1, nothing is
-    evicted or trained twice."""
+def test_pipeline_with_partial_continue_and_concurrent_calls_keeps_the_window_bound(tmp_path, monkeypatch):
+    """Ray run, 2 workers running 2 calls each at once, max_staleness 1, long generations
+    (random init: few stop tokens), so updates land mid-call: mixed-version samples get trained,
+    staleness stays <= 1, nothing is evicted or trained twice."""
     pipes: list = []
     start = controller._start
     monkeypatch.setattr(controller, "_start", lambda *a: pipes.append(start(*a)) or pipes[-1])
@@ -156,6 +226,7 @@ def test_pipeline_with_partial_continue_keeps_the_window_bound(tmp_path, monkeyp
         "rollout.max_new_tokens=48",
         "rollout.max_model_tokens=96",
         "rollout.engine.partial=continue",
+        "rollout.engine.concurrent_calls=2",
         "eval.every=5",
         "eval.num_tasks=4",
     ]
@@ -171,7 +242,7 @@ def test_pipeline_with_partial_continue_keeps_the_window_bound(tmp_path, monkeyp
     assert len(samples) == 5 * 2 * 2 and max(samples.values()) == 1  # no sample trained twice
 
 
-def test_partial_rollouts_need_the_embedded_engine_and_a_whitebox_agent():
+def test_partial_rollouts_and_concurrent_calls_need_the_embedded_engine_and_a_whitebox_agent():
     assert (
         load_recipe("tiny-calc-agent", ["rollout.engine.partial=restart"]).rollout.engine.partial == "restart"
     )
@@ -179,6 +250,12 @@ def test_partial_rollouts_need_the_embedded_engine_and_a_whitebox_agent():
         ValueError, match=r"rollout\.engine\.partial = 'continue' needs agent\.type = 'whitebox'"
     ):
         load_recipe("tiny-calc-agent", ["rollout.engine.partial=continue", "agent.type=blackbox"])
+    with pytest.raises(
+        ValueError, match=r"rollout\.engine\.concurrent_calls = 2 needs agent\.type = 'whitebox'"
+    ):
+        load_recipe("tiny-calc-agent", ["rollout.engine.concurrent_calls=2", "agent.type=blackbox"])
+    with pytest.raises(ConfigError, match=r"concurrent_calls must be >= 1, got 0"):
+        load_recipe("tiny-calc-agent", ["rollout.engine.concurrent_calls=0"])
 
 
 @pytest.mark.parametrize("k", [1, 2])

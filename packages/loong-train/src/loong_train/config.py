@@ -248,11 +248,17 @@ class Recipe(_Section):
                 f"without delta (across hosts), got type {self.transport.type!r}, delta = {self.transport.delta}"
             )
         engine, agent = self.rollout.engine, self.agent
-        if isinstance(engine, EmbeddedEngineConfig) and engine.partial != "off" and agent.type != "whitebox":
-            raise ValueError(
-                f"rollout.engine.partial = {engine.partial!r} needs agent.type = 'whitebox' "
-                f"(updates land between a white-box agent's decode steps), got {agent.type!r}"
-            )
+        if isinstance(engine, EmbeddedEngineConfig) and agent.type != "whitebox":
+            if engine.partial != "off":
+                raise ValueError(
+                    f"rollout.engine.partial = {engine.partial!r} needs agent.type = 'whitebox' "
+                    f"(updates land between a white-box agent's decode steps), got {agent.type!r}"
+                )
+            if engine.concurrent_calls > 1:
+                raise ValueError(
+                    f"rollout.engine.concurrent_calls = {engine.concurrent_calls} needs agent.type = "
+                    f"'whitebox' (concurrent calls share the engine of white-box episodes), got {agent.type!r}"
+                )
         r = self.rollout
         budget = min(r.max_model_tokens, r.max_turns * r.max_new_tokens)
         if self.reward.overlong_buffer >= budget:

@@ -206,8 +206,11 @@ def _start(
     }
     gpus = r.engine.gpus  # an sglang worker's server runs on its GPUs
     engine_path, version = (str(ckpt.path), ckpt.version) if ckpt else (model_path, 0)
-    worker_actor = ray.remote(  # "weights": partial rollouts apply updates beside a running rollout
-        num_cpus=recipe.threads, num_gpus=gpus, max_restarts=r.max_restarts, concurrency_groups={"weights": 1}
+    # "weights": updates apply beside running rollouts (partial rollouts, concurrent calls);
+    # "rollout": the calls a worker runs at once
+    groups = {"weights": 1, "rollout": getattr(r.engine, "concurrent_calls", 1)}
+    worker_actor = ray.remote(
+        num_cpus=recipe.threads, num_gpus=gpus, max_restarts=r.max_restarts, concurrency_groups=groups
     )(RolloutWorker)
     workers = [
         worker_actor.remote(

@@ -103,6 +103,9 @@ class Pipeline:
     :mod:`loong_train.engines.embedded.host`) updates run on the workers' ``weights`` thread instead, so they
     land mid-call and never wait for rollouts; a rollout call then carries ``queued_version``
     and its worker waits until it holds that version before starting, so the bound holds alike.
+    With concurrent calls (``rollout.engine.concurrent_calls`` > 1) rollouts run on the workers'
+    ``rollout`` threads and updates on their ``weights`` thread, calls carry ``queued_version``
+    the same way, and with ``partial = "off"`` the worker's host lets running calls end first.
     """
 
     recipe: Recipe
@@ -148,11 +151,17 @@ class Pipeline:
         """A worker to queue side work (evaluations) on: the first one not down."""
         return self.workers[min(set(range(len(self.workers))) - self.down, default=0)]
 
+    @property
+    def concurrent_calls(self) -> int:
+        """Rollout calls a worker runs at once (``[rollout.engine] concurrent_calls``)."""
+        return getattr(self.recipe.rollout.engine, "concurrent_calls", 1)
+
     def admit(self) -> None:
-        """Keep every worker's queue two calls deep (one running, one waiting), round-robin."""
+        """Keep every worker's queue one call deeper than it runs at once (with one call at a
+        time: one running, one waiting), round-robin."""
         per_call = -(-self.recipe.train.batch_groups // len(self.workers))
         down = self.down
-        for depth in (1, 2):
+        for depth in range(1, self.concurrent_calls + 2):
             for w, worker in enumerate(self.workers):
                 if w in down or sum(1 for ww, _ in self.rollouts.values() if ww == w) >= depth:
                     continue
@@ -303,14 +312,17 @@ class Pipeline:
         """Queue a rollout call that runs at ``queued_version`` or newer (with partial rollouts the
         worker waits for that version itself; without, Ray's call order ensures it). An
         evaluation runs entirely at one version (updates wait for it)."""
+        if self.concurrent_calls > 1:  # beside the updates: the worker waits for the version
+            call = worker.rollout.options(concurrency_group="rollout")
+            return call.remote(specs, self.queued_version, evaluation)
         partial = self.recipe.rollout.engine.partial != "off"
         return worker.rollout.remote(specs, self.queued_version if partial else 0, evaluation)
 
     def _apply(self, w: int, manifest: WeightManifest) -> Any:
         """Queue ``manifest`` on worker ``w``: behind its rollout calls, or with partial rollouts
-        on its ``weights`` thread (``restart``: with the restart floor)."""
+        or concurrent calls on its ``weights`` thread (``restart``: with the restart floor)."""
         worker, partial = self.workers[w], self.recipe.rollout.engine.partial
-        if partial == "off":
+        if partial == "off" and self.concurrent_calls == 1:
             return worker.apply_weights.remote(manifest)
         floor = self.scheduler.restart_floor() if partial == "restart" else -1
         return worker.apply_weights.options(concurrency_group="weights").remote(manifest, floor)

@@ -37,9 +37,19 @@ class EmbeddedEngineConfig(_Engine, tag="embedded"):
     sees two versions), ``"continue"`` pauses the engine between decode steps, swaps and goes on
     (tokens keep per-token versions), ``"restart"`` also reruns, from the prompt, episodes older
     than the window can still train (white-box agents only).
+
+    ``concurrent_calls``: rollout calls a worker runs at once (white-box agents only). Their
+    episodes share the engine's running batch, so while one call's episodes wait on tools the
+    others keep the engine busy; the pipeline keeps one more call queued per worker. 1 (the
+    default): one call at a time.
     """
 
     partial: Literal["off", "continue", "restart"] = "off"
+    concurrent_calls: int = 1
+
+    def __post_init__(self) -> None:
+        if self.concurrent_calls < 1:
+            raise ValueError(f"concurrent_calls must be >= 1, got {self.concurrent_calls}")
 
     @property
     def gpus(self) -> float:

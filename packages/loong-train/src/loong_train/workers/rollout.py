@@ -110,6 +110,7 @@ class RolloutWorker:
         self.host = (  # white-box episodes: updates may land mid-call (partial rollouts)
             build_host(self.engine) if self.blackbox is None else None
         )
+        self.between_calls = getattr(engine, "partial", "off") == "off"
         if version:  # resumed: ``model_path`` is a checkpoint of this version
             self.engine.set_version(version)
         transport = transport or TransportConfig()
@@ -164,15 +165,17 @@ class RolloutWorker:
     def apply_weights(self, manifest: WeightManifest, restart_below: int = -1) -> dict[str, float]:
         """Receive an update through TransferMesh. Called like a rollout, Ray runs it between
         rollout calls: no generation sees mixed weights. Called in the ``weights`` concurrency
-        group (partial rollouts) it lands mid-call: :meth:`~loong_train.engines.embedded.host.EngineHost.swap` pauses the engine for
-        the copy, and episodes that started below ``restart_below`` run again. A worker that
-        already holds this version or a newer one (a restarted worker that caught up) skips it."""
+        group, it lands mid-call (partial rollouts), or, with ``partial = "off"`` and concurrent
+        calls, once the running calls ended (the host holds new ones back):
+        :meth:`~loong_train.engines.embedded.host.EngineHost.swap` pauses the engine for the
+        copy, and episodes that started below ``restart_below`` run again. A worker that already
+        holds this version or a newer one (a restarted worker that caught up) skips it."""
         start, restarted = time.time(), 0
         if manifest.version > self.engine.weight_version:
             params = dict(self.engine.model.named_parameters())
             copy = functools.partial(self.receiver.apply, params, version=manifest.version)
             if self.host is not None:
-                restarted = self.host.swap(copy, manifest.version, restart_below)
+                restarted = self.host.swap(copy, manifest.version, restart_below, self.between_calls)
             else:
                 copy()
                 self.engine.set_version(manifest.version)

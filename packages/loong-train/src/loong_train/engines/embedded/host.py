@@ -2,8 +2,9 @@
 
 ``[rollout] partial`` picks the policy:
 
-- ``"off"``: an update waits for the worker's running rollout calls (Ray runs the worker's calls
-  one at a time), so no generation sees two weight versions.
+- ``"off"``: an update waits for the worker's running rollout calls (with one call at a time,
+  Ray runs it between calls; with ``concurrent_calls`` > 1 the host holds new calls back and
+  waits for the running ones), so no generation sees two weight versions.
 - ``"continue"``: the update runs on the worker's ``weights`` thread (a Ray concurrency group)
   while a call runs. The engine pauses between decode steps, the new weights are copied in with
   no forward running, the version is set and the engine resumes: running requests are
@@ -58,20 +59,36 @@ def crossed_update(t: Trajectory) -> bool:
 
 @dataclass
 class _Running:
-    """One episode of the running call: its spec, task and the engine version it started under."""
+    """One episode of a running call: its spec, task and the engine version it started under."""
 
     spec: EpisodeSpec
     task: asyncio.Task
     started: int
 
 
+@dataclass
+class _Call:
+    """A running rollout call: its episodes by sample id, how to start one again, whether it is
+    an evaluation."""
+
+    episodes: dict[str, _Running]
+    start: Callable[[EpisodeSpec], _Running]
+    evaluation: bool
+
+
 class EngineHost:
     """An embedded engine on an event loop of its own (a daemon thread), so a weight update that
     arrives on another thread can pause it between decode steps.
 
-    Lifecycle: ``rollout(...)`` from the worker's rollout thread (one call at a time),
-    ``swap(copy, version, restart_below)`` from its weights thread at any moment, ``close()``.
-    Every touch of the engine runs on the loop.
+    Lifecycle: ``rollout(...)`` from the worker's rollout threads (``[rollout.engine]
+    concurrent_calls`` of them: the calls' episodes share the engine's running batch, so while
+    one call's episodes wait on their tools the others' keep it busy), ``swap(copy, version,
+    restart_below, between_calls)`` from its weights thread at any moment, ``close()``. Every
+    touch of the engine runs on the loop.
+
+    While a swap is pending no call starts (a stream of calls cannot starve an update). A swap
+    waits for running evaluations; with ``between_calls`` (``partial = "off"``) it waits for
+    every running call, so no generation sees two versions.
     """
 
     def __init__(self, engine: EmbeddedEngine) -> None:
@@ -79,11 +96,9 @@ class EngineHost:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="loong-engine", daemon=True)
         self._thread.start()
-        self._updated = asyncio.Condition()
-        self._unpinned = asyncio.Event()  # cleared while an evaluation runs
-        self._unpinned.set()
-        self._episodes: dict[str, _Running] = {}
-        self._start: Callable[[EpisodeSpec], _Running] | None = None
+        self._changed = asyncio.Condition()  # the version, the running calls or a pending swap changed
+        self._calls: list[_Call] = []
+        self._swapping = False
 
     def _call(self, coro: Coroutine[Any, Any, T]) -> T:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
@@ -106,47 +121,57 @@ class EngineHost:
     async def _rollout(
         self, agent, specs, codec, sampling, limits, min_version, evaluation
     ) -> list[Trajectory]:
-        async with self._updated:
-            await self._updated.wait_for(lambda: self.engine.weight_version >= min_version)
-        if evaluation:
-            self._unpinned.clear()
-
         def start(spec: EpisodeSpec) -> _Running:
             episode = Episode(spec, self.engine, codec, sampling, limits)
             task = asyncio.create_task(run_episode(agent, episode))
             return _Running(spec, task, self.engine.weight_version)
 
-        self._start = start
-        self._episodes = {s.sample_id: start(s) for s in specs}
+        async with self._changed:
+            await self._changed.wait_for(
+                lambda: self.engine.weight_version >= min_version and not self._swapping
+            )
+            call = _Call({s.sample_id: start(s) for s in specs}, start, evaluation)
+            self._calls.append(call)
         try:
-            while not all(r.task.done() for r in self._episodes.values()):
-                await asyncio.wait([r.task for r in self._episodes.values()])  # a restart adds tasks
-            return [self._episodes[s.sample_id].task.result() for s in specs]
+            while not all(r.task.done() for r in call.episodes.values()):
+                await asyncio.wait([r.task for r in call.episodes.values()])  # a restart adds tasks
+            return [call.episodes[s.sample_id].task.result() for s in specs]
         finally:
-            self._episodes, self._start = {}, None
-            self._unpinned.set()
+            async with self._changed:
+                self._calls.remove(call)
+                self._changed.notify_all()
 
-    def swap(self, copy: Callable[[], None], version: int, restart_below: int = -1) -> int:
+    def swap(
+        self, copy: Callable[[], None], version: int, restart_below: int = -1, between_calls: bool = False
+    ) -> int:
         """Pause the engine, run ``copy`` (the weight copy) with no forward running, stamp
-        ``version`` and resume; episodes that started below ``restart_below`` run again.
-        Returns how many episodes restarted."""
-        return self._call(self._swap(copy, version, restart_below))
+        ``version`` and resume; episodes that started below ``restart_below`` run again. With
+        ``between_calls``, first wait until no rollout call runs. Returns how many episodes
+        restarted."""
+        return self._call(self._swap(copy, version, restart_below, between_calls))
 
-    async def _swap(self, copy: Callable[[], None], version: int, restart_below: int) -> int:
-        await self._unpinned.wait()
+    async def _swap(
+        self, copy: Callable[[], None], version: int, restart_below: int, between_calls: bool
+    ) -> int:
+        async with self._changed:
+            self._swapping = True
+            await self._changed.wait_for(lambda: not any(c.evaluation or between_calls for c in self._calls))
         self.engine.pause()
         try:
             await self.engine.wait_idle()
             await asyncio.to_thread(copy)
             self.engine.set_version(version)
-            stale = [r for r in self._episodes.values() if r.started < restart_below]
-            for r in stale:  # cancelled while paused: their rows leave before the next step
+            stale = [
+                (call, r) for call in self._calls for r in call.episodes.values() if r.started < restart_below
+            ]
+            for call, r in stale:  # cancelled while paused: their rows leave before the next step
                 r.task.cancel()
-                self._episodes[r.spec.sample_id] = self._start(r.spec)
+                call.episodes[r.spec.sample_id] = call.start(r.spec)
         finally:
             self.engine.resume()
-        async with self._updated:
-            self._updated.notify_all()
+            async with self._changed:
+                self._swapping = False
+                self._changed.notify_all()
         return len(stale)
 
     def close(self) -> None:
