@@ -18,6 +18,8 @@ REQUIRED = [
     "mismatch_kl",
     "trainer_busy_frac",
     "rollout_busy_frac",
+    "engine_busy_frac",
+    "engine_rows_per_step",
     "samples_per_s",
     "weight_sync_s",
 ]
@@ -52,6 +54,9 @@ def test_short_run_writes_the_run_directory(tmp_path, window):
         assert set(REQUIRED) <= set(row), set(REQUIRED) - set(row)
         assert row["staleness_max"] <= window
         assert row["policy_version"] == row["step"]
+        # a forward runs only inside a call; a decode step holds 1 to all admitted rows
+        assert 0 < row["engine_busy_frac"] <= row["rollout_busy_frac"] <= 1
+        assert 1 <= row["engine_rows_per_step"] <= 4 * 2 * 2
     assert rows[0]["mismatch_kl"] < 1e-9  # first step: same weights in engine and trainer
     assert any("eval_reward_mean" in r for r in rows)
     summary = json.loads((out / "summary.json").read_text())

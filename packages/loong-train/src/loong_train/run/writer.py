@@ -115,7 +115,9 @@ class RunDir:
         self.loggers = open_loggers(recipe.log, path, msgspec.to_builtins(recipe))
         self.reported_evals: set[int] = set()
         self.start = self.last_step_end = time.time()
-        self.rollout_busy = self.trainer_busy = 0.0
+        self.rollout_busy = self.trainer_busy = 0.0  # rollout: of the run before a resume
+        self.worker_busy: dict[tuple[int, int], float] = {}  # (worker, pid) -> busy_s, cumulative
+        self.engine_counts: dict[tuple[int, int], dict[str, float]] = {}  # -> engine counters
         self.trained_samples = 0
         self.apply_s = 0.0
         self.batch: dict[str, Any] = {}
@@ -139,13 +141,17 @@ class RunDir:
             elapsed_s=time.time() - self.start,
             trained_samples=self.trained_samples,
             trainer_busy=self.trainer_busy,
-            rollout_busy=self.rollout_busy,
+            rollout_busy=self._rollout_busy(),
             apply_s=self.apply_s,
             reported_evals=sorted(self.reported_evals),
         )
 
     def on_rollout(self, result: dict[str, Any]) -> None:
-        self.rollout_busy += result["end"] - result["start"]
+        key = (result["worker"], result["pid"])  # a worker's counters start again in a new process
+        self.worker_busy[key] = max(self.worker_busy.get(key, 0.0), result["busy_s"])
+        if result["engine"]:
+            old = self.engine_counts.get(key)
+            self.engine_counts[key] = max(old or result["engine"], result["engine"], key=lambda c: c["steps"])
         for t in result["trajectories"]:  # counted per step in metrics ("failed", "timeouts")
             if t.status in (EpisodeStatus.FAILED, EpisodeStatus.TIMEOUT):
                 row = t.info.get("task_id", "?")
@@ -200,7 +206,8 @@ class RunDir:
             **{k: m.get(k) for k in _TRAIN_KEYS},
             **{k: v for k, v in m.items() if k.startswith(_TRAIN_PREFIXES)},
             "trainer_busy_frac": min(1.0, self.trainer_busy / wall),
-            "rollout_busy_frac": min(1.0, self.rollout_busy / (wall * len(pipe.workers))),
+            "rollout_busy_frac": min(1.0, self._rollout_busy() / (wall * len(pipe.workers))),
+            **self._engine_metrics(wall, len(pipe.workers)),
             "samples_per_s": self.batch["samples"] / interval,
             "trained_samples_per_s": self.trained_samples / wall,
             "push_s": m["push_s"],
@@ -252,9 +259,24 @@ class RunDir:
             {"version": a["version"]},
         )
 
+    def _rollout_busy(self) -> float:
+        """Worker-seconds with at least one rollout or evaluation call running."""
+        return self.rollout_busy + sum(self.worker_busy.values())
+
+    def _engine_metrics(self, wall: float, workers: int) -> dict[str, float]:
+        """Embedded engines, since their workers started: the fraction of time a forward runs
+        (``engine_busy_frac``) and the mean rows per decode step (``engine_rows_per_step``)."""
+        counts = list(self.engine_counts.values())
+        if not counts:
+            return {}
+        steps = sum(c["steps"] for c in counts)
+        return {
+            "engine_busy_frac": min(1.0, sum(c["busy_s"] for c in counts) / (wall * workers)),
+            "engine_rows_per_step": sum(c["rows"] for c in counts) / max(steps, 1),
+        }
+
     def on_eval(self, r: EvalResult) -> None:
-        """An evaluation finished (its result is the evaluator's)."""
-        self.rollout_busy += r.end - r.start
+        """An evaluation finished (its result is the evaluator's; its worker counts its time)."""
         span = {"version": r.version, "reward": r.reward}
         self.trace.span("eval", "eval", f"rollout-worker-{r.worker}", "engine", r.start, r.end, span)
 

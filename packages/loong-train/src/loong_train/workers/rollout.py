@@ -12,6 +12,7 @@ import functools
 import inspect
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -113,6 +114,7 @@ class RolloutWorker:
         self.between_calls = getattr(engine, "partial", "off") == "off"
         if version:  # resumed: ``model_path`` is a checkpoint of this version
             self.engine.set_version(version)
+        self._calls_lock, self._calls, self._calls_since, self.busy_s = threading.Lock(), 0, 0.0, 0.0
         transport = transport or TransportConfig()
         self.receiver = open_receiver(transport, background=True)  # pushes never wait for our apply
         self._catch_up(transport)
@@ -128,27 +130,35 @@ class RolloutWorker:
     def rollout(
         self, specs: list[EpisodeSpec], min_version: int = 0, evaluation: bool = False
     ) -> dict[str, Any]:
-        """Run episodes; returns their trajectories (black-box: every row of each episode) and the
-        call's wall-clock span. With partial rollouts (:mod:`loong_train.engines.embedded.host`) the episodes
+        """Run episodes; returns their trajectories (black-box: every row of each episode), the
+        call's wall-clock span, and since the worker started: ``busy_s`` (seconds with at least
+        one call running) and the engine's counters (``engine``: decode steps, rows over those
+        steps, seconds with a forward running; empty for a server). With partial
+        rollouts or concurrent calls (:mod:`loong_train.engines.embedded.host`) the episodes
         start once the engine holds ``min_version`` (its update may still be on the way), and an
         ``evaluation`` runs entirely at one version."""
-        start = time.time()
-        if self.blackbox is not None:
-            out = self.blackbox.run(specs)
-        elif self.host is not None:
-            out = self.host.rollout(
-                self.agent, specs, self.codec, self.sampling, self.limits, min_version, evaluation
-            )
-        else:
-            out = asyncio.run(
-                run_episodes(self.agent, specs, self.engine, self.codec, self.sampling, self.limits)
-            )
+        start = self._call_began()
+        try:
+            if self.blackbox is not None:
+                out = self.blackbox.run(specs)
+            elif self.host is not None:
+                out = self.host.rollout(
+                    self.agent, specs, self.codec, self.sampling, self.limits, min_version, evaluation
+                )
+            else:
+                out = asyncio.run(
+                    run_episodes(self.agent, specs, self.engine, self.codec, self.sampling, self.limits)
+                )
+        finally:
+            self._call_ended()
         self.engine.check()  # a server given up on fails the call, not just its episodes
         if (group := getattr(self.task, "group_reward", None)) is not None:
             score_groups(group, out, {s.sample_id: s.task for s in specs}, self._final_turn)
         if self.overlong[0] and not evaluation:
             shape_overlong(out, self.budget, *self.overlong)
         end = time.time()
+        stats = getattr(self.engine, "stats", None)  # the embedded engine counts its work
+        engine = {} if stats is None else {"steps": stats.steps, "rows": stats.tokens, "busy_s": stats.busy_s}
         return {
             "trajectories": out,
             "start": start,
@@ -156,7 +166,24 @@ class RolloutWorker:
             "version": self.engine.weight_version,
             "worker": self.worker_id,
             "pid": os.getpid(),
+            "busy_s": self.busy_s,
+            "engine": engine,
         }
+
+    def _call_began(self) -> float:
+        with self._calls_lock:
+            now = time.time()
+            if not self._calls:
+                self._calls_since = now
+            self._calls += 1
+            return now
+
+    def _call_ended(self) -> None:
+        """``busy_s`` counts the time at least one call (rollout or evaluation) ran."""
+        with self._calls_lock:
+            self._calls -= 1
+            if not self._calls:
+                self.busy_s += time.time() - self._calls_since
 
     def _final_turn(self, t: Trajectory) -> str:
         """The text of an episode's last model turn, as the white-box agent gives it to a reward."""

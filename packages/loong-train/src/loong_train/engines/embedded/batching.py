@@ -48,10 +48,12 @@ __all__ = ["BatchStats", "Request", "RunningBatch"]
 
 @dataclass
 class BatchStats:
-    """Counters over sampling steps: ``tokens`` / ``steps`` is the mean occupancy (rows per step)."""
+    """Counters over sampling steps: ``tokens`` / ``steps`` is the mean occupancy (rows per step);
+    ``busy_s``: seconds with a decode step or scoring pass running (the engine counts it)."""
 
     steps: int = 0
     tokens: int = 0
+    busy_s: float = 0.0
 
     @property
     def mean_occupancy(self) -> float:

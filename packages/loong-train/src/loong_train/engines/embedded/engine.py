@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import time
 from collections.abc import AsyncIterator, Sequence
 
 import msgspec
@@ -65,7 +66,8 @@ class RequestAborted(Exception):
 class EmbeddedEngine:
     """In-process engine implementing ``loong_core.protocols.RolloutEngine``.
 
-    ``stats`` counts sampling steps and tokens (``stats.mean_occupancy``: rows per step).
+    ``stats`` counts sampling steps, tokens (``stats.mean_occupancy``: rows per step) and busy
+    seconds.
     Weight updates may land between decode steps of a running call (``mid_call_updates``).
     """
 
@@ -91,7 +93,7 @@ class EmbeddedEngine:
         self._driver: asyncio.Task | None = None
         self._running = asyncio.Event()
         self._running.set()
-        self._busy = 0
+        self._busy, self._busy_since = 0, 0.0
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -157,12 +159,15 @@ class EmbeddedEngine:
         # caller of wait_idle() can never be followed by a step starting.
         while not self._running.is_set():
             await self._running.wait()
+        if not self._busy:
+            self._busy_since = time.perf_counter()
         self._busy += 1
         self._idle.clear()
 
     def _end_work(self) -> None:
         self._busy -= 1
         if not self._busy:
+            self.stats.busy_s += time.perf_counter() - self._busy_since
             self._idle.set()
 
     async def score(self, input_ids: list[int]) -> tuple[list[float], int]:
