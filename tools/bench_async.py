@@ -13,13 +13,19 @@ from the timing):
 - ``sync-t1``: ``train.max_staleness = 0`` (rollout and training alternate), one torch thread per
   actor (while one phase runs, the other actor's core idles);
 - ``sync-t2``: synchronous, ``threads = 2``: each phase gets both cores;
-- ``async-t1``: ``train.max_staleness = --window``, one thread per actor (the shipped setting).
+- ``async-t1``: ``train.max_staleness = --window``, one thread per actor, one rollout call at a
+  time per worker (the shipped setting);
+- ``async-t1-cc``: as ``async-t1``, with ``rollout.engine.concurrent_calls = --window + 1`` (as
+  many calls at once as the window holds batches): while one call's episodes wait on tools,
+  another's keep the engine busy.
 
-The synchronous baseline is the faster of the two synchronous configurations, chosen per workload
-on the mean over seeds. Throughput is ``trained_samples_per_s`` of the run's last metrics line:
-samples trained divided by the wall time since the actors started. The JSON holds, per workload,
-every configuration's mean samples/s and final held-out success, the best synchronous one, and
-``speedup`` (asynchronous over the best synchronous); then every run.
+The baselines are the faster synchronous and the faster asynchronous configuration, chosen per
+workload on the mean over seeds. Throughput is ``trained_samples_per_s`` of the run's last
+metrics line: samples trained divided by the wall time since the actors started. Each run also
+reports ``trainer_busy_frac``, ``engine_busy_frac`` (a forward running) and
+``engine_rows_per_step`` of that line. The JSON holds, per workload, every configuration's means,
+the best of each kind and ``speedup`` (best asynchronous over best synchronous); then every run.
+It prints a Markdown table.
 """
 
 from __future__ import annotations
@@ -32,12 +38,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-CONFIGS = {  # name -> recipe overrides (besides the workload's)
+CONFIGS = {  # name -> recipe overrides (besides the workload's); the async ones get the window in main
     "sync-t1": {"train.max_staleness": 0, "threads": 1},
     "sync-t2": {"train.max_staleness": 0, "threads": 2},
-    "async-t1": {"threads": 1},  # train.max_staleness = --window, set in main
+    "async-t1": {"threads": 1},
+    "async-t1-cc": {"threads": 1},
 }
 DEFAULT_WORKLOADS = ["compute", "tools=rollout.tool_latency_ms=200"]
+MEANS = ("samples_per_s", "final_eval", "trainer_busy", "engine_busy", "rows_per_step")
 
 
 def train(recipe: str, sets: dict, out: Path, cache: Path) -> dict:
@@ -52,7 +60,19 @@ def train(recipe: str, sets: dict, out: Path, cache: Path) -> dict:
         "samples_per_s": last["trained_samples_per_s"],
         "final_eval": summary["final_eval"],
         "wall_s": summary["wall_s"],
+        "trainer_busy": last["trainer_busy_frac"],
+        "engine_busy": last["engine_busy_frac"],
+        "rows_per_step": last["engine_rows_per_step"],
     }
+
+
+def config_sets(config: str, window: int) -> dict:
+    """The overrides of ``config`` (``CONFIGS``) for an asynchronous window of ``window``."""
+    sets = dict(CONFIGS[config])
+    sets.setdefault("train.max_staleness", window)
+    if config.endswith("-cc"):
+        sets["rollout.engine.concurrent_calls"] = window + 1
+    return sets
 
 
 def parse_workload(spec: str) -> tuple[str, dict[str, str]]:
@@ -68,23 +88,46 @@ def parse_workload(spec: str) -> tuple[str, dict[str, str]]:
 
 
 def summarize(rows: list[dict]) -> dict:
-    """Per workload: each configuration's means over seeds, the best synchronous one, the speedup."""
+    """Per workload: each configuration's means over seeds, the best synchronous and asynchronous
+    ones, and the speedup of the best asynchronous over the best synchronous."""
     out = {}
     for workload in dict.fromkeys(r["workload"] for r in rows):
         configs = {}
         for config in dict.fromkeys(r["config"] for r in rows if r["workload"] == workload):
             mine = [r for r in rows if r["workload"] == workload and r["config"] == config]
-            configs[config] = {
-                "samples_per_s": statistics.fmean(r["samples_per_s"] for r in mine),
-                "final_eval": statistics.fmean(r["final_eval"] for r in mine),
-            }
-        sync = max((c for c in configs if c.startswith("sync")), key=lambda c: configs[c]["samples_per_s"])
+            configs[config] = {k: statistics.fmean(r[k] for r in mine) for k in MEANS if k in mine[0]}
+
+        sync, asyn = _best(configs, "sync"), _best(configs, "async")
         out[workload] = {
             "configs": configs,
             "best_sync": sync,
-            "speedup": configs["async-t1"]["samples_per_s"] / configs[sync]["samples_per_s"],
+            "best_async": asyn,
+            "speedup": configs[asyn]["samples_per_s"] / configs[sync]["samples_per_s"],
         }
     return out
+
+
+def _best(configs: dict, kind: str) -> str:
+    """The fastest configuration whose name starts with ``kind``."""
+    return max((c for c in configs if c.startswith(kind)), key=lambda c: configs[c]["samples_per_s"])
+
+
+def table(summary: dict) -> str:
+    """The summary as a Markdown table: one row per workload and configuration."""
+    lines = [
+        "| workload | configuration | samples/s | vs best sync | held-out success | trainer busy | engine busy | rows/step |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for workload, w in summary.items():
+        base = w["configs"][w["best_sync"]]["samples_per_s"]
+        for config, c in w["configs"].items():
+            mark = " (best)" if config in (w["best_sync"], w["best_async"]) else ""
+            lines.append(
+                f"| {workload} | {config}{mark} | {c['samples_per_s']:.1f} | {c['samples_per_s'] / base:.2f}x "
+                f"| {c['final_eval']:.2f} | {c.get('trainer_busy', float('nan')):.0%} "
+                f"| {c.get('engine_busy', float('nan')):.0%} | {c.get('rows_per_step', float('nan')):.0f} |"
+            )
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -102,9 +145,13 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="loong-bench-async-") as tmp:
         for name, workload in workloads:
             for seed in [int(s) for s in args.seeds.split(",")]:
-                for config, sets in CONFIGS.items():
-                    sets = {**workload, **sets, "train.steps": args.steps, "seed": seed}
-                    sets.setdefault("train.max_staleness", args.window)
+                for config in CONFIGS:
+                    sets = {
+                        **workload,
+                        **config_sets(config, args.window),
+                        "train.steps": args.steps,
+                        "seed": seed,
+                    }
                     out = Path(tmp) / f"{name}-{config}-s{seed}"
                     rows.append(
                         {"workload": name, "config": config, "seed": seed}
@@ -119,7 +166,7 @@ def main() -> None:
         "runs": rows,
     }
     args.json.write_text(json.dumps(result, indent=2))
-    print(json.dumps(result["workloads"], indent=2))
+    print(table(result["workloads"]))
 
 
 if __name__ == "__main__":

@@ -28,16 +28,30 @@ def _row(workload, config, seed, sps, ev):
     return {"workload": workload, "config": config, "seed": seed, "samples_per_s": sps, "final_eval": ev}
 
 
-def test_the_speedup_is_over_the_best_synchronous_configuration_of_each_workload():
+def test_the_speedup_is_the_best_asynchronous_over_the_best_synchronous_configuration():
     rows = [
         _row("compute", "sync-t1", 0, 24.0, 0.8), _row("compute", "sync-t1", 1, 26.0, 0.9),
         _row("compute", "sync-t2", 0, 44.0, 0.8), _row("compute", "sync-t2", 1, 42.0, 0.7),
         _row("compute", "async-t1", 0, 45.0, 0.9), _row("compute", "async-t1", 1, 43.0, 0.8),
+        _row("compute", "async-t1-cc", 0, 40.0, 0.9), _row("compute", "async-t1-cc", 1, 42.0, 0.8),
         _row("tools", "sync-t1", 0, 12.0, 0.8), _row("tools", "sync-t2", 0, 10.0, 0.8),
-        _row("tools", "async-t1", 0, 30.0, 0.85),
+        _row("tools", "async-t1", 0, 18.0, 0.85), _row("tools", "async-t1-cc", 0, 30.0, 0.85),
     ]  # fmt: skip
     out = bench.summarize(rows)
     assert out["compute"]["best_sync"] == "sync-t2" and out["tools"]["best_sync"] == "sync-t1"
+    assert out["compute"]["best_async"] == "async-t1" and out["tools"]["best_async"] == "async-t1-cc"
     assert out["compute"]["speedup"] == pytest.approx(44.0 / 43.0)
     assert out["tools"]["speedup"] == pytest.approx(2.5)
     assert out["compute"]["configs"]["sync-t1"] == {"samples_per_s": 25.0, "final_eval": pytest.approx(0.85)}
+    lines = bench.table(out).splitlines()
+    assert len(lines) == 2 + 8
+    assert "| tools | async-t1-cc (best) | 30.0 | 2.50x | 0.85 |" in lines[-1]
+
+
+def test_concurrent_calls_match_the_window():
+    assert bench.config_sets("async-t1-cc", 2) == {
+        "threads": 1,
+        "train.max_staleness": 2,
+        "rollout.engine.concurrent_calls": 3,
+    }
+    assert bench.config_sets("sync-t2", 2) == {"train.max_staleness": 0, "threads": 2}
