@@ -20,6 +20,10 @@ Model. Time is in units of the mean solo generation time of one GRPO group.
   the last answer is back). While it waits the group holds no engine slot (Loong's engines
   batch only episodes that are generating); it then returns to the same engine, ahead of new
   groups, or queues there for a slot.
+- Rollout calls (``call_groups`` > 1, as Loong's pipeline places work): an admission asks for a
+  call's ``call_groups`` groups at once, ``slots`` counts the calls an engine runs at once
+  (``rollout.engine.concurrent_calls``), a call's groups start together and leave the engine one
+  by one, but the scheduler hears of them together, when the call's last group ends.
 - Controller, after every event (simultaneous events first): if B groups are buffered,
   ``Scheduler.take()`` (a batch unless a step is training); then, for each engine with a free
   slot (least loaded first), ``Scheduler.admit(1, new id)`` (a group while the run still needs
@@ -89,7 +93,7 @@ Usage::
     python tools/simulate.py [--engines 8,64,256,1024] [--windows 0,1,2] [--steps 200] [--seed 0]
         [--max-groups 20480] [--dist lognormal] [--sigma 1] [--cap 0] [--step-ratio 1]
         [--sync-time 0.05] [--slots 1] [--slot-cost 0.15] [--batch-per-engine 1]
-        [--turns 1] [--tool-latency 0] [--tool-sigma 0.5] [--episodes 8]
+        [--turns 1] [--tool-latency 0] [--tool-sigma 0.5] [--episodes 8] [--call-groups 1]
         [--json FILE] [--plot FILE.png]
 
 ``--json`` writes a list with one object per row: engines, window, batch, steps, sim_time,
@@ -101,6 +105,7 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import itertools
 import json
 import math
 import sys
@@ -138,6 +143,8 @@ class SimConfig:
     tool_latency: float = 0.0  # median tool wait, in mean generation times of a group
     tool_sigma: float = 0.5  # lognormal shape of one episode's tool wait
     episodes: int = 8  # episodes per group: a group's wait is the slowest of this many draws
+    call_groups: int = 1  # groups per rollout call; > 1: ``slots`` counts calls, and a call's
+    # groups start together and are reported together, when its last one ends
     step_ratio: float = 1.0  # step_time = step_ratio * batch_per_engine (one batch)
     sync_time: float = 0.05  # weight publish + apply after each step; the trainer waits for it
     seed: int = 0
@@ -211,6 +218,7 @@ class _Engine:
         self.busy = 0.0
         self.intervals: list[tuple[float, float]] = []
         self.returning: list[str] = []  # groups back from a tool wait, queued for a slot
+        self.calls = 0  # rollout calls running (call mode)
 
     def progress(self, now: float, slot_cost: float) -> None:
         n = len(self.active)
@@ -236,6 +244,9 @@ class _Sim:
         self.segments: dict[str, list[float]] = {}  # group -> work of the segments still to run
         self.waiting: dict[int, tuple[str, int]] = {}  # tool event seq -> (group, engine)
         self.engines = [_Engine(i) for i in range(cfg.engines)]
+        self.ids = (f"g{i}" for i in itertools.count())
+        self.calls: dict[str, list[str]] = {}  # call mode: group -> the groups of its call
+        self.left: dict[int, set[str]] = {}  # call mode: id(call list) -> groups still running
         self.free = [(0, i) for i in range(cfg.engines)]  # (groups running, engine): least loaded
         self.events: list[tuple[float, int, int, int, int]] = []
         self.seq = 0
@@ -287,13 +298,28 @@ class _Sim:
                 self.push(self.now + self.tool_wait(), _TOOL, engine.index, self.seq)
             else:
                 del self.segments[group]
-                self.scheduler.finish(group, self.window.in_flight[group])  # no partial rollout
+                self.group_done(engine, group)
         if not engine.active:
             engine.busy += self.now - engine.busy_since
             if self.cfg.record:
                 engine.intervals.append((engine.busy_since, self.now))
         self.serve_returning(engine, reschedule=False)  # ahead of new groups
         self.reschedule(engine)
+
+    def group_done(self, engine: _Engine, group: str) -> None:
+        """Report ``group`` to the scheduler (no partial rollout: it keeps the version it was
+        admitted at); in call mode, once every group of its call is done, all of them."""
+        if self.cfg.call_groups == 1:
+            self.scheduler.finish(group, self.window.in_flight[group])
+            return
+        call = self.calls.pop(group)
+        left = self.left[id(call)]
+        left.discard(group)
+        if not left:
+            del self.left[id(call)]
+            engine.calls -= 1
+            for g in call:
+                self.scheduler.finish(g, self.window.in_flight[g])
 
     def schedule(self) -> None:
         """What the controller does after each event: start a train step, then fill free slots."""
@@ -310,19 +336,28 @@ class _Sim:
         self.trainer_intervals.append((self.now, end))
         self.push(end, _TRAIN)
 
+    def load(self, engine: _Engine) -> int:
+        """What ``slots`` counts on ``engine``: groups running, or in call mode calls running."""
+        return engine.calls if self.cfg.call_groups > 1 else len(engine.active)
+
     def admit(self) -> None:
         """Fill free slots, least loaded engine first, while the scheduler admits."""
         while self.free:
             n, i = self.free[0]
             engine = self.engines[i]
-            if n != len(engine.active) or n >= self.cfg.slots:
-                heapq.heappop(self.free)  # stale: the engine's group count changed since
+            if n != self.load(engine) or n >= self.cfg.slots:
+                heapq.heappop(self.free)  # stale: the engine's load changed since
                 continue
-            if not (groups := self.scheduler.admit(1, lambda: f"g{len(self.admitted)}")):
+            if not (groups := self.scheduler.admit(self.cfg.call_groups, lambda: next(self.ids))):
                 return
             heapq.heappop(self.free)
             self.admitted += groups
-            self.start_generation(engine, groups[0])
+            if self.cfg.call_groups > 1:
+                engine.calls += 1
+                self.left[id(groups)] = set(groups)
+                self.calls.update((g, groups) for g in groups)
+            for group in groups:
+                self.start_generation(engine, group)
 
     def start_generation(self, engine: _Engine, group: str) -> None:
         work, turns = self.draw(), self.cfg.turns
@@ -339,8 +374,8 @@ class _Sim:
 
     def serve_returning(self, engine: _Engine, reschedule: bool = True) -> None:
         """Groups back from their tools take the engine's free slots, first come first served."""
-        served = False
-        while engine.returning and len(engine.active) < self.cfg.slots:
+        served, room = False, self.cfg.slots * self.cfg.call_groups  # a call's groups always fit
+        while engine.returning and len(engine.active) < room:
             self.run_segment(engine, engine.returning.pop(0))
             served = True
         if served and reschedule:
@@ -357,8 +392,8 @@ class _Sim:
         engine.epoch += 1
         if engine.active:
             self.push(engine.next_finish(self.now, self.cfg.slot_cost), _GEN, engine.index, engine.epoch)
-        if len(engine.active) < self.cfg.slots:
-            heapq.heappush(self.free, (len(engine.active), engine.index))
+        if self.load(engine) < self.cfg.slots:
+            heapq.heappush(self.free, (self.load(engine), engine.index))
 
     def totals(self) -> tuple[float, float, float]:
         """(now, engine busy time, integral of running groups), summed over engines."""
@@ -496,6 +531,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--tool-latency", type=float, default=d.tool_latency)
     p.add_argument("--tool-sigma", type=float, default=d.tool_sigma)
     p.add_argument("--episodes", type=int, default=d.episodes)
+    p.add_argument("--call-groups", type=int, default=d.call_groups)
     p.add_argument("--step-ratio", type=float, default=d.step_ratio)
     p.add_argument("--sync-time", type=float, default=d.sync_time)
     p.add_argument("--json", help="write a list of per-run result objects to this file")
@@ -505,7 +541,7 @@ def main(argv: list[str] | None = None) -> None:
         steps=a.steps, seed=a.seed, batch_per_engine=a.batch_per_engine, slots=a.slots,
         slot_cost=a.slot_cost, dist=a.dist, sigma=a.sigma, alpha=a.alpha, cap=a.cap,
         step_ratio=a.step_ratio, sync_time=a.sync_time, turns=a.turns, tool_latency=a.tool_latency,
-        tool_sigma=a.tool_sigma, episodes=a.episodes,
+        tool_sigma=a.tool_sigma, episodes=a.episodes, call_groups=a.call_groups,
     )  # fmt: skip
     started = time.perf_counter()
     results = sweep(base, a.engines, a.windows, a.max_groups)

@@ -155,3 +155,41 @@ def test_tool_waits_widen_what_asynchrony_gains() -> None:
         return runs[2].speedup
 
     assert speedup(1.0) > speedup(0.0) + 0.2
+
+
+@pytest.mark.parametrize("window", [0, 1, 2])
+def test_call_mode_admits_and_reports_a_call_as_a_whole(window: int) -> None:
+    """``call_groups`` = 4, 2 calls at once per engine: each admission asks for a call's 4 groups,
+    the scheduler hears of a call's groups together, once its slowest one ends; the window's
+    guarantees hold as in group mode."""
+    cfg = replace(LONG_TAIL, window=window, batch_per_engine=4, slots=2, call_groups=4, turns=2,
+                  tool_latency=0.5)  # fmt: skip
+    run = sim._Sim(cfg)
+    r = run.run()
+    assert r.staleness_max <= window and max(Counter(r.trained).values()) == 1
+    assert len(r.trained) == cfg.steps * cfg.batch and set(r.trained) | set(r.pending) == set(r.admitted)
+    journal = run.scheduler.journal
+    calls = [e["out"] for e in journal if e["call"] == "admit" and e["out"]]
+    assert {e["room"] for e in journal if e["call"] == "admit"} == {4}
+    finished = [e["group"] for e in journal if e["call"] == "finish"]
+    reported = [finished[i : i + 4] for i in range(0, len(finished), 4)]
+    assert all(sorted(block) in [sorted(c) for c in calls] for block in reported)
+
+
+def test_in_call_mode_a_call_waits_for_its_slowest_group() -> None:
+    """One engine, B = 2, calls of 2 groups: generation lengths 1 and 3 (the first draws of the
+    stream) keep both groups until 3; in group mode the short one is reported at 1."""
+    base = sim.SimConfig(engines=1, batch_per_engine=2, window=0, steps=1, dist="constant",
+                         slot_cost=0.0, step_ratio=0.5, sync_time=0.0)  # fmt: skip
+    for cfg, ends in (
+        (replace(base, slots=2), [1.0, 3.0]),
+        (replace(base, slots=1, call_groups=2), [3.0, 3.0]),
+    ):
+        run = sim._Sim(cfg)
+        works = iter([1.0, 3.0])
+        run.draw = lambda works=works: next(works)
+        seen = []
+        finish = run.scheduler.finish
+        run.scheduler.finish = lambda g, v, *a: seen.append(run.now) or finish(g, v, *a)
+        run.run()
+        assert seen == ends
