@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -45,7 +46,123 @@ CONFIGS = {  # name -> recipe overrides (besides the workload's); the async ones
     "async-t1-cc": {"threads": 1},
 }
 DEFAULT_WORKLOADS = ["compute", "tools=rollout.tool_latency_ms=200"]
-MEANS = ("samples_per_s", "final_eval", "trainer_busy", "engine_busy", "rows_per_step")
+MEANS = (
+    "samples_per_s",
+    "final_eval",
+    "trainer_busy",
+    "engine_busy",
+    "rows_per_step",
+    "predicted_samples_per_s",
+)
+
+
+def engine_costs(
+    recipe_name: str, sets: dict, cache: Path, threads: int, solo: int = 8, sizes: tuple[int, ...] = (16, 48)
+) -> dict:
+    """What the simulator needs of the engine, measured in this process on the recipe's
+    warm-started model with ``threads`` torch threads and no tool latency:
+
+    - ``group_s``: the mean wall time of a rollout call of one group (its slowest episode), over
+      ``solo`` calls, and ``sigma``, the standard deviation of their logs;
+    - ``slot_cost``: from the engine's counters over calls of 1 and ``sizes`` groups, busy time =
+      a * steps + b * rows (least squares); a group of G rows added to a batch slows every row by
+      G b / (a + G b) of a solo group's step;
+    - ``turns``: model turns per episode, rounded.
+    """
+    import torch
+
+    from loong_train.config import load_recipe
+    from loong_train.pipeline import GroupSource
+    from loong_train.tasks import build_task
+    from loong_train.tiny.warmstart import prepare_model
+    from loong_train.workers.rollout import RolloutWorker
+    from loong_transfermesh import TransportConfig
+
+    recipe = load_recipe(
+        recipe_name, [f"{k}={v}" for k, v in sets.items() if not k.startswith("rollout.tool")]
+    )
+    r = recipe.rollout
+    worker = RolloutWorker(
+        str(prepare_model(recipe, cache)),
+        seed=recipe.seed,
+        sampling={"temperature": r.temperature, "top_p": r.top_p, "max_new_tokens": r.max_new_tokens},
+        limits={
+            "max_turns": r.max_turns,
+            "max_model_tokens": r.max_model_tokens,
+            "timeout_s": r.episode_timeout_s,
+        },
+        transport=TransportConfig(name=f"bench-calibrate-{threads}"),
+        threads=threads,
+        task=recipe.task,
+        tables=recipe.task_tables,
+    )
+    task = build_task(recipe.task, recipe.task_tables)
+    source = GroupSource(task.train_stream(recipe.seed + 2, []), r.group_size, seed=recipe.seed)
+    try:
+        worker.rollout([s for s in source.specs(source.next_group())])  # warm up kernels and caches
+        times, turns, points = [], [], []
+        for groups in [1] * solo + list(sizes):
+            stats = worker.engine.stats
+            before = (stats.steps, stats.tokens, stats.busy_s)
+            out = worker.rollout([s for _ in range(groups) for s in source.specs(source.next_group())])
+            points.append([stats.steps - before[0], stats.tokens - before[1], stats.busy_s - before[2]])
+            if groups == 1:
+                times.append(out["end"] - out["start"])
+                turns += [sum(1 for span in t.spans if span.is_model) for t in out["trajectories"]]
+    finally:
+        worker.close()
+    x = torch.tensor([[steps, rows] for steps, rows, _ in points], dtype=torch.float64)
+    y = torch.tensor([[busy] for *_, busy in points], dtype=torch.float64)
+    a, b = torch.linalg.lstsq(x, y).solution.flatten().tolist()
+    logs = [math.log(t) for t in times]
+    return {
+        "threads": threads,
+        "group_s": statistics.fmean(times),
+        "sigma": statistics.pstdev(logs),
+        "step_s": a,
+        "row_s": b,
+        "slot_cost": r.group_size * b / (a + r.group_size * b),
+        "turns": max(1, round(statistics.fmean(turns))),
+    }
+
+
+def run_costs(out: Path) -> dict:
+    """A run's trainer: mean train step and weight sync seconds (``trace.json``, metrics)."""
+    events = json.loads((out / "trace.json").read_text())["traceEvents"]
+    steps = [e["dur"] / 1e6 for e in events if e.get("name") == "train_step"]
+    lines = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    return {"train_s": statistics.fmean(steps), "sync_s": statistics.fmean(r["weight_sync_s"] for r in lines)}
+
+
+def predict(recipe_name: str, sets: dict, engine: dict, trainer: dict, steps: int) -> float:
+    """The simulator's samples/s for one configuration (``sets``: the workload's and the
+    configuration's overrides), from the engine's and the trainer's measured costs, in units of
+    the solo group time ``engine["group_s"]``."""
+    from loong_train.config import load_recipe
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import simulate  # tools/simulate.py, beside this script
+
+    recipe = load_recipe(recipe_name, [f"{k}={v}" for k, v in sets.items()])
+    r, t, u = recipe.rollout, recipe.train, engine["group_s"]
+    cfg = simulate.SimConfig(
+        engines=r.workers,
+        window=t.max_staleness,
+        steps=steps,
+        batch_per_engine=t.batch_groups // r.workers,
+        call_groups=t.batch_groups // r.workers,
+        slots=getattr(r.engine, "concurrent_calls", 1),
+        slot_cost=engine["slot_cost"],
+        dist="lognormal" if engine["sigma"] > 0 else "constant",
+        sigma=engine["sigma"],
+        turns=engine["turns"],
+        tool_latency=r.tool_latency_ms / 1000 / u,
+        tool_sigma=r.tool_latency_sigma,
+        episodes=r.group_size,
+        step_ratio=trainer["train_s"] / (t.batch_groups // r.workers) / u,
+        sync_time=trainer["sync_s"] / u,
+    )
+    return simulate.simulate(cfg).throughput / u * r.group_size
 
 
 def train(recipe: str, sets: dict, out: Path, cache: Path) -> dict:
@@ -104,6 +221,9 @@ def summarize(rows: list[dict]) -> dict:
             "best_async": asyn,
             "speedup": configs[asyn]["samples_per_s"] / configs[sync]["samples_per_s"],
         }
+        if "predicted_samples_per_s" in configs[sync]:  # the simulator's, for the same two
+            predicted = configs[asyn]["predicted_samples_per_s"] / configs[sync]["predicted_samples_per_s"]
+            out[workload]["predicted_speedup"] = predicted
     return out
 
 
@@ -112,11 +232,20 @@ def _best(configs: dict, kind: str) -> str:
     return max((c for c in configs if c.startswith(kind)), key=lambda c: configs[c]["samples_per_s"])
 
 
+def _predicted(w: dict, config: str) -> str:
+    """The simulator's ratio to its own best-synchronous prediction, or a dash."""
+    predicted = {c: v.get("predicted_samples_per_s") for c, v in w["configs"].items()}
+    if predicted[config] is None or not predicted[w["best_sync"]]:
+        return "-"
+    return f"{predicted[config] / predicted[w['best_sync']]:.2f}x"
+
+
 def table(summary: dict) -> str:
     """The summary as a Markdown table: one row per workload and configuration."""
     lines = [
-        "| workload | configuration | samples/s | vs best sync | held-out success | trainer busy | engine busy | rows/step |",
-        "|---|---|---|---|---|---|---|---|",
+        "| workload | configuration | samples/s | vs best sync | simulator | held-out success "
+        "| trainer busy | engine busy | rows/step |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for workload, w in summary.items():
         base = w["configs"][w["best_sync"]]["samples_per_s"]
@@ -124,7 +253,7 @@ def table(summary: dict) -> str:
             mark = " (best)" if config in (w["best_sync"], w["best_async"]) else ""
             lines.append(
                 f"| {workload} | {config}{mark} | {c['samples_per_s']:.1f} | {c['samples_per_s'] / base:.2f}x "
-                f"| {c['final_eval']:.2f} | {c.get('trainer_busy', float('nan')):.0%} "
+                f"| {_predicted(w, config)} | {c['final_eval']:.2f} | {c.get('trainer_busy', float('nan')):.0%} "
                 f"| {c.get('engine_busy', float('nan')):.0%} | {c.get('rows_per_step', float('nan')):.0f} |"
             )
     return "\n".join(lines)
@@ -139,12 +268,15 @@ def main() -> None:
     parser.add_argument("--seeds", default="0", help="comma-separated seeds")
     parser.add_argument("--workload", action="append", help="NAME[=KEY=VALUE,...]; repeatable")
     parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "loong")
+    parser.add_argument("--no-predict", dest="predict", action="store_false", help="skip the simulator")
     args = parser.parse_args()
     workloads = [parse_workload(w) for w in args.workload or DEFAULT_WORKLOADS]
+    seeds = [int(s) for s in args.seeds.split(",")]
     rows = []
     with tempfile.TemporaryDirectory(prefix="loong-bench-async-") as tmp:
         for name, workload in workloads:
-            for seed in [int(s) for s in args.seeds.split(",")]:
+            for seed in seeds:
+                runs = {}
                 for config in CONFIGS:
                     sets = {
                         **workload,
@@ -152,12 +284,14 @@ def main() -> None:
                         "train.steps": args.steps,
                         "seed": seed,
                     }
-                    out = Path(tmp) / f"{name}-{config}-s{seed}"
+                    runs[config] = (sets, Path(tmp) / f"{name}-{config}-s{seed}")
                     rows.append(
                         {"workload": name, "config": config, "seed": seed}
-                        | train(args.recipe, sets, out, args.cache)
+                        | train(args.recipe, *runs[config], args.cache)
                     )
                     print(json.dumps(rows[-1]), flush=True)
+                if args.predict:
+                    add_predictions(args.recipe, runs, rows[-len(runs) :], args.cache, args.steps)
     result = {
         "recipe": args.recipe,
         "steps": args.steps,
@@ -167,6 +301,24 @@ def main() -> None:
     }
     args.json.write_text(json.dumps(result, indent=2))
     print(table(result["workloads"]))
+
+
+_ENGINES: dict[int, dict] = {}  # threads -> engine_costs, measured once per benchmark
+
+
+def add_predictions(recipe: str, runs: dict, rows: list[dict], cache: Path, steps: int) -> None:
+    """Each row's ``predicted_samples_per_s``: the simulator driven by the engine's costs
+    (:func:`engine_costs`, measured once per thread count) and the trainer's, from the
+    synchronous run with the same threads (train steps there overlap nothing)."""
+    for row in rows:
+        sets, _ = runs[row["config"]]
+        threads = int(sets["threads"])
+        if threads not in _ENGINES:
+            _ENGINES[threads] = engine_costs(recipe, sets, cache, threads)
+            print(json.dumps(_ENGINES[threads]), flush=True)
+        trainer = run_costs(runs[f"sync-t{threads}"][1])
+        row["engine_costs"], row["trainer_costs"] = _ENGINES[threads], trainer
+        row["predicted_samples_per_s"] = predict(recipe, sets, _ENGINES[threads], trainer, steps)
 
 
 if __name__ == "__main__":
