@@ -3,10 +3,12 @@ cores, per workload.
 
     uv run python tools/bench_async.py --json async.json [--recipe tiny-calc-agent] [--window 2]
         [--steps 80] [--seeds 0,1] [--workload compute] [--workload tools=rollout.tool_latency_ms=200]
+        [--no-predict]
 
 A workload is a name and the recipe overrides that make it (``NAME=KEY=VALUE,KEY=VALUE``; the
-default: ``compute``, the recipe as shipped, and ``tools``, a 200 ms median tool latency per call,
-:class:`loong_agentflow.Latency`). Per workload and seed, each configuration is its own
+default: ``compute``, the recipe as shipped, and ``tools-200ms`` and ``tools-1s``, a lognormal
+tool latency per call with that median, spent idle, as a sandbox or a web API would keep an agent
+waiting, :class:`loong_agentflow.Latency`). Per workload and seed, each configuration is its own
 ``loong-train run`` process (the warm start is cached and shared, so it is built once and excluded
 from the timing):
 
@@ -16,8 +18,11 @@ from the timing):
 - ``async-t1``: ``train.max_staleness = --window``, one thread per actor, one rollout call at a
   time per worker (the shipped setting);
 - ``async-t1-cc``: as ``async-t1``, with ``rollout.engine.concurrent_calls = --window + 1`` (as
-  many calls at once as the window holds batches): while one call's episodes wait on tools,
-  another's keep the engine busy.
+  many calls at once as the window holds batches) and ``rollout.engine.partial = "continue"``
+  (an update lands between decode steps instead of waiting for every running call): while one
+  call's episodes wait on tools, another's keep the engine busy;
+- ``async-t2-cc``: as ``async-t1-cc`` with two torch threads per actor (four on two cores):
+  while the engine waits on tools the trainer can use both.
 
 The baselines are the faster synchronous and the faster asynchronous configuration, chosen per
 workload on the mean over seeds. Throughput is ``trained_samples_per_s`` of the run's last
@@ -44,8 +49,13 @@ CONFIGS = {  # name -> recipe overrides (besides the workload's); the async ones
     "sync-t2": {"train.max_staleness": 0, "threads": 2},
     "async-t1": {"threads": 1},
     "async-t1-cc": {"threads": 1},
+    "async-t2-cc": {"threads": 2},
 }
-DEFAULT_WORKLOADS = ["compute", "tools=rollout.tool_latency_ms=200"]
+DEFAULT_WORKLOADS = [
+    "compute",
+    "tools-200ms=rollout.tool_latency_ms=200",
+    "tools-1s=rollout.tool_latency_ms=1000",
+]
 MEANS = (
     "samples_per_s",
     "final_eval",
@@ -189,6 +199,7 @@ def config_sets(config: str, window: int) -> dict:
     sets.setdefault("train.max_staleness", window)
     if config.endswith("-cc"):
         sets["rollout.engine.concurrent_calls"] = window + 1
+        sets["rollout.engine.partial"] = "continue"
     return sets
 
 

@@ -66,6 +66,7 @@ def test_concurrent_calls_match_the_window():
         "threads": 1,
         "train.max_staleness": 2,
         "rollout.engine.concurrent_calls": 3,
+        "rollout.engine.partial": "continue",
     }
     assert bench.config_sets("sync-t2", 2) == {"train.max_staleness": 0, "threads": 2}
 

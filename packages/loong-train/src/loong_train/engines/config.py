@@ -41,7 +41,8 @@ class EmbeddedEngineConfig(_Engine, tag="embedded"):
     ``concurrent_calls``: rollout calls a worker runs at once (white-box agents only). Their
     episodes share the engine's running batch, so while one call's episodes wait on tools the
     others keep the engine busy; the pipeline keeps one more call queued per worker. 1 (the
-    default): one call at a time.
+    default): one call at a time. Pair it with ``partial = "continue"``: with ``"off"`` every
+    update waits until no call runs, which drains the engine once per train step.
     """
 
     partial: Literal["off", "continue", "restart"] = "off"
