@@ -123,3 +123,11 @@ def test_tool_latency_with_a_black_box_agent_fails_before_any_work_naming_both_k
         run(recipe, tmp_path / "run", tmp_path / "cache")
     assert "rollout.tool_latency_ms = 100.0" in str(err.value) and "agent.type = 'blackbox'" in str(err.value)
     assert not (tmp_path / "run").exists() and not (tmp_path / "cache").exists()
+
+
+def test_the_trainer_may_have_threads_of_its_own():
+    assert load_recipe("tiny-calc-agent").trainer_threads == 1
+    assert load_recipe("tiny-calc-agent", ["threads=2"]).trainer_threads == 2
+    assert load_recipe("tiny-calc-agent", ["train.threads=2"]).trainer_threads == 2
+    with pytest.raises(ConfigError, match="threads"):
+        load_recipe("tiny-calc-agent", ["train.threads=-1"])

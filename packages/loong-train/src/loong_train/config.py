@@ -163,7 +163,10 @@ class TrainConfig(_Section):
 
     ``backend``: the ``[train.backend]`` table (:mod:`loong_train.backends.config`).
     ``checkpoint_every``: write a resumable checkpoint every that many steps (0: only after the
-    last step); the newest ``keep_checkpoints`` are kept (:mod:`loong_train.run.checkpoint`)."""
+    last step); the newest ``keep_checkpoints`` are kept (:mod:`loong_train.run.checkpoint`).
+    ``threads``: the trainer's torch threads (and the CPUs Ray reserves for it); 0: the recipe's
+    ``threads``. More than the rollout workers' lets training use the cores an engine leaves
+    idle while its episodes wait on tools."""
 
     steps: int = 100
     batch_groups: int = 16
@@ -175,9 +178,10 @@ class TrainConfig(_Section):
     backend: BackendConfig = TorchBackendConfig()
     checkpoint_every: int = 0
     keep_checkpoints: int = 2
+    threads: int = 0
 
     def __post_init__(self) -> None:
-        _at_least(self, checkpoint_every=0, keep_checkpoints=1)
+        _at_least(self, checkpoint_every=0, keep_checkpoints=1, threads=0)
         _at_least(self, steps=1, batch_groups=1, max_staleness=0, warmup_steps=0)
 
 
@@ -218,6 +222,12 @@ class Recipe(_Section):
     loss: LossConfig = LossConfig()
     eval: EvalConfig = EvalConfig()
     opd: OPDConfig = OPDConfig()
+
+    @property
+    def trainer_threads(self) -> int:
+        """The trainer's torch threads: ``train.threads``, or the recipe's ``threads``."""
+        return self.train.threads or self.threads
+
     agent: AgentConfig = WhiteboxAgentConfig()
     data: DataConfig = DataConfig()
     reward: RewardConfig = RewardConfig()

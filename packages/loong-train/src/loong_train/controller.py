@@ -133,7 +133,7 @@ def trainer_options(recipe: Recipe) -> dict[str, Any]:
         grad_clip=t.grad_clip,
         loss=recipe.loss,
         temperature=recipe.rollout.temperature,
-        threads=recipe.threads,
+        threads=recipe.trainer_threads,
         trust_remote_code=recipe.model.trust_remote_code,
     )
     return {"options": options, "seed": recipe.seed, "opd": recipe.opd, "receivers": recipe.rollout.workers}
@@ -188,11 +188,14 @@ def _start(
     source: GroupSource,
 ) -> Pipeline:
     """Ray, the rollout workers and the trainer; resumed, all three start from ``ckpt``. Each actor
-    reserves ``threads`` CPUs (its torch threads) and its GPUs, so Ray places them by resources."""
+    reserves its torch threads as CPUs (``threads``; the trainer's ``train.threads``) and its GPUs,
+    so Ray places them by resources."""
     if not ray.is_initialized():
         ray.init(
             address=recipe.ray_address or None,
-            num_cpus=None if recipe.ray_address else (recipe.rollout.workers + 1) * recipe.threads,
+            num_cpus=None
+            if recipe.ray_address
+            else recipe.rollout.workers * recipe.threads + recipe.trainer_threads,
             include_dashboard=False,
             logging_level=logging.WARNING,
             log_to_driver=True,
@@ -234,7 +237,9 @@ def _start(
         )
         for i in range(r.workers)
     ]
-    trainer_actor = ray.remote(num_cpus=recipe.threads, num_gpus=recipe.train.backend.gpus)(TrainerWorker)
+    trainer_actor = ray.remote(num_cpus=recipe.trainer_threads, num_gpus=recipe.train.backend.gpus)(
+        TrainerWorker
+    )
     # from the initial model, which stays the KL reference when resumed
     trainer = trainer_actor.remote(model_path, transport=transport, **trainer_options(recipe))
     if ckpt:
