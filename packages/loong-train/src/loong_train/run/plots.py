@@ -49,6 +49,8 @@ def plot_run(run_dir: Path, evals: dict[int, float]) -> list[Path]:
     fig, ax = plt.subplots(figsize=(7, 3.5))
     ax.plot(steps, [r["trainer_busy_frac"] for r in rows], label="trainer busy")
     ax.plot(steps, [r["rollout_busy_frac"] for r in rows], label="rollout busy")
+    if all("engine_busy_frac" in r for r in rows):  # embedded engines count their forwards
+        ax.plot(steps, [r["engine_busy_frac"] for r in rows], label="engine busy (forward running)")
     ax.set(xlabel="train step", ylabel="busy fraction", ylim=(0, 1.05), title="Utilization")
     ax.grid(alpha=0.3)
     ax.legend()
