@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import subprocess
 import sys
@@ -217,9 +218,17 @@ def parse_workload(spec: str) -> tuple[str, dict[str, str]]:
     return name, sets
 
 
-def summarize(rows: list[dict]) -> dict:
+def cpu_floor(sync_t1: dict, cores: int) -> float:
+    """The samples/s no schedule can beat on ``cores`` cores: the synchronous one-thread run
+    overlaps nothing, so its trainer and engine busy fractions add up to the core-seconds one
+    sample costs (tool waits cost none); all cores busy all the time trains ``cores`` over that."""
+    return cores * sync_t1["samples_per_s"] / (sync_t1["trainer_busy"] + sync_t1["engine_busy"])
+
+
+def summarize(rows: list[dict], cores: int = 2) -> dict:
     """Per workload: each configuration's means over seeds, the best synchronous and asynchronous
-    ones, and the speedup of the best asynchronous over the best synchronous."""
+    ones, the speedup of the best asynchronous over the best synchronous, and the CPU floor
+    (:func:`cpu_floor`)."""
     out = {}
     for workload in dict.fromkeys(r["workload"] for r in rows):
         configs = {}
@@ -234,6 +243,8 @@ def summarize(rows: list[dict]) -> dict:
             "best_async": asyn,
             "speedup": configs[asyn]["samples_per_s"] / configs[sync]["samples_per_s"],
         }
+        if "sync-t1" in configs and "engine_busy" in configs["sync-t1"]:
+            out[workload]["cpu_floor_samples_per_s"] = cpu_floor(configs["sync-t1"], cores)
         if "predicted_samples_per_s" in configs[sync]:  # the simulator's, for the same two
             predicted = configs[asyn]["predicted_samples_per_s"] / configs[sync]["predicted_samples_per_s"]
             out[workload]["predicted_speedup"] = predicted
@@ -262,6 +273,10 @@ def table(summary: dict) -> str:
     ]
     for workload, w in summary.items():
         base = w["configs"][w["best_sync"]]["samples_per_s"]
+        if floor := w.get("cpu_floor_samples_per_s"):
+            lines.append(
+                f"| {workload} | CPU floor (every core busy) | {floor:.1f} | {floor / base:.2f}x | | | | | |"
+            )
         for config, c in w["configs"].items():
             mark = " (best)" if config in (w["best_sync"], w["best_async"]) else ""
             lines.append(
@@ -282,7 +297,14 @@ def main() -> None:
     parser.add_argument("--workload", action="append", help="NAME[=KEY=VALUE,...]; repeatable")
     parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "loong")
     parser.add_argument("--no-predict", dest="predict", action="store_false", help="skip the simulator")
+    parser.add_argument("--summarize", type=Path, help="only summarize this earlier --json output")
     args = parser.parse_args()
+    if args.summarize:
+        result = json.loads(args.summarize.read_text())
+        result["workloads"] = summarize(result["runs"], result.get("cores", 2))
+        args.json.write_text(json.dumps(result, indent=2))
+        print(table(result["workloads"]))
+        return
     workloads = [parse_workload(w) for w in args.workload or DEFAULT_WORKLOADS]
     seeds = [int(s) for s in args.seeds.split(",")]
     rows = []
@@ -309,7 +331,8 @@ def main() -> None:
         "recipe": args.recipe,
         "steps": args.steps,
         "window": args.window,
-        "workloads": summarize(rows),
+        "cores": os.cpu_count(),
+        "workloads": summarize(rows, os.cpu_count() or 1),
         "runs": rows,
     }
     args.json.write_text(json.dumps(result, indent=2))

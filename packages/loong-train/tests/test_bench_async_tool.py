@@ -78,3 +78,16 @@ def test_engine_costs_are_measured_on_the_recipes_model(tmp_path):
     costs = bench.engine_costs("tiny-calc-agent", sets, tmp_path, threads=1, solo=3, sizes=(4, 12))
     assert costs["group_s"] > 0 and costs["step_s"] > 0 and costs["row_s"] > 0
     assert 0 < costs["slot_cost"] < 1 and costs["turns"] >= 1
+
+
+def test_the_cpu_floor_is_every_core_busy_at_the_synchronous_cost_per_sample():
+    """Hand-worked: one thread each, sync, 18 samples/s with the trainer busy 60% and the engine
+    30% of the time: a sample costs 0.9 / 18 = 0.05 core-seconds, so 2 cores train at most 40/s."""
+    rows = [
+        _row("tools", "sync-t1", 0, 18.0, 0.5) | {"trainer_busy": 0.6, "engine_busy": 0.3},
+        _row("tools", "sync-t2", 0, 20.0, 0.5) | {"trainer_busy": 0.5, "engine_busy": 0.3},
+        _row("tools", "async-t1", 0, 30.0, 0.5) | {"trainer_busy": 0.9, "engine_busy": 0.5},
+    ]
+    out = bench.summarize(rows, cores=2)["tools"]
+    assert out["cpu_floor_samples_per_s"] == pytest.approx(40.0)
+    assert "| tools | CPU floor (every core busy) | 40.0 | 2.00x |" in bench.table({"tools": out})
