@@ -181,15 +181,17 @@ def test_in_call_mode_a_call_waits_for_its_slowest_group() -> None:
     stream) keep both groups until 3; in group mode the short one is reported at 1."""
     base = sim.SimConfig(engines=1, batch_per_engine=2, window=0, steps=1, dist="constant",
                          slot_cost=0.0, step_ratio=0.5, sync_time=0.0)  # fmt: skip
-    for cfg, ends in (
-        (replace(base, slots=2), [1.0, 3.0]),
-        (replace(base, slots=1, call_groups=2), [3.0, 3.0]),
-    ):
-        run = sim._Sim(cfg)
-        works = iter([1.0, 3.0])
-        run.draw = lambda works=works: next(works)
-        seen = []
-        finish = run.scheduler.finish
-        run.scheduler.finish = lambda g, v, *a: seen.append(run.now) or finish(g, v, *a)
-        run.run()
-        assert seen == ends
+    assert _finish_times(replace(base, slots=2), [1.0, 3.0]) == [1.0, 3.0]
+    assert _finish_times(replace(base, slots=1, call_groups=2), [1.0, 3.0]) == [3.0, 3.0]
+
+
+def _finish_times(cfg, works: list[float]) -> list[float]:
+    """When the scheduler hears of each group, with generation lengths ``works`` in draw order."""
+    run = sim._Sim(cfg)
+    draws = iter(works)
+    run.draw = lambda: next(draws)
+    seen: list[float] = []
+    finish = run.scheduler.finish
+    run.scheduler.finish = lambda g, v, *a: seen.append(run.now) or finish(g, v, *a)
+    run.run()
+    return seen
