@@ -39,7 +39,10 @@ Model. Time is in units of the mean solo generation time of one GRPO group.
 
 Not modelled: partial or interrupted rollouts (DESIGN.md section 5, step 4), aborts and
 re-issue, engines pausing to swap weights, variance of the step time, heterogeneous engines,
-controller and network latency, and what staleness does to learning.
+controller and network latency, what staleness does to learning, and phases slowing each other
+down on shared cores (measured on 2 vCPUs: a one-thread train step takes 4.1-4.5 s alone and
+5.2-5.5 s beside a decoding engine, so predictions from costs measured alone overestimate an
+overlapped run there; ``tools/bench_async.py`` prints both).
 
 Output: one row per (engines, K): B, steps simulated, simulated time, groups trained per unit
 time, speedup (throughput / throughput at K = 0, same engines and workload), trainer busy
