@@ -82,8 +82,6 @@ def engine_costs(
       G b / (a + G b) of a solo group's step;
     - ``turns``: model turns per episode, rounded.
     """
-    import torch
-
     from loong_train.config import load_recipe
     from loong_train.pipeline import GroupSource
     from loong_train.tasks import build_task
@@ -124,19 +122,26 @@ def engine_costs(
                 turns += [sum(1 for span in t.spans if span.is_model) for t in out["trajectories"]]
     finally:
         worker.close()
-    x = torch.tensor([[steps, rows] for steps, rows, _ in points], dtype=torch.float64)
-    y = torch.tensor([[busy] for *_, busy in points], dtype=torch.float64)
-    a, b = torch.linalg.lstsq(x, y).solution.flatten().tolist()
     logs = [math.log(t) for t in times]
     return {
         "threads": threads,
         "group_s": statistics.fmean(times),
         "sigma": statistics.pstdev(logs),
-        "step_s": a,
-        "row_s": b,
-        "slot_cost": r.group_size * b / (a + r.group_size * b),
+        **fit_slot_cost(points, r.group_size),
         "turns": max(1, round(statistics.fmean(turns))),
     }
+
+
+def fit_slot_cost(points: list[list[float]], group_size: int) -> dict:
+    """``points``: [decode steps, rows, busy seconds] per call. Least squares of busy = a * steps
+    + b * rows gives ``step_s`` = a and ``row_s`` = b; a group of ``group_size`` rows joining a
+    batch slows each step by ``slot_cost`` = G b / (a + G b) of a solo group's step."""
+    import torch
+
+    x = torch.tensor([[steps, rows] for steps, rows, _ in points], dtype=torch.float64)
+    y = torch.tensor([[busy] for *_, busy in points], dtype=torch.float64)
+    a, b = torch.linalg.lstsq(x, y).solution.flatten().tolist()
+    return {"step_s": a, "row_s": b, "slot_cost": group_size * b / (a + group_size * b)}
 
 
 def run_costs(out: Path) -> dict:

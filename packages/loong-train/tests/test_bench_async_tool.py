@@ -72,12 +72,22 @@ def test_concurrent_calls_match_the_window():
 
 
 def test_engine_costs_are_measured_on_the_recipes_model(tmp_path):
-    """A real worker on a random-init tiny model (no warm start), short episodes: the fit gives a
-    positive per-step and per-row cost, so a slot costs a fraction of a solo group's step."""
+    """A real worker on a random-init tiny model (no warm start), short episodes: every cost is
+    measured (timing under a loaded test machine is too noisy to check the fit's values here)."""
     sets = {"warmstart.steps": 0, "rollout.max_new_tokens": 8, "rollout.group_size": 2}
     costs = bench.engine_costs("tiny-calc-agent", sets, tmp_path, threads=1, solo=3, sizes=(4, 12))
-    assert costs["group_s"] > 0 and costs["step_s"] > 0 and costs["row_s"] > 0
-    assert 0 < costs["slot_cost"] < 1 and costs["turns"] >= 1
+    assert costs["group_s"] > 0 and costs["turns"] >= 1 and costs["sigma"] >= 0
+    assert {"step_s", "row_s", "slot_cost"} <= costs.keys()
+
+
+def test_the_slot_cost_fit_recovers_a_hand_made_engine():
+    """Calls on an engine with a = 2 ms per step and b = 0.3 ms per row: G = 8 rows cost
+    8 * 0.3 / (2 + 8 * 0.3) = 0.545 of a solo group's step."""
+    calls = [(100, 800), (120, 3000), (150, 9000)]  # (steps, rows)
+    points = [[steps, rows, 0.002 * steps + 0.0003 * rows] for steps, rows in calls]
+    fit = bench.fit_slot_cost(points, group_size=8)
+    assert fit["step_s"] == pytest.approx(0.002) and fit["row_s"] == pytest.approx(0.0003)
+    assert fit["slot_cost"] == pytest.approx(2.4 / 4.4)
 
 
 def test_the_cpu_floor_is_every_core_busy_at_the_synchronous_cost_per_sample():
