@@ -169,7 +169,7 @@ def predict(recipe_name: str, sets: dict, engine: dict, trainer: dict, steps: in
         steps=steps,
         batch_per_engine=t.batch_groups // r.workers,
         call_groups=t.batch_groups // r.workers,
-        slots=getattr(r.engine, "concurrent_calls", 1),
+        slots=r.engine.concurrent_calls,
         slot_cost=engine["slot_cost"],
         dist="lognormal" if engine["sigma"] > 0 else "constant",
         sigma=engine["sigma"],

@@ -211,7 +211,7 @@ def _start(
     engine_path, version = (str(ckpt.path), ckpt.version) if ckpt else (model_path, 0)
     # "weights": updates apply beside running rollouts (partial rollouts, concurrent calls);
     # "rollout": the calls a worker runs at once
-    groups = {"weights": 1, "rollout": getattr(r.engine, "concurrent_calls", 1)}
+    groups = {"weights": 1, "rollout": r.engine.concurrent_calls}
     worker_actor = ray.remote(
         num_cpus=recipe.threads, num_gpus=gpus, max_restarts=r.max_restarts, concurrency_groups=groups
     )(RolloutWorker)

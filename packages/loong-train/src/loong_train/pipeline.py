@@ -154,7 +154,7 @@ class Pipeline:
     @property
     def concurrent_calls(self) -> int:
         """Rollout calls a worker runs at once (``[rollout.engine] concurrent_calls``)."""
-        return getattr(self.recipe.rollout.engine, "concurrent_calls", 1)
+        return self.recipe.rollout.engine.concurrent_calls
 
     def admit(self) -> None:
         """Keep every worker's queue one call deeper than it runs at once (with one call at a

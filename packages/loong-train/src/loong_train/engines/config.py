@@ -100,6 +100,11 @@ class SGLangEngineConfig(_Engine, tag="sglang"):
         """A server's updates land between rollout calls only (``EmbeddedEngineConfig.partial``)."""
         return "off"
 
+    @property
+    def concurrent_calls(self) -> int:
+        """A server's worker runs one rollout call at a time (``EmbeddedEngineConfig.concurrent_calls``)."""
+        return 1
+
     def __post_init__(self) -> None:
         if not is_loopback(self.host) and not self.api_key:
             raise ValueError(f"host {self.host!r} is not loopback: set api_key")

@@ -111,7 +111,7 @@ class RolloutWorker:
         self.host = (  # white-box episodes: updates may land mid-call (partial rollouts)
             build_host(self.engine) if self.blackbox is None else None
         )
-        self.between_calls = getattr(engine, "partial", "off") == "off"
+        self.between_calls = (engine or EmbeddedEngineConfig()).partial == "off"
         if version:  # resumed: ``model_path`` is a checkpoint of this version
             self.engine.set_version(version)
         self._calls_lock, self._calls, self._calls_since, self.busy_s = threading.Lock(), 0, 0.0, 0.0
