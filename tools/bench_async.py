@@ -3,7 +3,8 @@ cores, per workload.
 
     uv run python tools/bench_async.py --json async.json [--recipe tiny-calc-agent] [--window 2]
         [--steps 80] [--seeds 0,1] [--workload compute] [--workload tools=rollout.tool_latency_ms=200]
-        [--no-predict]
+        [--configs sync-t1,sync-t2,async-t1] [--no-predict]
+    uv run python tools/bench_async.py --json out.json --summarize async.json [--repredict]
 
 A workload is a name and the recipe overrides that make it (``NAME=KEY=VALUE,KEY=VALUE``; the
 default: ``compute``, the recipe as shipped, and ``tools-200ms`` and ``tools-1s``, a lognormal
@@ -21,7 +22,7 @@ from the timing):
   many calls at once as the window holds batches) and ``rollout.engine.partial = "continue"``
   (an update lands between decode steps instead of waiting for every running call): while one
   call's episodes wait on tools, another's keep the engine busy;
-- ``async-t1-cc-tr2``: as ``async-t1-cc`` with two torch threads for the trainer
+- ``async-t1-tr2``: as ``async-t1`` with two torch threads for the trainer
   (``train.threads = 2``; three threads on two cores): while the engine waits on tools the
   trainer can use both cores. (Two threads for every actor, four on two cores, measured slower:
   the engine's threads then take the trainer's second core whenever it decodes.)
@@ -33,6 +34,13 @@ reports ``trainer_busy_frac``, ``engine_busy_frac`` (a forward running) and
 ``engine_rows_per_step`` of that line. The JSON holds, per workload, every configuration's means,
 the best of each kind and ``speedup`` (best asynchronous over best synchronous); then every run.
 It prints a Markdown table.
+
+Unless ``--no-predict``, every run also gets the simulator's samples/s (``tools/simulate.py``),
+from costs measured apart from the runs: the engine's (:func:`engine_costs`), the trainer's (the
+synchronous run's steps, which overlap nothing), and how much the trainer and an engine slow
+each other down on the shared cores (:func:`shared_core_costs`, for the asynchronous runs).
+``--summarize FILE --repredict`` measures the shared-core costs an earlier output lacks and
+predicts its rows again.
 """
 
 from __future__ import annotations
@@ -52,7 +60,7 @@ CONFIGS = {  # name -> recipe overrides (besides the workload's); the async ones
     "sync-t2": {"train.max_staleness": 0, "threads": 2},
     "async-t1": {"threads": 1},
     "async-t1-cc": {"threads": 1},
-    "async-t1-cc-tr2": {"threads": 1, "train.threads": 2},
+    "async-t1-tr2": {"threads": 1, "train.threads": 2},
 }
 DEFAULT_WORKLOADS = [
     "compute",
@@ -82,33 +90,9 @@ def engine_costs(
       G b / (a + G b) of a solo group's step;
     - ``turns``: model turns per episode, rounded.
     """
-    from loong_train.config import load_recipe
-    from loong_train.pipeline import GroupSource
-    from loong_train.tasks import build_task
-    from loong_train.tiny.warmstart import prepare_model
-    from loong_train.workers.rollout import RolloutWorker
-    from loong_transfermesh import TransportConfig
-
-    recipe = load_recipe(
-        recipe_name, [f"{k}={v}" for k, v in sets.items() if not k.startswith("rollout.tool")]
-    )
+    recipe = _calibration_recipe(recipe_name, sets)
     r = recipe.rollout
-    worker = RolloutWorker(
-        str(prepare_model(recipe, cache)),
-        seed=recipe.seed,
-        sampling={"temperature": r.temperature, "top_p": r.top_p, "max_new_tokens": r.max_new_tokens},
-        limits={
-            "max_turns": r.max_turns,
-            "max_model_tokens": r.max_model_tokens,
-            "timeout_s": r.episode_timeout_s,
-        },
-        transport=TransportConfig(name=f"bench-calibrate-{threads}"),
-        threads=threads,
-        task=recipe.task,
-        tables=recipe.task_tables,
-    )
-    task = build_task(recipe.task, recipe.task_tables)
-    source = GroupSource(task.train_stream(recipe.seed + 2, []), r.group_size, seed=recipe.seed)
+    worker, source = _calibration_worker(recipe, cache, threads, f"bench-calibrate-{threads}")
     try:
         worker.rollout([s for s in source.specs(source.next_group())])  # warm up kernels and caches
         times, turns, points = [], [], []
@@ -132,6 +116,188 @@ def engine_costs(
     }
 
 
+def _calibration_recipe(recipe_name: str, sets: dict):
+    """The recipe with ``sets``, less the tool latency: calibration measures compute alone."""
+    from loong_train.config import load_recipe
+
+    return load_recipe(recipe_name, [f"{k}={v}" for k, v in sets.items() if not k.startswith("rollout.tool")])
+
+
+def _calibration_worker(recipe, cache: Path, threads: int, name: str):
+    """An in-process rollout worker on the recipe's warm-started model, and a source of its
+    training groups."""
+    from loong_train.pipeline import GroupSource
+    from loong_train.tasks import build_task
+    from loong_train.tiny.warmstart import prepare_model
+    from loong_train.workers.rollout import RolloutWorker
+    from loong_transfermesh import TransportConfig
+
+    r = recipe.rollout
+    worker = RolloutWorker(
+        str(prepare_model(recipe, cache)),
+        seed=recipe.seed,
+        sampling={"temperature": r.temperature, "top_p": r.top_p, "max_new_tokens": r.max_new_tokens},
+        limits={
+            "max_turns": r.max_turns,
+            "max_model_tokens": r.max_model_tokens,
+            "timeout_s": r.episode_timeout_s,
+        },
+        transport=TransportConfig(name=name),
+        threads=threads,
+        task=recipe.task,
+        tables=recipe.task_tables,
+    )
+    task = build_task(recipe.task, recipe.task_tables)
+    return worker, GroupSource(task.train_stream(recipe.seed + 2, []), r.group_size, seed=recipe.seed)
+
+
+def _call(recipe, source) -> list:
+    """The episodes of one rollout call as the run places them: a batch's groups per worker."""
+    n = recipe.train.batch_groups // recipe.rollout.workers
+    return [s for _ in range(n) for s in source.specs(source.next_group())]
+
+
+def _backend(recipe, cache: Path, threads: int):
+    """The recipe's train backend on its warm-started model, with ``threads`` torch threads."""
+    import msgspec
+    import torch
+
+    from loong_train.backends.base import build_backend
+    from loong_train.controller import trainer_options
+    from loong_train.tiny.warmstart import prepare_model
+
+    torch.set_num_threads(threads)
+    options = msgspec.structs.replace(trainer_options(recipe)["options"], threads=threads)
+    return build_backend(str(prepare_model(recipe, cache)), options)
+
+
+def shared_core_costs(
+    recipe_name: str, sets: dict, cache: Path, engine_threads: int, train_threads: int, repeats: int = 3
+) -> dict:
+    """How much the trainer and an engine slow each other down on this machine's shared cores,
+    measured on the recipe's model, each phase alone and then beside a second process that runs
+    the other phase without pause (:func:`hog`):
+
+    - ``train_slowdown``: a train step (one batch of rollouts) beside a decoding engine over alone;
+    - ``engine_slowdown``: a rollout call (one batch's groups, no tool latency) beside a training
+      trainer over alone.
+
+    The simulator's ``train_slowdown`` and ``engine_slowdown`` (``tools/simulate.py``)."""
+    import pickle
+    import time
+
+    import torch
+
+    from loong_train.algo.losses import pack_batch
+
+    recipe = _calibration_recipe(recipe_name, sets)
+    worker, source = _calibration_worker(recipe, cache, engine_threads, "bench-shared")
+    try:
+        trajectories = worker.rollout(_call(recipe, source))["trajectories"]  # warm-up, and a batch
+        # The cost of a step does not depend on the advantages' values.
+        batch = pack_batch(trajectories, [(-1.0) ** i for i in range(len(trajectories))], policy_version=0)
+
+        def call() -> float:
+            start = time.perf_counter()
+            worker.rollout(_call(recipe, source))
+            return time.perf_counter() - start
+
+        with tempfile.TemporaryDirectory(prefix="loong-bench-shared-") as tmp:
+            batch_path = Path(tmp) / "batch.pkl"
+            batch_path.write_bytes(pickle.dumps(batch))
+            torch.set_num_threads(engine_threads)
+            call_alone = [call() for _ in range(repeats)]
+            with _hogging("train", recipe_name, sets, cache, train_threads, batch_path):
+                call_beside = [call() for _ in range(repeats)]
+            backend = _backend(recipe, cache, train_threads)
+
+            def step() -> float:
+                start = time.perf_counter()
+                backend.train_step(batch)
+                return time.perf_counter() - start
+
+            step()  # warm-up
+            train_alone = [step() for _ in range(repeats)]
+            with _hogging("decode", recipe_name, sets, cache, engine_threads, batch_path):
+                train_beside = [step() for _ in range(repeats)]
+    finally:
+        worker.close()
+    means = {
+        "call_alone_s": statistics.fmean(call_alone),
+        "call_beside_s": statistics.fmean(call_beside),
+        "train_alone_s": statistics.fmean(train_alone),
+        "train_beside_s": statistics.fmean(train_beside),
+    }
+    return {
+        "engine_threads": engine_threads,
+        "train_threads": train_threads,
+        **means,
+        "engine_slowdown": means["call_beside_s"] / means["call_alone_s"],
+        "train_slowdown": means["train_beside_s"] / means["train_alone_s"],
+    }
+
+
+class _hogging:
+    """A :func:`hog` subprocess running ``kind`` for the duration of the ``with`` block (from its
+    first finished iteration on)."""
+
+    def __init__(self, kind: str, recipe: str, sets: dict, cache: Path, threads: int, batch: Path) -> None:
+        self.cmd = [
+            sys.executable,
+            __file__,
+            "--hog",
+            kind,
+            recipe,
+            json.dumps(sets),
+            str(cache),
+            str(threads),
+        ]
+        self.cmd.append(str(batch))
+
+    def __enter__(self) -> None:
+        self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, text=True)
+        if self.proc.stdout.readline().strip() != "ready":
+            self.proc.kill()
+            raise RuntimeError(
+                f"{' '.join(self.cmd[2:5])}: exited with {self.proc.wait()} before its first iteration"
+            )
+
+    def __exit__(self, *exc) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+
+
+def hog(kind: str, recipe_name: str, sets: dict, cache: Path, threads: int, batch_path: Path) -> None:
+    """Run ``kind`` without pause until SIGTERM: ``decode`` rollout calls as :func:`shared_core_costs`
+    times them, or ``train`` steps on the pickled batch at ``batch_path``. Prints ``ready`` after
+    the first iteration."""
+    import pickle
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # unwind: the worker's close runs
+    recipe = _calibration_recipe(recipe_name, sets)
+    if kind == "decode":
+        worker, source = _calibration_worker(recipe, cache, threads, "bench-shared-hog")
+
+        def iteration() -> None:
+            worker.rollout(_call(recipe, source))
+    else:
+        worker, batch = None, pickle.loads(batch_path.read_bytes())
+        backend = _backend(recipe, cache, threads)
+
+        def iteration() -> None:
+            backend.train_step(batch)
+
+    try:
+        iteration()
+        print("ready", flush=True)
+        while True:
+            iteration()
+    finally:
+        if worker is not None:
+            worker.close()
+
+
 def fit_slot_cost(points: list[list[float]], group_size: int) -> dict:
     """``points``: [decode steps, rows, busy seconds] per call. Least squares of busy = a * steps
     + b * rows gives ``step_s`` = a and ``row_s`` = b; a group of ``group_size`` rows joining a
@@ -152,10 +318,13 @@ def run_costs(out: Path) -> dict:
     return {"train_s": statistics.fmean(steps), "sync_s": statistics.fmean(r["weight_sync_s"] for r in lines)}
 
 
-def predict(recipe_name: str, sets: dict, engine: dict, trainer: dict, steps: int) -> float:
+def predict(
+    recipe_name: str, sets: dict, engine: dict, trainer: dict, steps: int, shared: dict | None = None
+) -> float:
     """The simulator's samples/s for one configuration (``sets``: the workload's and the
     configuration's overrides), from the engine's and the trainer's measured costs, in units of
-    the solo group time ``engine["group_s"]``."""
+    the solo group time ``engine["group_s"]``, and how much they slow each other down where they
+    overlap (``shared``, :func:`shared_core_costs`; none: not at all)."""
     from loong_train.config import load_recipe
 
     sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -179,6 +348,8 @@ def predict(recipe_name: str, sets: dict, engine: dict, trainer: dict, steps: in
         episodes=r.group_size,
         step_ratio=trainer["train_s"] / (t.batch_groups // r.workers) / u,
         sync_time=trainer["sync_s"] / u,
+        train_slowdown=shared["train_slowdown"] if shared else 1.0,
+        engine_slowdown=shared["engine_slowdown"] if shared else 1.0,
     )
     return simulate.simulate(cfg).throughput / u * r.group_size
 
@@ -205,7 +376,7 @@ def config_sets(config: str, window: int) -> dict:
     """The overrides of ``config`` (``CONFIGS``) for an asynchronous window of ``window``."""
     sets = dict(CONFIGS[config])
     sets.setdefault("train.max_staleness", window)
-    if config.endswith("-cc"):
+    if "-cc" in config:
         sets["rollout.engine.concurrent_calls"] = window + 1
         sets["rollout.engine.partial"] = "continue"
     return sets
@@ -293,6 +464,10 @@ def table(summary: dict) -> str:
 
 
 def main() -> None:
+    if sys.argv[1:2] == ["--hog"]:  # a second process of shared_core_costs
+        kind, recipe, sets, cache, threads, batch = sys.argv[2:]
+        hog(kind, recipe, json.loads(sets), Path(cache), int(threads), Path(batch))
+        return
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, required=True, help="where to write the summary")
     parser.add_argument("--recipe", default="tiny-calc-agent")
@@ -300,24 +475,42 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=80)
     parser.add_argument("--seeds", default="0", help="comma-separated seeds")
     parser.add_argument("--workload", action="append", help="NAME[=KEY=VALUE,...]; repeatable")
+    parser.add_argument(
+        "--configs",
+        default=",".join(CONFIGS),
+        help="comma-separated configurations to run (the simulator needs the sync-tN of each async run's trainer threads)",
+    )
     parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "loong")
     parser.add_argument("--no-predict", dest="predict", action="store_false", help="skip the simulator")
     parser.add_argument("--summarize", type=Path, help="only summarize this earlier --json output")
+    parser.add_argument(
+        "--repredict",
+        action="store_true",
+        help="with --summarize: measure the shared-core costs its rows lack, then predict every row again",
+    )
     args = parser.parse_args()
     if args.summarize:
         result = json.loads(args.summarize.read_text())
+        if args.repredict:
+            for row in result["runs"]:
+                if "trainer_costs" in row and "shared_costs" not in row:
+                    add_shared_costs(result["recipe"], row, args.cache)
+            add_predictions(result["recipe"], result["runs"], result["steps"])
         result["workloads"] = summarize(result["runs"], result.get("cores", 2))
         args.json.write_text(json.dumps(result, indent=2))
         print(table(result["workloads"]))
         return
     workloads = [parse_workload(w) for w in args.workload or DEFAULT_WORKLOADS]
     seeds = [int(s) for s in args.seeds.split(",")]
+    configs = args.configs.split(",")
+    if unknown := set(configs) - set(CONFIGS):
+        parser.error(f"--configs: unknown {sorted(unknown)}; expected some of {list(CONFIGS)}")
     rows = []
     with tempfile.TemporaryDirectory(prefix="loong-bench-async-") as tmp:
         for name, workload in workloads:
             for seed in seeds:
                 runs = {}
-                for config in CONFIGS:
+                for config in configs:
                     sets = {
                         **workload,
                         **config_sets(config, args.window),
@@ -326,12 +519,13 @@ def main() -> None:
                     }
                     runs[config] = (sets, Path(tmp) / f"{name}-{config}-s{seed}")
                     rows.append(
-                        {"workload": name, "config": config, "seed": seed}
+                        {"workload": name, "config": config, "seed": seed, "sets": sets}
                         | train(args.recipe, *runs[config], args.cache)
                     )
                     print(json.dumps(rows[-1]), flush=True)
                 if args.predict:
-                    add_predictions(args.recipe, runs, rows[-len(runs) :], args.cache, args.steps)
+                    add_costs(args.recipe, runs, rows[-len(runs) :], args.cache)
+                    add_predictions(args.recipe, rows[-len(runs) :], args.steps)
     result = {
         "recipe": args.recipe,
         "steps": args.steps,
@@ -345,21 +539,49 @@ def main() -> None:
 
 
 _ENGINES: dict[int, dict] = {}  # threads -> engine_costs, measured once per benchmark
+_SHARED: dict[tuple[int, int], dict] = {}  # (engine, train threads) -> shared_core_costs, once
 
 
-def add_predictions(recipe: str, runs: dict, rows: list[dict], cache: Path, steps: int) -> None:
-    """Each row's ``predicted_samples_per_s``: the simulator driven by the engine's costs
-    (:func:`engine_costs`, measured once per thread count) and the trainer's, from the
-    synchronous run with the same threads (train steps there overlap nothing)."""
+def add_costs(recipe: str, runs: dict, rows: list[dict], cache: Path) -> None:
+    """What the simulator needs for each row: the engine's costs (:func:`engine_costs`, measured
+    once per thread count) and the trainer's, from the synchronous run with the same threads
+    (train steps there overlap nothing); for an asynchronous run also how much the two slow each
+    other down (:func:`shared_core_costs`, once per pair of thread counts; a synchronous run
+    overlaps nothing). A row whose trainer threads had no synchronous run gets none."""
     for row in rows:
-        sets, _ = runs[row["config"]]
+        sets = row["sets"]
         threads, train_threads = int(sets["threads"]), int(sets.get("train.threads", sets["threads"]))
+        if f"sync-t{train_threads}" not in runs:
+            continue
         if threads not in _ENGINES:
             _ENGINES[threads] = engine_costs(recipe, sets, cache, threads)
             print(json.dumps(_ENGINES[threads]), flush=True)
-        trainer = run_costs(runs[f"sync-t{train_threads}"][1])
-        row["engine_costs"], row["trainer_costs"] = _ENGINES[threads], trainer
-        row["predicted_samples_per_s"] = predict(recipe, sets, _ENGINES[threads], trainer, steps)
+        row["engine_costs"] = _ENGINES[threads]
+        row["trainer_costs"] = run_costs(runs[f"sync-t{train_threads}"][1])
+        add_shared_costs(recipe, row, cache)
+
+
+def add_shared_costs(recipe: str, row: dict, cache: Path) -> None:
+    """An asynchronous row's ``shared_costs`` (:func:`shared_core_costs`, measured once per pair
+    of thread counts)."""
+    sets = row["sets"]
+    if int(sets["train.max_staleness"]) == 0:
+        return
+    threads, train_threads = int(sets["threads"]), int(sets.get("train.threads", sets["threads"]))
+    if (threads, train_threads) not in _SHARED:
+        _SHARED[threads, train_threads] = shared_core_costs(recipe, sets, cache, threads, train_threads)
+        print(json.dumps(_SHARED[threads, train_threads]), flush=True)
+    row["shared_costs"] = _SHARED[threads, train_threads]
+
+
+def add_predictions(recipe: str, rows: list[dict], steps: int) -> None:
+    """Each row's ``predicted_samples_per_s`` from its costs (:func:`add_costs`), if it has them."""
+    for row in rows:
+        if "trainer_costs" in row:
+            costs = row["engine_costs"], row["trainer_costs"]
+            row["predicted_samples_per_s"] = predict(
+                recipe, row["sets"], *costs, steps, row.get("shared_costs")
+            )
 
 
 if __name__ == "__main__":

@@ -36,13 +36,15 @@ Model. Time is in units of the mean solo generation time of one GRPO group.
   weights sync for ``sync_time`` (publish + apply; the trainer waits), then ``advance()``.
   Engines keep generating through training and sync; at K = 0 they have nothing to generate
   then, because the taken batch fills the window's capacity B.
+- Shared cores (``train_slowdown``, ``engine_slowdown``; 1 on disaggregated hardware): where
+  trainer and engines share CPU cores, a step runs ``train_slowdown`` times slower while every
+  engine generates (linearly less with fewer generating) and engines run ``engine_slowdown``
+  times slower while a step trains; both are measured, each phase alone and beside the other
+  (``tools/bench_async.py``). Phases that never overlap (K = 0) never slow each other.
 
 Not modelled: partial or interrupted rollouts (DESIGN.md section 5, step 4), aborts and
 re-issue, engines pausing to swap weights, variance of the step time, heterogeneous engines,
-controller and network latency, what staleness does to learning, and phases slowing each other
-down on shared cores (measured on 2 vCPUs: a one-thread train step takes 4.1-4.5 s alone and
-5.2-5.5 s beside a decoding engine, so predictions from costs measured alone overestimate an
-overlapped run there; ``tools/bench_async.py`` prints both).
+controller and network latency, and what staleness does to learning.
 
 Output: one row per (engines, K): B, steps simulated, simulated time, groups trained per unit
 time, speedup (throughput / throughput at K = 0, same engines and workload), trainer busy
@@ -97,6 +99,7 @@ Usage::
         [--max-groups 20480] [--dist lognormal] [--sigma 1] [--cap 0] [--step-ratio 1]
         [--sync-time 0.05] [--slots 1] [--slot-cost 0.15] [--batch-per-engine 1]
         [--turns 1] [--tool-latency 0] [--tool-sigma 0.5] [--episodes 8] [--call-groups 1]
+        [--train-slowdown 1] [--engine-slowdown 1]
         [--json FILE] [--plot FILE.png]
 
 ``--json`` writes a list with one object per row: engines, window, batch, steps, sim_time,
@@ -150,6 +153,9 @@ class SimConfig:
     # groups start together and are reported together, when its last one ends
     step_ratio: float = 1.0  # step_time = step_ratio * batch_per_engine (one batch)
     sync_time: float = 0.05  # weight publish + apply after each step; the trainer waits for it
+    train_slowdown: float = 1.0  # a train step takes this many times longer while every engine
+    # generates (shared cores; linear in the fraction of engines generating); 1: no sharing
+    engine_slowdown: float = 1.0  # engines generate this many times slower while a step trains
     seed: int = 0
     record: bool = False  # keep busy intervals and the ledger (for tests and plots)
 
@@ -223,16 +229,17 @@ class _Engine:
         self.returning: list[str] = []  # groups back from a tool wait, queued for a slot
         self.calls = 0  # rollout calls running (call mode)
 
-    def progress(self, now: float, slot_cost: float) -> None:
+    def progress(self, now: float, slot_cost: float, speed: float = 1.0) -> None:
+        """Advance ``work`` to ``now``; ``speed`` scales the whole engine (shared cores)."""
         n = len(self.active)
         if n:
-            self.work += (now - self.clock) / (1 + slot_cost * (n - 1))
+            self.work += (now - self.clock) * speed / (1 + slot_cost * (n - 1))
             self.load += (now - self.clock) * n
         self.clock = now
 
-    def next_finish(self, now: float, slot_cost: float) -> float:
+    def next_finish(self, now: float, slot_cost: float, speed: float = 1.0) -> float:
         remaining = min(self.active.values()) - self.work
-        return now + max(remaining, 0.0) * (1 + slot_cost * (len(self.active) - 1))
+        return now + max(remaining, 0.0) * (1 + slot_cost * (len(self.active) - 1)) / speed
 
 
 class _Sim:
@@ -258,7 +265,15 @@ class _Sim:
         self.admitted: list[str] = []
         self.trained: list[str] = []
         self.trainer_intervals: list[tuple[float, float]] = []
-        self.at_warmup = (0.0, 0.0, 0.0)
+        self.at_warmup = (0.0, 0.0, 0.0, 0.0)
+        # Shared cores: the running step's work left (in solo seconds) as of ``train_clock``,
+        # engines generating, and an epoch that invalidates a step's stale end events.
+        self.shared = cfg.train_slowdown != 1.0 or cfg.engine_slowdown != 1.0
+        self.train_left, self.train_clock, self.train_epoch = 0.0, 0.0, 0
+        self.train_start = 0.0
+        self.train_busy = 0.0  # wall time of finished steps
+        self.training = False
+        self.generating = 0
 
     def run(self) -> SimResult:
         self.schedule()
@@ -284,6 +299,12 @@ class _Sim:
             self.engines[index].returning.append(group)
             self.serve_returning(self.engines[index])
         elif kind == _TRAIN:
+            if epoch != self.train_epoch:
+                return  # the engines' load changed since this end time was computed
+            self.set_training(False)
+            self.train_busy += self.now - self.train_start
+            if self.cfg.record:
+                self.trainer_intervals.append((self.train_start, self.now))
             self.push(self.now + self.cfg.sync_time, _SYNC)
         else:
             self.scheduler.published(version := self.window.version + 1)  # new rollouts use it
@@ -293,7 +314,7 @@ class _Sim:
     def on_generation(self, engine: _Engine, epoch: int) -> None:
         if epoch != engine.epoch:
             return  # its group count changed since this finish time was computed
-        engine.progress(self.now, self.cfg.slot_cost)
+        engine.progress(self.now, self.cfg.slot_cost, self.engine_speed())
         for group in [g for g, end in engine.active.items() if end <= engine.work + 1e-9]:
             del engine.active[group]
             if self.segments[group]:  # a tool call: the group leaves the engine while it waits
@@ -306,6 +327,7 @@ class _Sim:
             engine.busy += self.now - engine.busy_since
             if self.cfg.record:
                 engine.intervals.append((engine.busy_since, self.now))
+            self.set_generating(-1)
         self.serve_returning(engine, reschedule=False)  # ahead of new groups
         self.reschedule(engine)
 
@@ -335,9 +357,44 @@ class _Sim:
             return
         self.trained += batch
         self.staleness.update(self.window.last_batch_staleness)
-        end = self.now + self.cfg.step_time
-        self.trainer_intervals.append((self.now, end))
-        self.push(end, _TRAIN)
+        self.train_start, self.train_clock, self.train_left = self.now, self.now, self.cfg.step_time
+        self.set_training(True)
+        self.retime_train()
+
+    def train_speed(self) -> float:
+        """The running step's speed: 1 / train_slowdown with every engine generating."""
+        return 1 / (1 + (self.cfg.train_slowdown - 1) * self.generating / self.cfg.engines)
+
+    def engine_speed(self) -> float:
+        """An engine's speed: 1 / engine_slowdown while a step trains."""
+        return 1 / self.cfg.engine_slowdown if self.training else 1.0
+
+    def retime_train(self) -> None:
+        """(Re)schedule the running step's end at the current speed."""
+        self.train_epoch += 1
+        self.push(self.now + self.train_left / self.train_speed(), _TRAIN, epoch=self.train_epoch)
+
+    def set_generating(self, delta: int) -> None:
+        """An engine starts (+1) or stops (-1) generating: a running step changes speed."""
+        if self.training and self.shared:
+            self.train_left -= (self.now - self.train_clock) * self.train_speed()
+            self.train_clock = self.now
+            self.generating += delta
+            self.retime_train()
+        else:
+            self.generating += delta
+
+    def set_training(self, training: bool) -> None:
+        """A step starts or ends: every generating engine changes speed."""
+        if not self.shared:
+            self.training = training
+            return
+        busy = [e for e in self.engines if e.active]
+        for engine in busy:
+            engine.progress(self.now, self.cfg.slot_cost, self.engine_speed())
+        self.training = training
+        for engine in busy:
+            self.push_finish(engine)
 
     def load(self, engine: _Engine) -> int:
         """What ``slots`` counts on ``engine``: groups running, or in call mode calls running."""
@@ -370,9 +427,10 @@ class _Sim:
 
     def run_segment(self, engine: _Engine, group: str) -> None:
         """Put ``group``'s next segment on ``engine`` (whose clock is at ``now``)."""
-        engine.progress(self.now, self.cfg.slot_cost)
+        engine.progress(self.now, self.cfg.slot_cost, self.engine_speed())
         if not engine.active:
             engine.busy_since = self.now
+            self.set_generating(+1)
         engine.active[group] = engine.work + self.segments[group].pop()
 
     def serve_returning(self, engine: _Engine, reschedule: bool = True) -> None:
@@ -391,22 +449,30 @@ class _Sim:
             return 0.0
         return max(cfg.tool_latency * math.exp(cfg.tool_sigma * rng.gauss(0, 1)) for _ in range(cfg.episodes))
 
-    def reschedule(self, engine: _Engine) -> None:
+    def push_finish(self, engine: _Engine) -> None:
+        """Schedule ``engine``'s next group end (invalidating the one scheduled before)."""
         engine.epoch += 1
+        at = engine.next_finish(self.now, self.cfg.slot_cost, self.engine_speed())
+        self.push(at, _GEN, engine.index, engine.epoch)
+
+    def reschedule(self, engine: _Engine) -> None:
         if engine.active:
-            self.push(engine.next_finish(self.now, self.cfg.slot_cost), _GEN, engine.index, engine.epoch)
+            self.push_finish(engine)
+        else:
+            engine.epoch += 1
         if self.load(engine) < self.cfg.slots:
             heapq.heappush(self.free, (self.load(engine), engine.index))
 
-    def totals(self) -> tuple[float, float, float]:
-        """(now, engine busy time, integral of running groups), summed over engines."""
+    def totals(self) -> tuple[float, float, float, float]:
+        """(now, engine busy time, integral of running groups, summed over engines; trainer busy
+        time). Taken after a sync, when no step is running."""
         busy = sum(e.busy + (self.now - e.busy_since if e.active else 0.0) for e in self.engines)
         load = sum(e.load + (self.now - e.clock) * len(e.active) for e in self.engines)
-        return self.now, busy, load
+        return self.now, busy, load, self.train_busy
 
     def result(self) -> SimResult:
         cfg, w = self.cfg, self.window
-        (t0, busy0, load0), (t1, busy1, load1) = self.at_warmup, self.totals()
+        (t0, busy0, load0, train0), (t1, busy1, load1, train1) = self.at_warmup, self.totals()
         span, steps = t1 - t0, cfg.steps - cfg.warmup
         hist = sorted(self.staleness.items())
         rec = cfg.record
@@ -417,7 +483,7 @@ class _Sim:
             steps=cfg.steps,
             sim_time=t1,
             throughput=steps * cfg.batch / span,
-            trainer_busy=steps * cfg.step_time / span,
+            trainer_busy=(train1 - train0) / span,
             engine_busy=(busy1 - busy0) / (cfg.engines * span),
             engine_load=(load1 - load0) / (cfg.engines * span),
             staleness_mean=sum(s * c for s, c in hist) / self.staleness.total(),
@@ -537,6 +603,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--call-groups", type=int, default=d.call_groups)
     p.add_argument("--step-ratio", type=float, default=d.step_ratio)
     p.add_argument("--sync-time", type=float, default=d.sync_time)
+    p.add_argument("--train-slowdown", type=float, default=d.train_slowdown)
+    p.add_argument("--engine-slowdown", type=float, default=d.engine_slowdown)
     p.add_argument("--json", help="write a list of per-run result objects to this file")
     p.add_argument("--plot", help="write a PNG of speedup and trainer busy vs engines (matplotlib)")
     a = p.parse_args(argv)
@@ -545,6 +613,7 @@ def main(argv: list[str] | None = None) -> None:
         slot_cost=a.slot_cost, dist=a.dist, sigma=a.sigma, alpha=a.alpha, cap=a.cap,
         step_ratio=a.step_ratio, sync_time=a.sync_time, turns=a.turns, tool_latency=a.tool_latency,
         tool_sigma=a.tool_sigma, episodes=a.episodes, call_groups=a.call_groups,
+        train_slowdown=a.train_slowdown, engine_slowdown=a.engine_slowdown,
     )  # fmt: skip
     started = time.perf_counter()
     results = sweep(base, a.engines, a.windows, a.max_groups)

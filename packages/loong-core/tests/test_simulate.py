@@ -195,3 +195,31 @@ def _finish_times(cfg, works: list[float]) -> list[float]:
     run.scheduler.finish = lambda g, v, *a: seen.append(run.now) or finish(g, v, *a)
     run.run()
     return seen
+
+
+def test_phases_that_never_overlap_never_slow_each_other() -> None:
+    """Window 0 alternates generation and training, so shared-core slowdowns change nothing."""
+    plain = _hand(0, 0.5)
+    shared = _hand(0, 0.5, train_slowdown=2.0, engine_slowdown=1.5)
+    assert (shared.sim_time, shared.throughput, shared.trainer_busy) == (
+        plain.sim_time,
+        plain.throughput,
+        plain.trainer_busy,
+    )
+
+
+def test_hand_checked_shared_cores() -> None:
+    """2 engines, B = 2, generation 1, train step 1, window 1, no sync; a step runs 2x slower
+    while both engines generate, engines 1.5x slower while a step trains.
+
+    After the first pair [0, 1], each step overlaps the next pair's generation: both slowed,
+    generation ends 1.5 later, by then the step has done 0.75 of its 1 and ends 0.25 later
+    alone: a period of 1.75. The last step has nothing to overlap and takes 1. Trainer busy:
+    1.75 of every 1.75 in steady state; engines 1.5 of it."""
+    n = 20
+    r = _hand(1, 0.0, train_slowdown=2.0, engine_slowdown=1.5)
+    assert r.sim_time == pytest.approx(1 + (n - 1) * 1.75 + 1)
+    span = r.sim_time - (1 + 2 * 1.75)  # rates leave out the first n // 10 = 2 steps
+    assert r.trainer_busy == pytest.approx(((n - 3) * 1.75 + 1) / span)
+    assert r.engine_busy == pytest.approx((n - 3) * 1.5 / span)
+    assert r.staleness_max == 1

@@ -101,3 +101,62 @@ def test_the_cpu_floor_is_every_core_busy_at_the_synchronous_cost_per_sample():
     out = bench.summarize(rows, cores=2)["tools"]
     assert out["cpu_floor_samples_per_s"] == pytest.approx(40.0)
     assert "| tools | CPU floor (every core busy) | 40.0 | 2.00x |" in bench.table({"tools": out})
+
+
+def test_only_configurations_named_cc_run_concurrent_calls():
+    assert "rollout.engine.concurrent_calls" not in bench.config_sets("async-t1-tr2", 2)
+    assert bench.config_sets("async-t1-tr2", 2)["train.threads"] == 2
+
+
+def _costed(config: str, sets: dict, shared: dict | None = None) -> dict:
+    """A row with hand-made costs: a solo group takes 1 s, a train step 2 s (batch of 2)."""
+    engine = {"group_s": 1.0, "sigma": 0.0, "slot_cost": 0.0, "turns": 1}
+    row = {
+        "config": config,
+        "sets": sets,
+        "engine_costs": engine,
+        "trainer_costs": {"train_s": 2.0, "sync_s": 0.0},
+    }
+    return row | ({"shared_costs": shared} if shared else {})
+
+
+def test_predictions_charge_the_shared_cores_to_overlapped_runs_only():
+    """rollout.workers 1 and batch_groups 2, constant 1 s calls of 2 groups, 2 s steps: the
+    synchronous run takes 1 + 2 s a step, the asynchronous one 2 s (generation hides behind
+    training) unless a step runs 1.5x slower beside the engine: 1 s of its work at 2/3 speed
+    (1.5 s) and the other 0.5 alone, 2.5 s a step, the engine slowed 1.5x as well."""
+    base = {"rollout.workers": 1, "train.batch_groups": 2, "rollout.group_size": 2, "threads": 1}
+    sync = base | {"train.max_staleness": 0}
+    asyn = base | {"train.max_staleness": 1}
+    shared = {"train_slowdown": 1.5, "engine_slowdown": 1.5}
+    rows = [_costed("sync-t1", sync, shared), _costed("async-t1", asyn), _costed("async-t1", asyn, shared)]
+    bench.add_predictions("tiny-calc-agent", rows, steps=40)
+    per_step = [row["predicted_samples_per_s"] / 4 for row in rows]  # 4 samples a step
+    assert per_step == pytest.approx([1 / 3, 1 / 2, 1 / 2.5], rel=0.02)
+
+
+def test_shared_core_costs_time_each_phase_alone_and_beside_the_other(tmp_path):
+    """Real worker, real backend and real second processes on a random-init tiny model: every
+    time is measured, each slowdown is its phase beside over alone (timing under a loaded test
+    machine is too noisy to check the values), and the second processes are gone."""
+    sets = {
+        "warmstart.steps": 0,
+        "rollout.max_new_tokens": 8,
+        "rollout.group_size": 2,
+        "train.batch_groups": 2,
+    }
+    costs = bench.shared_core_costs(
+        "tiny-calc-agent", sets, tmp_path, engine_threads=1, train_threads=1, repeats=1
+    )
+    assert all(costs[k] > 0 for k in ("call_alone_s", "call_beside_s", "train_alone_s", "train_beside_s"))
+    assert costs["train_slowdown"] == costs["train_beside_s"] / costs["train_alone_s"]
+    assert costs["engine_slowdown"] == costs["call_beside_s"] / costs["call_alone_s"]
+    hogs = [p for p in Path("/proc").glob("[0-9]*/cmdline") if _reads(p).count(str(tmp_path))]
+    assert hogs == []  # each second process (its command line names the cache) has exited
+
+
+def _reads(path: Path) -> str:
+    try:
+        return path.read_bytes().decode(errors="replace")
+    except OSError:  # exited meanwhile
+        return ""
