@@ -14,7 +14,8 @@ every batch mixing the four domains (4 samples each), one warm-up batch then 4 t
 
 ``extra_info``: ``case``, ``tokens`` (scored, timed batches), ``tokens_per_s`` (timed batches only),
 ``peak_rss_bytes``, ``base_rss_bytes`` (RSS after imports, before any teacher), ``teacher_bytes``,
-``bytes_paged_in``. Run: ``uv run pytest packages/loong-teacher/benchmarks --benchmark-enable -q``.
+``bytes_paged_in``; ``test_ratios`` prints each case and the managed case's ratios to each baseline.
+Run: ``uv run pytest packages/loong-teacher/benchmarks --benchmark-enable -q``.
 With benchmarks disabled (the default test run) the cases run in process on tiny teachers, as a
 smoke test of the harness.
 """
@@ -168,6 +169,42 @@ def test_teacher_scoring(benchmark, setup, case):
     benchmark.pedantic(run, rounds=1, iterations=1)
     benchmark.extra_info.update(result, rss_measured_in="this process" if disabled else "child process")
     assert result["tokens"] > 0
+    RESULTS[case] = result
+
+
+RESULTS: dict[str, dict] = {}  # case -> its result, filled by test_teacher_scoring
+
+
+def ratios(results: dict[str, dict]) -> dict[str, float]:
+    """The managed case against each baseline: throughput and peak RSS (whole process and above
+    the libraries' base)."""
+    m, a, r = (results[c] for c in CASES)
+
+    def above(x: dict) -> int:
+        return x["peak_rss_bytes"] - x["base_rss_bytes"]
+
+    return {
+        "throughput managed / all_resident": m["tokens_per_s"] / a["tokens_per_s"],
+        "throughput managed / reload_each_batch": m["tokens_per_s"] / r["tokens_per_s"],
+        "peak RSS managed / all_resident": m["peak_rss_bytes"] / a["peak_rss_bytes"],
+        "peak RSS above base managed / all_resident": above(m) / above(a),
+    }
+
+
+def test_ratios(setup, capsys):
+    """Runs after the three cases (in this module's order): prints every case and the ratios."""
+    if set(RESULTS) != set(CASES):
+        pytest.skip("needs all three cases in this run")
+    with capsys.disabled():
+        print()
+        for case, x in RESULTS.items():
+            print(
+                f"{case}: {x['tokens_per_s']:.1f} tokens/s, peak RSS {x['peak_rss_bytes'] / 1e9:.3f} GB "
+                f"(base {x['base_rss_bytes'] / 1e9:.3f} GB), paged in {x['bytes_paged_in']}"
+            )
+        for name, value in ratios(RESULTS).items():
+            print(f"{name}: {value:.2f}")
+    assert all(v > 0 for v in ratios(RESULTS).values())
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ memory is checked both in the manager's accounting and by measuring the paramete
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import msgspec
 import pytest
@@ -37,7 +38,7 @@ def _one_thread():
     torch.set_num_threads(1)
 
 
-def _save(path, hidden: int, layers: int, seed: int, tie: bool = False) -> str:
+def _save(path, hidden: int, layers: int, seed: int, tie: bool = False, dtype=torch.float32) -> str:
     config = transformers.Qwen3Config(
         vocab_size=VOCAB, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
         num_attention_heads=4, num_key_value_heads=2, head_dim=8, tie_word_embeddings=tie,
@@ -47,7 +48,7 @@ def _save(path, hidden: int, layers: int, seed: int, tie: bool = False) -> str:
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.3)  # sharper than the default init, so teachers disagree visibly
-    model.save_pretrained(path)
+    model.to(dtype).save_pretrained(path)
     return str(path)
 
 
@@ -56,6 +57,7 @@ def ckpts(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("teachers")
     out = {name: _save(root / name, h, n, seed) for seed, (name, (h, n)) in enumerate(SIZES.items())}
     out["tied"] = _save(root / "tied", 32, 2, 7, tie=True)
+    out["half"] = _save(root / "half", 32, 2, 8, dtype=torch.float16)  # float32 teacher: copied, cast
     return out
 
 
@@ -86,14 +88,19 @@ def _sizes(ckpts) -> dict[str, int]:
     return {n: LocalTeacher(LocalTeacherConfig(name=n, path=ckpts[n])).nbytes for n in SIZES}
 
 
-@pytest.mark.parametrize("name", ["math", "tied"])
-def test_logprobs_and_topk_equal_an_independent_forward_pass(ckpts, name):
+@pytest.mark.parametrize(("name", "rows"), [("math", 256), ("tied", 256), ("half", 256), ("math", 4)])
+def test_logprobs_and_topk_equal_an_independent_forward_pass(ckpts, name, rows, monkeypatch):
+    """Mapped teachers (float32 files) and a copied one (float16 file, float32 teacher) alike;
+    ``rows``: positions log-softmaxed at a time (4: each batch in several chunks)."""
+    monkeypatch.setattr("loong_teacher.local._ROWS", rows)
     rng = random.Random(0)
     samples = [_sample(rng, None, n) for n in (12, 7, 9)]
     config = TeacherManagerConfig(
         teachers=[LocalTeacherConfig(name=name, path=ckpts[name])], default=name, top_k=5
     )
-    scores = TeacherManager(config).score(samples)
+    manager = TeacherManager(config)
+    assert manager.teachers[name].mapped is (name != "half")
+    scores = manager.score(samples)
     assert scores.logprobs.shape == (3, 12) and scores.topk_ids.shape == (3, 12, 5)
     for b, s in enumerate(samples):
         ref = _reference(ckpts[name], s.token_ids)
@@ -284,3 +291,34 @@ def test_gpu_teacher_pages_in_from_pinned_memory(ckpts):
     gpu = manager.score(samples)
     torch.testing.assert_close(gpu.logprobs, cpu.logprobs, rtol=0, atol=1e-4)
     assert manager.residency.free == [] and manager.teachers["math"].storage.is_cuda
+
+
+def _mapped_ranges(path: str) -> list[tuple[int, int]]:
+    """Address ranges of this process mapped from files under ``path`` (``/proc/self/maps``)."""
+    ranges = []
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split(maxsplit=5)
+        if len(fields) == 6 and fields[5].startswith(path):
+            lo, hi = (int(x, 16) for x in fields[0].split("-"))
+            ranges.append((lo, hi))
+    return ranges
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux /proc/self/maps")
+def test_a_mapped_teacher_scores_from_its_file_without_a_copy(ckpts):
+    """Every parameter of a resident float32 teacher lies inside the checkpoint file's mapping
+    (no copy in anonymous memory); once paged out, the file is no longer mapped."""
+    import gc
+
+    teacher = LocalTeacher(LocalTeacherConfig(name="math", path=ckpts["math"]))
+    assert teacher.mapped and _mapped_ranges(ckpts["math"]) == []
+    assert teacher.page_in() == teacher.nbytes == (Path(ckpts["math"]) / "model.safetensors").stat().st_size
+    ranges = _mapped_ranges(ckpts["math"])
+    params = list(teacher.model.parameters())
+    assert params and all(
+        any(lo <= p.data_ptr() < p.data_ptr() + p.nbytes <= hi for lo, hi in ranges) for p in params
+    )
+    assert teacher.page_out() is None
+    del params
+    gc.collect()
+    assert _mapped_ranges(ckpts["math"]) == []

@@ -9,20 +9,25 @@ the ``meta`` device (no memory); buffers the model computes itself (rotary frequ
 An injected ``build`` may return any module whose ``forward(input_ids=, attention_mask=)`` gives logits
 (a tensor or an object with ``.logits``) and whose parameter names are the checkpoint's.
 
-Residency. All parameters of a resident teacher are views into one flat byte buffer ``[nbytes]``
-(each tensor 64-byte aligned, cast to ``dtype``), so paging in is a copy into one allocation and
-paging out hands the whole buffer back (the manager reuses it for the next teacher, as a caching
-allocator would). Where the bytes come from when offloaded:
+Residency, three ways, chosen at construction:
 
-- CPU: the safetensors files themselves, memory-mapped at page-in; each 32 MiB chunk is copied and
-  its mapped pages dropped at once (``MADV_DONTNEED``), so the process holds the resident teachers
-  plus one chunk, while the kernel's page cache keeps recently used files fast to read again.
-- GPU (``device = "cuda..."``; written for, not exercised by, the CPU test suite): a pinned host copy
-  of the flat buffer made at construction, copied in with one asynchronous host-to-device copy.
+- Mapped (CPU, every tensor stored in ``dtype`` at an offset aligned to its element size: the usual
+  case): paging in maps the safetensors files privately with ``MAP_POPULATE`` and points every
+  parameter at its bytes in the mapping. Nothing is copied: the kernel maps the page cache's pages
+  (reading from disk only what is not cached), and paging out drops the mapping, so the process
+  stops holding the pages while the page cache keeps recently used files fast to map again.
+  ``nbytes`` is the files' size, what a mapped teacher holds.
+- Copied (CPU, other dtypes): all parameters are views into one flat byte buffer ``[nbytes]`` (each
+  tensor 64-byte aligned, cast to ``dtype``), filled from the memory-mapped files in 32 MiB chunks
+  whose mapped pages are dropped at once (``MADV_DONTNEED``); paging out hands the buffer back (the
+  manager reuses it for the next teacher, as a caching allocator would).
+- GPU (``device = "cuda..."``; written for, not exercised by, the CPU test suite): the flat buffer on
+  the device, from a pinned host copy made at construction with one asynchronous host-to-device copy.
 
 Scoring runs micro-batches of rows sorted by length, right-padded, at most ``max_batch_tokens`` padded
 tokens each, and keeps logits only at the positions that are scored (``logits_to_keep`` where the
-model takes it); log-probabilities are ``log_softmax`` in float32 of the model's logits.
+model takes it); log-probabilities are ``log_softmax`` in float32 of the model's logits, taken 256
+positions at a time.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ __all__ = ["LocalTeacher", "hf_causal_lm", "score_rows"]
 
 _ALIGN = 64
 _CHUNK = 32 << 20
+_ROWS = 256  # positions log-softmaxed at a time
 _PAGE = mmap.PAGESIZE
 _DTYPES = {
     "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
@@ -94,7 +100,12 @@ class LocalTeacher:
         with _params_on_meta():
             self.model = (build or hf_causal_lm)(json.loads((root / "config.json").read_text())).eval()
         self._slots = _layout(self.model, _checkpoint(root), getattr(torch, config.dtype))
-        self.nbytes = max((s.offset + s.nbytes for s in self._slots), default=0)
+        self._files = sorted({s.file for s in self._slots})
+        self.mapped = self.device.type == "cpu" and all(_mappable(s) for s in self._slots)
+        if self.mapped:  # what a resident teacher holds: its files, mapped
+            self.nbytes = sum(f.stat().st_size for f in self._files)
+        else:
+            self.nbytes = max((s.offset + s.nbytes for s in self._slots), default=0)
         for module in self.model.modules():
             for key, buf in module._buffers.items():
                 if buf is not None:
@@ -103,16 +114,23 @@ class LocalTeacher:
         if self.device.type == "cuda":  # GPU path: offloaded bytes live in pinned host memory
             self._pinned = torch.empty(self.nbytes, dtype=torch.uint8, pin_memory=True)
             _copy_from_files(self._slots, self._pinned)
-        self.storage: torch.Tensor | None = None
-        self._bind(None)
+        self.storage: torch.Tensor | None = None  # the flat buffer (copied and GPU residency)
+        self._maps: dict[Path, torch.Tensor] | None = None  # file -> its mapping (mapped residency)
+        self._bind(lambda slot: None)
 
     @property
     def resident(self) -> bool:
-        return self.storage is not None
+        return self.storage is not None or self._maps is not None
 
     def page_in(self, storage: torch.Tensor | None = None) -> int:
-        """Make the weights resident in ``storage`` (a reused uint8 buffer of at least ``nbytes`` on
-        this device) or a new buffer; returns the bytes copied in."""
+        """Make the weights resident: mapped (``storage`` must be None), or in ``storage`` (a
+        reused uint8 buffer of at least ``nbytes`` on this device) or a new buffer; returns the
+        bytes made resident."""
+        if self.mapped:
+            assert storage is None, f"teacher {self.name!r} is mapped: it takes no buffer"
+            self._maps = {file: _map(file) for file in self._files}
+            self._bind(lambda slot: _view(self._maps[slot.file], slot.file_offset, slot))
+            return self.nbytes
         flat = (
             storage
             if storage is not None
@@ -124,14 +142,15 @@ class LocalTeacher:
         else:
             _copy_from_files(self._slots, flat)
         self.storage = flat
-        self._bind(flat)
+        self._bind(lambda slot: _view(flat, slot.offset, slot))
         return self.nbytes
 
-    def page_out(self) -> torch.Tensor:
-        """Drop the weights (parameters back on ``meta``); returns the buffer that held them."""
-        storage, self.storage = self.storage, None
-        assert storage is not None, f"teacher {self.name!r} is not resident"
-        self._bind(None)
+    def page_out(self) -> torch.Tensor | None:
+        """Drop the weights (parameters back on ``meta``); returns the buffer that held them, or
+        None for a mapped teacher (its mappings go once nothing points into them)."""
+        assert self.resident, f"teacher {self.name!r} is not resident"
+        storage, self.storage, self._maps = self.storage, None, None
+        self._bind(lambda slot: None)
         return storage
 
     def close(self) -> None:
@@ -144,13 +163,13 @@ class LocalTeacher:
         assert self.resident, f"teacher {self.name!r} scored while offloaded"
         return score_rows(self.model, rows, top_k, self.config.max_batch_tokens, self.device)
 
-    def _bind(self, flat: torch.Tensor | None) -> None:
-        """Point every parameter (tied names share one) at its view of ``flat``, or at ``meta``."""
+    def _bind(self, view: Callable[[_Slot], torch.Tensor | None]) -> None:
+        """Point every parameter (tied names share one) at ``view(slot)``, or at ``meta`` where
+        that is None."""
         for slot in self._slots:
-            if flat is None:
+            data = view(slot)
+            if data is None:
                 data = torch.empty(slot.shape, dtype=slot.dtype, device="meta")
-            else:
-                data = flat[slot.offset : slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
             param = nn.Parameter(data, requires_grad=False)
             for name in slot.names:
                 owner, _, leaf = name.rpartition(".")
@@ -186,16 +205,30 @@ def _score_batch(model: nn.Module, rows, top_k: int, device: torch.device) -> li
     b_idx = torch.cat([torch.full((len(p),), b) for b, (_, p) in enumerate(rows)])
     t_idx = torch.cat([torch.as_tensor(p, dtype=torch.long) for _, p in rows])
     logits = _logits_at(model, ids.to(device), attn.to(device), b_idx, t_idx - 1)
-    logp = torch.log_softmax(logits.float(), dim=-1).cpu()
     target = ids[b_idx, t_idx]
-    scored = RowScores(logp.gather(-1, target[:, None]).squeeze(-1))
-    if top_k:
-        top_lp, top_ids = logp.topk(top_k, dim=-1)
-        tail = logp.scatter(-1, top_ids, -torch.inf).logsumexp(-1)
-        scored = RowScores(scored.logprobs, top_ids, top_lp, tail)
+    chunks = [
+        _from_logits(logits[i : i + _ROWS], target[i : i + _ROWS], top_k)
+        for i in range(0, len(target), _ROWS)
+    ]
+    scored = RowScores(
+        *(None if f[0] is None else torch.cat(f) for f in zip(*map(_fields, chunks), strict=True))
+    )
     sizes = [len(p) for _, p in rows]
     parts = [t.split(sizes) if t is not None else [None] * len(rows) for t in _fields(scored)]
     return [RowScores(*fields) for fields in zip(*parts, strict=True)]
+
+
+def _from_logits(logits: torch.Tensor, target: torch.Tensor, top_k: int) -> RowScores:
+    """Scores of ``target`` (and the top ``top_k``) under ``logits`` ``[n, vocab]``: float32
+    log-softmax of at most ``_ROWS`` positions at a time, so the float32 copy of a large
+    vocabulary's logits never exists for a whole batch."""
+    logp = torch.log_softmax(logits.float(), dim=-1).cpu()
+    scored = RowScores(logp.gather(-1, target[:, None]).squeeze(-1))
+    if not top_k:
+        return scored
+    top_lp, top_ids = logp.topk(top_k, dim=-1)
+    tail = logp.scatter(-1, top_ids, -torch.inf).logsumexp(-1)
+    return RowScores(scored.logprobs, top_ids, top_lp, tail)
 
 
 def _logits_at(model: nn.Module, ids, attn, b_idx, t_idx) -> torch.Tensor:
@@ -290,6 +323,25 @@ def _layout(model: nn.Module, ckpt: dict, dtype: torch.dtype) -> list[_Slot]:
             f"checkpoint does not match the model: missing {missing[:5]}, unexpected {unknown[:5]}"
         )
     return slots
+
+
+def _mappable(slot: _Slot) -> bool:
+    """Whether ``slot`` can be used in place in its file: stored in its dtype, aligned."""
+    return slot.file_dtype == slot.dtype and slot.file_offset % slot.dtype.itemsize == 0
+
+
+def _map(file: Path) -> torch.Tensor:
+    """``file`` as a uint8 tensor over a private (copy-on-write) mapping whose pages are mapped
+    at once (``MAP_POPULATE``, Linux; elsewhere they fault in on first use)."""
+    flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
+    with file.open("rb") as f:
+        mm = mmap.mmap(f.fileno(), 0, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    return torch.frombuffer(mm, dtype=torch.uint8)  # keeps ``mm`` alive while any view is
+
+
+def _view(flat: torch.Tensor, offset: int, slot: _Slot) -> torch.Tensor:
+    """``slot``'s tensor at byte ``offset`` of the uint8 tensor ``flat``."""
+    return flat[offset : offset + slot.nbytes].view(slot.dtype).view(slot.shape)
 
 
 def _copy_from_files(slots: list[_Slot], flat: torch.Tensor) -> None:

@@ -1,18 +1,20 @@
 """Which local teachers are resident, within a byte budget, least recently used evicted first.
 
-Accounting: ``reserved`` is every byte buffer this pool holds, whether a resident teacher's weights
-are in it or it waits, freed by an eviction, to be reused (a caching allocator: teachers of equal
-size swap through the same buffers, so paging in is a copy into memory already touched). Invariant,
-checked after every step: ``reserved <= budget``. Since the teacher being scored is resident, the
-teachers' weights never take more than the budget; scoring adds only its activations.
+Accounting: ``reserved`` is every byte this pool holds: the files of resident mapped teachers, and
+every byte buffer of the others, whether a resident teacher's weights are in it or it waits, freed
+by an eviction, to be reused (a caching allocator: teachers of equal size swap through the same
+buffers, so paging in is a copy into memory already touched; a mapped teacher takes no buffer and
+leaves none). Invariant, checked after every step: ``reserved <= budget``. Since the teacher being
+scored is resident, the teachers' weights never take more than the budget; scoring adds only its
+activations.
 
 :meth:`Residency.acquire` makes a teacher resident:
 
 1. already resident: mark it most recently used;
-2. else reuse the smallest free buffer of at least its size on its device, if any;
+2. else (unless it is mapped) reuse the smallest free buffer of at least its size on its device;
 3. else, while ``reserved + size > budget``: release a free buffer, or evict the least recently
    used resident teacher (its buffer becomes free and is reused at once if large enough);
-4. allocate a new buffer when none was reused.
+4. count its bytes as reserved when no buffer was reused.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ class Residency:
         self.free: list[torch.Tensor] = []
         self.reserved = 0
         self.peak = 0
-        self.paged_in = 0  # bytes copied in, all time
+        self.paged_in = 0  # bytes made resident, all time
         self.loads: dict[str, int] = {t.name: 0 for t in teachers}
         self.evictions = 0
 
@@ -80,6 +82,8 @@ class Residency:
             self._release(buf)
 
     def _take_free(self, teacher: LocalTeacher) -> torch.Tensor | None:
+        if teacher.mapped:
+            return None
         fits = [b for b in self.free if b.device == teacher.device and _nbytes(b) >= teacher.nbytes]
         if not fits:
             return None
@@ -89,7 +93,10 @@ class Residency:
 
     def _evict(self) -> None:
         _, teacher = self.lru.popitem(last=False)
-        self.free.append(teacher.page_out())
+        if (buf := teacher.page_out()) is None:  # mapped: its pages are unmapped
+            self.reserved -= teacher.nbytes
+        else:
+            self.free.append(buf)
         self.evictions += 1
 
     def _release(self, buf: torch.Tensor) -> None:
