@@ -207,5 +207,50 @@ def test_ratios(setup, capsys):
     assert all(v > 0 for v in ratios(RESULTS).values())
 
 
+def page_in_seconds(path: str, repeats: int = 3) -> dict[str, float]:
+    """Best-of-``repeats`` seconds to make one teacher resident: ``mapped`` (the CPU path of a
+    teacher stored in its dtype), ``copied`` (the path of other dtypes: a chunked copy from the
+    mapped file into a flat buffer already allocated, as the manager reuses one) and the floor,
+    ``memcpy``: as many bytes copied between two buffers already in memory (what a copy costs
+    at best; mapping copies nothing and can beat it)."""
+    from loong_teacher import LocalTeacher, LocalTeacherConfig
+    from loong_teacher.local import _copy_from_files
+
+    teacher = LocalTeacher(LocalTeacherConfig(name="t", path=path))
+    size = max(s.offset + s.nbytes for s in teacher._slots)
+    flat, src = torch.zeros(size, dtype=torch.uint8), torch.ones(size, dtype=torch.uint8)
+
+    def mapped() -> None:
+        teacher.page_in()
+        teacher.page_out()  # the mapping goes with the parameters' views
+
+    def best(fn) -> float:
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return min(times)
+
+    return {
+        "mapped": best(mapped),
+        "copied": best(lambda: _copy_from_files(teacher._slots, flat)),
+        "memcpy": best(lambda: flat.copy_(src)),
+        "bytes": size,
+    }
+
+
+def test_page_in(setup, capsys):
+    """One teacher's page-in, mapped vs copied vs a plain memcpy of its bytes (this process)."""
+    paths, _, _ = setup
+    seconds = page_in_seconds(paths[0])
+    with capsys.disabled():
+        print(
+            f"\npage in {seconds['bytes'] / 1e6:.0f} MB: mapped {seconds['mapped'] * 1e3:.1f} ms, "
+            f"copied {seconds['copied'] * 1e3:.1f} ms, memcpy {seconds['memcpy'] * 1e3:.1f} ms"
+        )
+    assert all(v > 0 for v in seconds.values())
+
+
 if __name__ == "__main__":
     print(json.dumps(run_case(sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]))))

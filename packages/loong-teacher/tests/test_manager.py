@@ -6,6 +6,7 @@ memory is checked both in the manager's accounting and by measuring the paramete
 
 from __future__ import annotations
 
+import mmap
 import random
 from pathlib import Path
 
@@ -293,32 +294,41 @@ def test_gpu_teacher_pages_in_from_pinned_memory(ckpts):
     assert manager.residency.free == [] and manager.teachers["math"].storage.is_cuda
 
 
-def _mapped_ranges(path: str) -> list[tuple[int, int]]:
-    """Address ranges of this process mapped from files under ``path`` (``/proc/self/maps``)."""
-    ranges = []
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        fields = line.split(maxsplit=5)
-        if len(fields) == 6 and fields[5].startswith(path):
-            lo, hi = (int(x, 16) for x in fields[0].split("-"))
-            ranges.append((lo, hi))
-    return ranges
+def _mappings(path: str) -> list[dict[str, int]]:
+    """This process's mappings of files under ``path`` (``/proc/self/smaps``): each one's address
+    range and its ``Rss`` and ``Anonymous`` kB (anonymous: pages copied out of the file)."""
+    out, current = [], None
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        fields = line.split()
+        if "-" in fields[0] and ":" not in fields[0]:  # a mapping's header line
+            current = None
+            if len(fields) == 6 and fields[5].startswith(path):
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                current = {"lo": lo, "hi": hi}
+                out.append(current)
+        elif current is not None and fields[0] in ("Rss:", "Anonymous:"):
+            current[fields[0][:-1].lower()] = int(fields[1])
+    return out
 
 
-@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads Linux /proc/self/maps")
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads Linux /proc/self/smaps")
 def test_a_mapped_teacher_scores_from_its_file_without_a_copy(ckpts):
-    """Every parameter of a resident float32 teacher lies inside the checkpoint file's mapping
-    (no copy in anonymous memory); once paged out, the file is no longer mapped."""
-    import gc
-
-    teacher = LocalTeacher(LocalTeacherConfig(name="math", path=ckpts["math"]))
-    assert teacher.mapped and _mapped_ranges(ckpts["math"]) == []
-    assert teacher.page_in() == teacher.nbytes == (Path(ckpts["math"]) / "model.safetensors").stat().st_size
-    ranges = _mapped_ranges(ckpts["math"])
-    params = list(teacher.model.parameters())
-    assert params and all(
-        any(lo <= p.data_ptr() < p.data_ptr() + p.nbytes <= hi for lo, hi in ranges) for p in params
-    )
+    """Every parameter of a resident float32 teacher lies inside the checkpoint file's mapping,
+    whose pages are all present and none copied (no anonymous memory: a writable private
+    mapping populated at once would copy every page), also after scoring; once paged out, the
+    file is no longer mapped."""
+    cfg = LocalTeacherConfig(name="math", path=ckpts["math"])
+    teacher = LocalTeacher(cfg)
+    file = Path(ckpts["math"]) / "model.safetensors"
+    assert teacher.mapped and _mappings(ckpts["math"]) == []
+    assert teacher.page_in() == teacher.nbytes == file.stat().st_size
+    (mapping,) = _mappings(ckpts["math"])
+    assert mapping["rss"] * 1024 >= file.stat().st_size - mmap.PAGESIZE and mapping["anonymous"] == 0
+    assert all(mapping["lo"] <= p.data_ptr() < mapping["hi"] for p in teacher.model.parameters())
+    assert all(p.data_ptr() + p.nbytes <= mapping["hi"] for p in teacher.model.parameters())
+    teacher.score([([1, 5, 9, 12, 3], [2, 3, 4])])
+    assert _mappings(ckpts["math"])[0]["anonymous"] == 0
+    (empty,) = teacher.score([([1, 5, 9], [])], top_k=2)  # a row with nothing to score
+    assert empty.logprobs.shape == (0,) and empty.topk_ids.shape == (0, 2)
     assert teacher.page_out() is None
-    del params
-    gc.collect()
-    assert _mapped_ranges(ckpts["math"]) == []
+    assert _mappings(ckpts["math"]) == []  # nothing else held a view: no garbage collection needed

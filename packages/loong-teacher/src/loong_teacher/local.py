@@ -12,7 +12,7 @@ An injected ``build`` may return any module whose ``forward(input_ids=, attentio
 Residency, three ways, chosen at construction:
 
 - Mapped (CPU, every tensor stored in ``dtype`` at an offset aligned to its element size: the usual
-  case): paging in maps the safetensors files privately with ``MAP_POPULATE`` and points every
+  case): paging in maps the safetensors files read-only with ``MAP_POPULATE`` and points every
   parameter at its bytes in the mapping. Nothing is copied: the kernel maps the page cache's pages
   (reading from disk only what is not cached), and paging out drops the mapping, so the process
   stops holding the pages while the page cache keeps recently used files fast to map again.
@@ -37,6 +37,7 @@ import inspect
 import json
 import mmap
 import struct
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -208,7 +209,7 @@ def _score_batch(model: nn.Module, rows, top_k: int, device: torch.device) -> li
     target = ids[b_idx, t_idx]
     chunks = [
         _from_logits(logits[i : i + _ROWS], target[i : i + _ROWS], top_k)
-        for i in range(0, len(target), _ROWS)
+        for i in range(0, max(len(target), 1), _ROWS)  # one (empty) chunk when nothing is scored
     ]
     scored = RowScores(
         *(None if f[0] is None else torch.cat(f) for f in zip(*map(_fields, chunks), strict=True))
@@ -331,12 +332,16 @@ def _mappable(slot: _Slot) -> bool:
 
 
 def _map(file: Path) -> torch.Tensor:
-    """``file`` as a uint8 tensor over a private (copy-on-write) mapping whose pages are mapped
-    at once (``MAP_POPULATE``, Linux; elsewhere they fault in on first use)."""
+    """``file`` as a read-only uint8 tensor over a private mapping whose pages are mapped at once
+    (``MAP_POPULATE``, Linux; elsewhere they fault in on first use). Read-only matters: a
+    writable private mapping is populated by write faults, which copy every page into anonymous
+    memory. Nothing writes to a teacher's weights (a write would fault)."""
     flags = mmap.MAP_PRIVATE | getattr(mmap, "MAP_POPULATE", 0)
     with file.open("rb") as f:
-        mm = mmap.mmap(f.fileno(), 0, flags=flags, prot=mmap.PROT_READ | mmap.PROT_WRITE)
-    return torch.frombuffer(mm, dtype=torch.uint8)  # keeps ``mm`` alive while any view is
+        mm = mmap.mmap(f.fileno(), 0, flags=flags, prot=mmap.PROT_READ)
+    with warnings.catch_warnings():  # torch warns that the buffer is not writable: it is meant not to be
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        return torch.frombuffer(mm, dtype=torch.uint8)  # keeps ``mm`` alive while any view is
 
 
 def _view(flat: torch.Tensor, offset: int, slot: _Slot) -> torch.Tensor:
