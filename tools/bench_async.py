@@ -4,7 +4,7 @@ cores, per workload.
     uv run python tools/bench_async.py --json async.json [--recipe tiny-calc-agent] [--window 2]
         [--steps 80] [--seeds 0,1] [--workload compute] [--workload tools=rollout.tool_latency_ms=200]
         [--configs sync-t1,sync-t2,async-t1] [--no-predict]
-    uv run python tools/bench_async.py --json out.json --summarize async.json [--repredict]
+    uv run python tools/bench_async.py --json out.json --summarize async.json
 
 A workload is a name and the recipe overrides that make it (``NAME=KEY=VALUE,KEY=VALUE``; the
 default: ``compute``, the recipe as shipped, and ``tools-200ms`` and ``tools-1s``, a lognormal
@@ -39,8 +39,8 @@ Unless ``--no-predict``, every run also gets the simulator's samples/s (``tools/
 from costs measured apart from the runs: the engine's (:func:`engine_costs`), the trainer's (the
 synchronous run's steps, which overlap nothing), and how much the trainer and an engine slow
 each other down on the shared cores (:func:`shared_core_costs`, for the asynchronous runs).
-``--summarize FILE --repredict`` measures the shared-core costs an earlier output lacks and
-predicts its rows again.
+The output file holds every finished run from the first one on (a cut-off benchmark keeps what
+it measured; ``--summarize`` tables it).
 """
 
 from __future__ import annotations
@@ -49,6 +49,7 @@ import argparse
 import json
 import math
 import os
+import select
 import statistics
 import subprocess
 import sys
@@ -237,6 +238,9 @@ def shared_core_costs(
     }
 
 
+_HOG_READY_S = 600  # a hog's first iteration: a warm start from the cache and one call or step
+
+
 class _hogging:
     """A :func:`hog` subprocess running ``kind`` for the duration of the ``with`` block (from its
     first finished iteration on)."""
@@ -256,15 +260,25 @@ class _hogging:
 
     def __enter__(self) -> None:
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, text=True)
-        if self.proc.stdout.readline().strip() != "ready":
-            self.proc.kill()
+        ready, _, _ = select.select([self.proc.stdout], [], [], _HOG_READY_S)
+        if not ready or self.proc.stdout.readline().strip() != "ready":
+            self._stop()
             raise RuntimeError(
-                f"{' '.join(self.cmd[2:5])}: exited with {self.proc.wait()} before its first iteration"
+                f"{' '.join(self.cmd[2:5])}: no first iteration within {_HOG_READY_S} s "
+                f"(exit code {self.proc.returncode})"
             )
 
     def __exit__(self, *exc) -> None:
+        self._stop()
+
+    def _stop(self) -> None:
         self.proc.terminate()
-        self.proc.wait(timeout=60)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # stuck in a step that ignores SIGTERM's unwinding
+            self.proc.kill()
+            self.proc.wait()
+        self.proc.stdout.close()
 
 
 def hog(kind: str, recipe_name: str, sets: dict, cache: Path, threads: int, batch_path: Path) -> None:
@@ -413,29 +427,27 @@ def summarize(rows: list[dict], cores: int = 2) -> dict:
             configs[config] = {k: statistics.fmean(r[k] for r in mine) for k in MEANS if k in mine[0]}
 
         sync, asyn = _best(configs, "sync"), _best(configs, "async")
-        out[workload] = {
-            "configs": configs,
-            "best_sync": sync,
-            "best_async": asyn,
-            "speedup": configs[asyn]["samples_per_s"] / configs[sync]["samples_per_s"],
-        }
+        out[workload] = {"configs": configs, "best_sync": sync, "best_async": asyn}
+        if sync and asyn:
+            out[workload]["speedup"] = configs[asyn]["samples_per_s"] / configs[sync]["samples_per_s"]
+            predicted = [configs[c].get("predicted_samples_per_s") for c in (asyn, sync)]
+            if all(predicted):  # the simulator's, for the same two
+                out[workload]["predicted_speedup"] = predicted[0] / predicted[1]
         if "sync-t1" in configs and "engine_busy" in configs["sync-t1"]:
             out[workload]["cpu_floor_samples_per_s"] = cpu_floor(configs["sync-t1"], cores)
-        if "predicted_samples_per_s" in configs[sync]:  # the simulator's, for the same two
-            predicted = configs[asyn]["predicted_samples_per_s"] / configs[sync]["predicted_samples_per_s"]
-            out[workload]["predicted_speedup"] = predicted
     return out
 
 
-def _best(configs: dict, kind: str) -> str:
-    """The fastest configuration whose name starts with ``kind``."""
-    return max((c for c in configs if c.startswith(kind)), key=lambda c: configs[c]["samples_per_s"])
+def _best(configs: dict, kind: str) -> str | None:
+    """The fastest configuration whose name starts with ``kind``; None if no run was of that kind."""
+    mine = [c for c in configs if c.startswith(kind)]
+    return max(mine, key=lambda c: configs[c]["samples_per_s"]) if mine else None
 
 
 def _predicted(w: dict, config: str) -> str:
     """The simulator's ratio to its own best-synchronous prediction, or a dash."""
     predicted = {c: v.get("predicted_samples_per_s") for c, v in w["configs"].items()}
-    if predicted[config] is None or not predicted[w["best_sync"]]:
+    if predicted[config] is None or not predicted.get(w["best_sync"]):
         return "-"
     return f"{predicted[config] / predicted[w['best_sync']]:.2f}x"
 
@@ -448,7 +460,7 @@ def table(summary: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for workload, w in summary.items():
-        base = w["configs"][w["best_sync"]]["samples_per_s"]
+        base = w["configs"][w["best_sync"] or w["best_async"]]["samples_per_s"]
         if floor := w.get("cpu_floor_samples_per_s"):
             lines.append(
                 f"| {workload} | CPU floor (every core busy) | {floor:.1f} | {floor / base:.2f}x | | | | | |"
@@ -483,19 +495,9 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "loong")
     parser.add_argument("--no-predict", dest="predict", action="store_false", help="skip the simulator")
     parser.add_argument("--summarize", type=Path, help="only summarize this earlier --json output")
-    parser.add_argument(
-        "--repredict",
-        action="store_true",
-        help="with --summarize: measure the shared-core costs its rows lack, then predict every row again",
-    )
     args = parser.parse_args()
     if args.summarize:
         result = json.loads(args.summarize.read_text())
-        if args.repredict:
-            for row in result["runs"]:
-                if "trainer_costs" in row and "shared_costs" not in row:
-                    add_shared_costs(result["recipe"], row, args.cache)
-            add_predictions(result["recipe"], result["runs"], result["steps"])
         result["workloads"] = summarize(result["runs"], result.get("cores", 2))
         args.json.write_text(json.dumps(result, indent=2))
         print(table(result["workloads"]))
@@ -506,6 +508,11 @@ def main() -> None:
     if unknown := set(configs) - set(CONFIGS):
         parser.error(f"--configs: unknown {sorted(unknown)}; expected some of {list(CONFIGS)}")
     rows = []
+    result = {"recipe": args.recipe, "steps": args.steps, "window": args.window, "cores": os.cpu_count()}
+
+    def save() -> None:  # after every run: a cut-off benchmark keeps what it measured
+        args.json.write_text(json.dumps(result | {"runs": rows}, indent=2))
+
     with tempfile.TemporaryDirectory(prefix="loong-bench-async-") as tmp:
         for name, workload in workloads:
             for seed in seeds:
@@ -523,18 +530,13 @@ def main() -> None:
                         | train(args.recipe, *runs[config], args.cache)
                     )
                     print(json.dumps(rows[-1]), flush=True)
+                    save()
                 if args.predict:
                     add_costs(args.recipe, runs, rows[-len(runs) :], args.cache)
                     add_predictions(args.recipe, rows[-len(runs) :], args.steps)
-    result = {
-        "recipe": args.recipe,
-        "steps": args.steps,
-        "window": args.window,
-        "cores": os.cpu_count(),
-        "workloads": summarize(rows, os.cpu_count() or 1),
-        "runs": rows,
-    }
-    args.json.write_text(json.dumps(result, indent=2))
+                    save()
+    result["workloads"] = summarize(rows, os.cpu_count() or 1)
+    save()
     print(table(result["workloads"]))
 
 
@@ -563,7 +565,7 @@ def add_costs(recipe: str, runs: dict, rows: list[dict], cache: Path) -> None:
 
 def add_shared_costs(recipe: str, row: dict, cache: Path) -> None:
     """An asynchronous row's ``shared_costs`` (:func:`shared_core_costs`, measured once per pair
-    of thread counts)."""
+    of thread counts: the caches are per benchmark, which runs one recipe)."""
     sets = row["sets"]
     if int(sets["train.max_staleness"]) == 0:
         return

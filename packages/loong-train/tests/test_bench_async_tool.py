@@ -61,6 +61,17 @@ def test_the_simulator_is_compared_on_the_same_two_configurations():
     assert "| tools | async-t1-cc (best) | 30.0 | 2.50x | 2.70x | 0.85 |" in bench.table({"tools": out})
 
 
+def test_a_summary_of_one_kind_of_run_has_no_speedup_and_still_tables():
+    rows = [
+        _row("tools", "async-t1", 0, 18.0, 0.85) | {"predicted_samples_per_s": 20.0},
+        _row("tools", "async-t1-tr2", 0, 21.0, 0.8),  # no prediction: its trainer threads had no sync run
+    ]
+    out = bench.summarize(rows)["tools"]
+    assert out["best_sync"] is None and out["best_async"] == "async-t1-tr2"
+    assert "speedup" not in out and "predicted_speedup" not in out
+    assert "| tools | async-t1 | 18.0 | 0.86x | - | 0.85 |" in bench.table({"tools": out})
+
+
 def test_concurrent_calls_match_the_window():
     assert bench.config_sets("async-t1-cc", 2) == {
         "threads": 1,
