@@ -134,8 +134,8 @@ def _costed(config: str, sets: dict, shared: dict | None = None) -> dict:
 def test_predictions_charge_the_shared_cores_to_overlapped_runs_only():
     """rollout.workers 1 and batch_groups 2, constant 1 s calls of 2 groups, 2 s steps: the
     synchronous run takes 1 + 2 s a step, the asynchronous one 2 s (generation hides behind
-    training) unless a step runs 1.5x slower beside the engine: 1 s of its work at 2/3 speed
-    (1.5 s) and the other 0.5 alone, 2.5 s a step, the engine slowed 1.5x as well."""
+    training) unless each slows the other 1.5x: the call then takes 1.5 s, during which the
+    trainer does 1 s of its 2 s of work, and the other 1 s runs alone: 2.5 s a step."""
     base = {"rollout.workers": 1, "train.batch_groups": 2, "rollout.group_size": 2, "threads": 1}
     sync = base | {"train.max_staleness": 0}
     asyn = base | {"train.max_staleness": 1}
