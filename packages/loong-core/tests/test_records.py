@@ -58,6 +58,16 @@ def _example_batch() -> TrainBatch:
     )
 
 
+def _distilled_batch() -> TrainBatch:
+    """The example batch with dense distillation targets, k = 2."""
+    return msgspec.structs.replace(
+        _example_batch(),
+        teacher_topk_ids=[7, 8, 2, 9, 3, 1, 4, 6, 5, 0],
+        teacher_topk_logprobs=[-0.1, -2.5, -0.2, -1.9, -0.3, -1.4, -0.4, -1.2, -0.5, -1.0],
+        distill_coef=[0.0, 1.0, 1.0, 0.0, 0.5],
+    )
+
+
 def _example_manifest() -> WeightManifest:
     return WeightManifest(
         version=7,
@@ -95,11 +105,12 @@ def test_exports() -> None:
     [
         _example_trajectory(),
         _example_batch(),
+        _distilled_batch(),
         _example_manifest(),
         TensorEntry("x", [], "int64", 0, 0, 8),
         TokenSpan([1, 2], M, logprobs=[-0.5, -1.5], weight_version=0),
     ],
-    ids=["trajectory", "batch", "manifest", "entry", "span"],
+    ids=["trajectory", "batch", "distilled-batch", "manifest", "entry", "span"],
 )
 def test_msgpack_and_json_round_trip(record: msgspec.Struct) -> None:
     kind = type(record)
@@ -365,6 +376,25 @@ def test_trajectory_validate_checks_every_span() -> None:
 def test_train_batch_validate_rejects(field: str, value: list, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         msgspec.structs.replace(_example_batch(), **{field: value}).validate()
+
+
+def test_distillation_targets_are_k_per_token() -> None:
+    batch = _distilled_batch()
+    batch.validate()
+    assert batch.teacher_top_k == 2 and _example_batch().teacher_top_k == 0
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "message"),
+    [
+        ("teacher_topk_ids", [1] * 7, "teacher_topk_ids has 7 entries, expected k \\* 5 tokens"),
+        ("teacher_topk_logprobs", [0.0] * 5, "teacher_topk_logprobs has 5 entries and distill_coef 5"),
+        ("distill_coef", [], "distill_coef 0, expected 10 and 5"),
+    ],
+)
+def test_distillation_targets_validate_rejects(field: str, value: list, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        msgspec.structs.replace(_distilled_batch(), **{field: value}).validate()
 
 
 def _manifest_with(

@@ -201,6 +201,11 @@ class TrainBatch(msgspec.Struct):
     rollout engine's logprobs; ``versions`` the weight version of each token (-1 if not model).
     ``row_tags`` is empty or holds each row's trajectory tags (``[rows]``; e.g. the ``domain``
     that routes a row to its teacher in on-policy distillation).
+
+    Dense distillation targets (empty without): ``teacher_topk_ids`` and ``teacher_topk_logprobs``
+    hold each token's k most likely ids under its row's teacher and their logprobs
+    (``[num_tokens * k]``, token by token), ``distill_coef`` each token's weight on the distillation
+    loss (``[num_tokens]``; the teacher's coefficient at loss tokens, else 0).
     """
 
     token_ids: list[int]
@@ -212,10 +217,18 @@ class TrainBatch(msgspec.Struct):
     sample_ids: list[str]
     policy_version: int
     row_tags: list[dict[str, str]] = []
+    teacher_topk_ids: list[int] = []
+    teacher_topk_logprobs: list[float] = []
+    distill_coef: list[float] = []
 
     @property
     def num_tokens(self) -> int:
         return len(self.token_ids)
+
+    @property
+    def teacher_top_k(self) -> int:
+        """k of the dense distillation targets; 0 without them."""
+        return len(self.teacher_topk_ids) // max(1, len(self.token_ids))
 
     def rows(self) -> Iterable[tuple[int, int]]:
         """(start, end) offsets of each row."""
@@ -235,6 +248,18 @@ class TrainBatch(msgspec.Struct):
             raise ValueError("TrainBatch needs one sample_id per row")
         if self.row_tags and len(self.row_tags) != len(self.row_lens):
             raise ValueError("TrainBatch.row_tags must be empty or hold one dict per row")
+        k = self.teacher_top_k
+        if self.teacher_topk_ids or self.teacher_topk_logprobs or self.distill_coef:
+            if k == 0 or len(self.teacher_topk_ids) != k * n:
+                raise ValueError(
+                    f"TrainBatch.teacher_topk_ids has {len(self.teacher_topk_ids)} entries, "
+                    f"expected k * {n} tokens for some k >= 1"
+                )
+            if len(self.teacher_topk_logprobs) != k * n or len(self.distill_coef) != n:
+                raise ValueError(
+                    f"TrainBatch.teacher_topk_logprobs has {len(self.teacher_topk_logprobs)} entries and "
+                    f"distill_coef {len(self.distill_coef)}, expected {k * n} and {n} (k = {k})"
+                )
 
 
 class TensorEntry(msgspec.Struct, frozen=True):

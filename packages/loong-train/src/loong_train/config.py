@@ -286,6 +286,11 @@ class Recipe(_Section):
                 f"loss.entropy_coef = {self.loss.entropy_coef} is a torch-backend option; "
                 f"train.backend.type = {self.train.backend.type!r} does not compute the entropy bonus"
             )
+        if self.opd.enabled and self.opd.objective == "forward_kl" and self.train.backend.type != "torch":
+            raise ValueError(
+                f'opd.objective = "forward_kl" is a torch-backend option; train.backend.type = '
+                f'{self.train.backend.type!r} does not compute the distillation loss (use "advantage")'
+            )
 
 
 _MEGATRON_KEYS = ("tp", "pp", "dp", "micro_batch_rows", "gpus")

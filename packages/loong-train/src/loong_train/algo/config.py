@@ -155,8 +155,14 @@ class OPDConfig(_Section):
 
     - ``enabled``: score every batch with the teachers before the loss (false: the task reward
       alone, the same run otherwise; teachers are still built, so both runs can be compared).
-    - ``mode``: ``"teacher_only"`` (A_t = -lambda (logp_student - logp_teacher)) or ``"mixed"``
-      (plus ``task_coef`` times the GRPO advantage of the row).
+    - ``objective``: how the teachers' scores enter the loss. ``"advantage"``: as the per-token
+      advantage of the policy loss, the sampled-token estimate of the reverse KL. ``"forward_kl"``:
+      a dense loss term, the forward KL(teacher || student) over each position's teacher top-k
+      (``teachers.top_k``, which must be > 0) plus a tail bucket, weighted by lambda; the policy
+      loss then has no teacher advantage.
+    - ``mode``: ``"teacher_only"`` (advantage: A_t = -lambda (logp_student - logp_teacher);
+      forward_kl: no task reward, the advantages are 0) or ``"mixed"`` (plus ``task_coef`` times
+      the GRPO advantage of the row).
     - ``teachers``: a ``loong_teacher.TeacherManagerConfig`` (routing tag, default teacher, memory
       budget, and the teachers with their coefficients lambda).
     - ``build``: how to make local teachers whose ``path`` is empty (see :class:`TeacherBuild`).
@@ -165,6 +171,7 @@ class OPDConfig(_Section):
     """
 
     enabled: bool = False
+    objective: Literal["advantage", "forward_kl"] = "advantage"
     mode: Literal["teacher_only", "mixed"] = "teacher_only"
     task_coef: float = 1.0
     teachers: TeacherManagerConfig | None = None
@@ -184,6 +191,10 @@ def _opd_problems(c: OPDConfig) -> list[str]:
     checks = [
         (not c.enabled or teachers, "enabled = true needs [opd.teachers] with at least one teacher"),
         (c.task_coef >= 0, f"task_coef must be >= 0, got {c.task_coef}"),
+        (
+            c.objective != "forward_kl" or (c.teachers is not None and c.teachers.top_k > 0),
+            'objective = "forward_kl" needs [opd.teachers] top_k > 0 (the teacher ids it is taken over)',
+        ),
         (set(built) <= set(names), f"build names teachers {sorted(set(built) - set(names))} not in {names}"),
         (
             set(unbuilt) <= set(built),

@@ -64,6 +64,16 @@ Aggregations (verl's ``loss_agg_mode`` names), over rows with at least one kept 
     seq-mean-token-sum-norm  (1/B) sum_i  sum_t m' x / L_norm    (Dr. GRPO; Liu et al., 2025)
 
 Dr. GRPO divides by the generation budget; Loong takes the constant ``norm_length`` from config.
+
+Dense distillation (:func:`distill_loss`, on-policy distillation with ``objective =
+"forward_kl"``, :mod:`loong_train.algo.opd`), added to L: with c_t the token's teacher
+coefficient and K_t the teacher's top-k ids at t,
+
+    L_distill = agg(c * KL_t; m),   KL_t = KL(T_t || S_t) over K_t plus one tail bucket
+
+(:func:`loong_teacher.topk_forward_kl`; S_t is the student's distribution at temperature 1,
+the one the teacher's logprobs are taken at).
+
 The defaults (std scaling, coupled PPO, token-mean, everything else off) are the loss Loong
 trained with before these options existed, bit for bit.
 """
@@ -77,11 +87,13 @@ from collections.abc import Sequence
 import torch
 
 from loong_core.records import EpisodeStatus, TrainBatch, Trajectory
+from loong_teacher import topk_forward_kl
 from loong_train.algo.config import LossConfig
 
 __all__ = [
     "advantages",
     "aggregate",
+    "distill_loss",
     "episode_id",
     "grpo_advantages",
     "kl_estimate",
@@ -269,6 +281,23 @@ def aggregate(x: torch.Tensor, m: torch.Tensor, cfg: LossConfig) -> torch.Tensor
     elif cfg.agg_mode == "seq-mean-token-sum-norm":
         row_sum = row_sum / cfg.norm_length
     return row_sum.sum() / (tokens > 0).sum().clamp(min=1)
+
+
+def distill_loss(
+    student_logits: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_logprobs: torch.Tensor,
+    coef: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: LossConfig,
+) -> tuple[torch.Tensor, dict[str, float]]:
+    """L_distill (module docstring) from the student's logits ``[batch, seq, vocab]`` at the
+    positions that predict each token, the teacher's ``topk_ids``/``topk_logprobs`` ``[batch, seq,
+    k]`` there, ``coef`` and ``mask`` ``[batch, seq]``; stats: ``distill_kl``, KL_t's mean over
+    the mask."""
+    kl = topk_forward_kl(student_logits, topk_ids, topk_logprobs, mask)
+    mean = float(kl.detach().sum() / mask.sum().clamp(min=1))
+    return aggregate(coef * kl, mask, cfg), {"distill_kl": mean}
 
 
 def kl_estimate(logprobs: torch.Tensor, reference: torch.Tensor, estimator: str) -> torch.Tensor:

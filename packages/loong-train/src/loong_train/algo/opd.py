@@ -16,6 +16,15 @@ KL(pi_S || pi_T) at t, for y_t drawn from the sampler (tinker-cookbook's and sli
 sampler's logprob costs no extra forward pass). The policy loss is the recipe's ``[loss]``
 unchanged (PPO-clipped, IS-weighted against b), so OPD and RL share one code path.
 
+With ``opd.objective = "forward_kl"`` the teachers' top-k distributions (``[opd.teachers]
+top_k``) go into the batch instead (``TrainBatch.teacher_topk_ids``, ``teacher_topk_logprobs``,
+``distill_coef`` = lambda_T(i) at loss tokens) and the train backend adds a dense term to the
+policy loss (:func:`loong_train.algo.losses.distill_loss`), at every position the student visited:
+
+    L_distill = agg_t( lambda_T(i) * KL(pi_T(. | y_<t) || pi_S(. | y_<t)) )   over the top-k + tail
+
+The advantages are then 0 (teacher_only: pure distillation) or alpha * A_i^GRPO (mixed).
+
 Metrics per step: ``opd/kl`` (mean of b_t - log pi_T(y_t) over loss tokens), ``opd/<teacher>/kl``
 (the same over that teacher's rows), ``opd/<teacher>/samples`` (routing counts, 0 included) and the
 manager's ``teacher/...`` metrics (tokens, loads, bytes paged in, resident bytes, score seconds).
@@ -94,11 +103,25 @@ class Distiller:
         scores = self.manager.score(rows)
         student = _padded(batch.behaviour_logprobs, lens)
         task = self.cfg.task_coef * _padded(batch.advantages, lens) if self.cfg.mode == "mixed" else None
+        if self.cfg.objective == "forward_kl":
+            return self._targets(batch, scores, task), self._metrics(student, scores)
         adv = reverse_kl_advantage(
             student, scores.logprobs, scores.mask, coef=scores.coef, task_advantages=task
         )
-        flat = torch.cat([adv[i, :n] for i, n in enumerate(lens)]).tolist()
-        return msgspec.structs.replace(batch, advantages=flat), self._metrics(student, scores)
+        return msgspec.structs.replace(batch, advantages=_flat(adv, lens)), self._metrics(student, scores)
+
+    def _targets(self, batch: TrainBatch, scores: TeacherScores, task: torch.Tensor | None) -> TrainBatch:
+        """``batch`` carrying the teachers' top-k (dense distillation) and the task advantages, if any."""
+        lens = batch.row_lens
+        assert scores.topk_ids is not None and scores.topk_logprobs is not None
+        advantages = _flat(task, lens) if task is not None else [0.0] * batch.num_tokens
+        return msgspec.structs.replace(
+            batch,
+            advantages=advantages,
+            teacher_topk_ids=_flat(scores.topk_ids, lens),
+            teacher_topk_logprobs=_flat(scores.topk_logprobs, lens),
+            distill_coef=_flat(scores.coef * scores.mask, lens),
+        )
 
     def _metrics(self, student: torch.Tensor, scores: TeacherScores) -> dict[str, float]:
         gap, mask = (student - scores.logprobs) * scores.mask, scores.mask
@@ -112,6 +135,11 @@ class Distiller:
 
     def close(self) -> None:
         self.manager.close()
+
+
+def _flat(padded: torch.Tensor, lens: list[int]) -> list:
+    """``[rows, seq, ...]`` back to the batch's packed per-token list (trailing dims flattened)."""
+    return torch.cat([padded[i, :n].reshape(-1) for i, n in enumerate(lens)]).tolist()
 
 
 def _padded(values: list[float], lens: list[int]) -> torch.Tensor:

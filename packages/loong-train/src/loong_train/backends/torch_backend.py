@@ -3,7 +3,9 @@
 The loss is :func:`loong_train.algo.losses.policy_loss` under a :class:`LossConfig`. Two of its
 options need extra no-grad forwards before the update: decoupled PPO recomputes the proximal
 logprobs with the current weights, and a KL penalty scores the batch with a frozen copy of the
-initial model (the reference policy, kept only when ``kl_coef > 0``).
+initial model (the reference policy, kept only when ``kl_coef > 0``). A batch carrying teacher
+top-k targets (on-policy distillation, ``objective = "forward_kl"``) adds
+:func:`~loong_train.algo.losses.distill_loss` on the same forward's logits.
 
 Rows of a TrainBatch are right-padded into [rows, max_len]; with causal attention a real token
 never sees a later pad, so no attention mask is needed. The logprob of token j comes from the
@@ -20,7 +22,7 @@ import torch
 
 from loong_core.records import TrainBatch
 from loong_train.algo.config import LossConfig
-from loong_train.algo.losses import aggregate, policy_loss
+from loong_train.algo.losses import aggregate, distill_loss, policy_loss
 from loong_train.models.auto import load_causal_lm
 from loong_train.models.decoder import CausalLM
 
@@ -37,8 +39,14 @@ def logprobs_and_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`token_logprobs` and, unless ``entropy_grad`` is None, each position's entropy
     H_t = -sum_v p(v) log p(v) of the sampling distribution (with a gradient when ``entropy_grad``)."""
-    logits = model(ids)[:, :-1].float() / temperature
-    logp = torch.log_softmax(logits, dim=-1)
+    return _from_logits(model(ids)[:, :-1].float(), ids, temperature, entropy_grad)
+
+
+def _from_logits(
+    logits: torch.Tensor, ids: torch.Tensor, temperature: float, entropy_grad: bool | None
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """:func:`logprobs_and_entropy` from the float32 logits that predict tokens 1.. of ``ids``."""
+    logp = torch.log_softmax(logits / temperature, dim=-1)
     lp = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
     lp = torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
     if entropy_grad is None:
@@ -110,11 +118,16 @@ class TorchBackend:
         t = self.tensors(batch)
         extra = self._no_grad_logprobs(t["ids"])
         bonus = self.loss_cfg.entropy_coef
-        lp, entropy = logprobs_and_entropy(self.model, t["ids"], self.temperature, bonus > 0)
+        logits = self.model(t["ids"])[:, :-1].float()
+        lp, entropy = _from_logits(logits, t["ids"], self.temperature, bonus > 0)
         loss, stats = policy_loss(lp, t["behaviour"], t["adv"], t["mask"], self.loss_cfg, **extra)
         assert entropy is not None
         if bonus > 0:  # the bonus: minus coef times the aggregated entropy
             loss = loss - bonus * aggregate(entropy, t["mask"], self.loss_cfg)
+        if batch.teacher_top_k:  # dense on-policy distillation: position j - 1 predicts token j
+            targets = [x[:, 1:] for x in self._distill_targets(batch)]
+            distill, distill_stats = distill_loss(logits, *targets, t["mask"][:, 1:], self.loss_cfg)
+            loss, stats = loss + distill, stats | distill_stats
         stats["entropy"] = float((entropy.detach() * t["mask"]).sum() / t["mask"].sum().clamp(min=1))
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -130,6 +143,20 @@ class TorchBackend:
             "lr": lr,
             **stats,
         }
+
+    @staticmethod
+    def _distill_targets(batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The batch's teacher top-k ids and logprobs ``[rows, seq, k]`` and ``distill_coef``
+        ``[rows, seq]``, right-padded (pads: id 0, logprob 0, coefficient 0)."""
+        k, lens = batch.teacher_top_k, batch.row_lens
+        ids = torch.tensor(batch.teacher_topk_ids, dtype=torch.long).view(-1, k).split(lens)
+        logprobs = torch.tensor(batch.teacher_topk_logprobs, dtype=torch.float32).view(-1, k).split(lens)
+        pad = torch.nn.utils.rnn.pad_sequence
+        return (
+            pad(list(ids), batch_first=True),
+            pad(list(logprobs), batch_first=True),
+            _pad(batch.distill_coef, lens, 0.0, torch.float32),
+        )
 
     @torch.no_grad()
     def _no_grad_logprobs(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:

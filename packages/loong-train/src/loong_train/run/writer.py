@@ -69,6 +69,7 @@ _TRAIN_KEYS = (
     "is_weight_max",
     "kl",
     "kl_loss",
+    "distill_kl",  # loong_train.algo.losses.distill_loss (opd.objective = "forward_kl")
 )
 _TRAIN_PREFIXES = ("opd/", "teacher/")  # per-teacher OPD metrics (loong_train.algo.opd), named by teacher
 
