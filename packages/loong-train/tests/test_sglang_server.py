@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import contextlib
 import io
 import os
@@ -500,10 +501,9 @@ def test_api_key_is_required_when_set(model_dir):
             asyncio.run(run(None))
 
 
-@pytest.fixture
-def server_process(model_dir):
-    """``loong-train serve-sglang`` in its own process (the gloo group needs two processes)."""
-    port = _port()
+def _launch(model_dir, port: int | None = None) -> tuple[subprocess.Popen, str]:
+    """``loong-train serve-sglang`` in its own process (a gloo group needs two), once healthy."""
+    port = port or _port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "loong_train.cli", "serve-sglang", str(model_dir), "--port", str(port)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
@@ -514,11 +514,24 @@ def server_process(model_dir):
             pytest.fail(f"server exited: {proc.stdout.read().decode()}")
         with contextlib.suppress(httpx.TransportError):
             if httpx.get(f"{url}/health").status_code == 200:
-                break
+                return proc, url
         time.sleep(0.2)
+    proc.kill()
+    pytest.fail(f"server at {url} not healthy within 120 s")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.terminate()
+        proc.wait(10)
+    proc.stdout.close()
+
+
+@pytest.fixture
+def server_process(model_dir):
+    proc, url = _launch(model_dir)
     yield url
-    proc.terminate()
-    proc.wait(10)
+    _stop(proc)
 
 
 def _served_weights(url: str, names) -> dict[str, torch.Tensor]:
@@ -584,3 +597,107 @@ def test_distributed_update_is_bit_exact_and_versioned(server_process):
     assert all(torch.equal(served[k], v) for k, v in newer.items())
     direct.shutdown()
     assert httpx.get(f"{url}/health").status_code == 200
+
+
+def _version(url: str) -> str:
+    return httpx.get(f"{url}/get_weight_version").json()["weight_version"]
+
+
+def _holds(url: str, named: dict[str, torch.Tensor]) -> bool:
+    served = _served_weights(url, named)
+    return all(torch.equal(served[k], v) for k, v in named.items())
+
+
+@pytest.mark.integration
+def test_servers_get_direct_pushes_and_one_that_dies_fails_alone_then_catches_up(model_dir):
+    """Two server processes, one group each (``SGLangServers``): after every push both hold the
+    trainer's tensors bit for bit. One is killed while a push of many small buckets runs: the
+    other gets the version, the push names the dead one; relaunched (serving its checkpoint,
+    version 0), ``catch_up`` brings it to the newest version through a fresh group."""
+    from loong_transfermesh import SGLangServers
+
+    (proc_a, a), (proc_b, b) = _launch(model_dir), _launch(model_dir)
+    servers = SGLangServers(SGLangPusherConfig(urls=[a, b], bucket_bytes=4 << 10, timeout_s=60))
+    try:
+        for version, seed in ((1, 31), (2, 37)):
+            named = {k: v.detach().clone() for k, v in _model(seed).named_parameters()}
+            assert servers.push(named, version) == {}
+            assert _version(a) == _version(b) == str(version) and servers.versions == {a: version, b: version}
+            assert _holds(a, named) and _holds(b, named)
+
+        newest = {k: v.detach().clone() for k, v in _model(41).named_parameters()}
+        with contextlib.ExitStack() as stack:
+            pool = stack.enter_context(concurrent.futures.ThreadPoolExecutor(1))
+            push = pool.submit(servers.push, newest, 3)
+            time.sleep(0.05)  # before or during its buckets: either way only b's push fails
+            proc_b.kill()
+            failed = push.result(timeout=120)
+        assert list(failed) == [b] and servers.versions == {a: 3, b: None}
+        assert _version(a) == "3" and _holds(a, newest)
+
+        _stop(proc_b)
+        proc_b, _ = _launch(model_dir, port=int(b.rsplit(":", 1)[1]))
+        assert _version(b) == "0"
+        assert servers.catch_up(newest, 3) == {}  # a already serves 3: only b is pushed
+        assert _version(b) == "3" and _holds(b, newest) and servers.versions == {a: 3, b: 3}
+    finally:
+        servers.close()
+        _stop(proc_a)
+        _stop(proc_b)
+
+
+_DYING_TRAINER = """
+import sys, time
+import torch
+from loong_transfermesh.sglang import SGLangPusherConfig, SGLangWeightPusher
+
+url, port = sys.argv[1], int(sys.argv[2])
+named = torch.load(sys.argv[3])
+pusher = SGLangWeightPusher(SGLangPusherConfig(urls=[url], master_port=port, bucket_bytes=4 << 10))
+pusher.connect()
+send = pusher._send_bucket
+
+def slow_send(items, version):  # every bucket announced, then a pause: the parent kills us here
+    send(items, version)
+    print("bucket", flush=True)
+    time.sleep(30)
+
+pusher._send_bucket = slow_send
+pusher.push(named, 9)
+"""
+
+
+@pytest.mark.integration
+def test_a_trainer_killed_mid_update_leaves_the_server_paused_until_a_full_version_lands(
+    server_process, tmp_path
+):
+    """A pusher process is killed after its first bucket: the server still reports the previous
+    version and runs no request on the half-updated weights (the update's pause holds them); a
+    new trainer's push through a fresh group completes the version, bit for bit, and requests
+    run again on it."""
+    from loong_transfermesh import SGLangServers
+
+    url = server_process
+    servers = SGLangServers(SGLangPusherConfig(urls=[url], timeout_s=60))
+    try:
+        first = {k: v.detach().clone() for k, v in _model(43).named_parameters()}
+        assert servers.push(first, 1) == {}
+        torch.save({k: v.detach().clone() for k, v in _model(47).named_parameters()}, tmp_path / "w.pt")
+        script = [sys.executable, "-c", _DYING_TRAINER, url, str(_port()), str(tmp_path / "w.pt")]
+        trainer = subprocess.Popen(script, stdout=subprocess.PIPE, text=True)
+        assert trainer.stdout.readline().strip() == "bucket"
+        trainer.kill()
+        trainer.wait()
+        trainer.stdout.close()
+        assert _version(url) == "1"
+        body = {"input_ids": PROMPT, "sampling_params": {"max_new_tokens": 2}}
+        with pytest.raises(httpx.TimeoutException):
+            httpx.post(f"{url}/generate", json=body, timeout=3.0)  # held: the pause never ended
+
+        newest = {k: v.detach().clone() for k, v in _model(53).named_parameters()}
+        assert servers.catch_up(newest, 2) == {}
+        assert _version(url) == "2" and _holds(url, newest)
+        answer = httpx.post(f"{url}/generate", json=body, timeout=60.0).json()
+        assert answer["meta_info"]["weight_version"] == "2"
+    finally:
+        servers.close()

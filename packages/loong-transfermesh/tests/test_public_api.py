@@ -8,6 +8,7 @@ def test_exports_are_pinned():
         "ManifestMismatch",
         "MegatronLayout",
         "SGLangPusherConfig",
+        "SGLangServers",
         "SGLangUpdateError",
         "SGLangWeightPusher",
         "ShmReceiver",

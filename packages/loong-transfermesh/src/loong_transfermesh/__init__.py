@@ -13,7 +13,7 @@ __getattr__, __dir__ = lazy_exports(  # the configs import no torch; the transpo
             "build_manifest",
             "check_against",
         ],
-        "loong_transfermesh.sglang": ["SGLangUpdateError", "SGLangWeightPusher"],
+        "loong_transfermesh.sglang": ["SGLangServers", "SGLangUpdateError", "SGLangWeightPusher"],
         "loong_transfermesh.shm": ["ShmReceiver", "ShmSender", "remove_slots"],
         "loong_transfermesh.tcp": ["TcpReceiver", "TcpSender"],
         "loong_transfermesh.transport": [
@@ -42,6 +42,7 @@ __all__ = [
     "remove_slots",
     # SGLang servers
     "SGLangPusherConfig",
+    "SGLangServers",
     "SGLangUpdateError",
     "SGLangWeightPusher",
     # layout conversion

@@ -35,6 +35,15 @@ dtypes, so buckets here hold one dtype each and every byte arrives unconverted (
 64-byte-aligned offsets and mixed dtypes, which is not this wire format.
 
 Backends: ``nccl`` (tensors are moved to the current CUDA device) or ``gloo`` (CPU).
+
+Several servers, one group each (:class:`SGLangServers`): a single group ties every server's
+fate to the slowest or deadest one (a broadcast waits for every rank). With a group per server,
+pushes run side by side; a server that fails or dies mid-update fails only its own push, and a
+server that comes back (restarted: it serves the checkpoint it was launched from) gets the
+newest version through a fresh group (:meth:`SGLangServers.catch_up`). A server whose pusher
+died mid-update (the trainer's process ended) holds the buckets that arrived, as SGLang
+applies each on arrival, and stays paused: no request runs on the mix until a complete version
+lands and ``/continue_generation`` comes with it.
 """
 
 from __future__ import annotations
@@ -43,6 +52,7 @@ import contextlib
 import datetime
 import functools
 import math
+import socket
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -65,6 +75,7 @@ from loong_core.sglang_api import (
 from loong_transfermesh.config import SGLangPusherConfig
 
 __all__ = [
+    "SGLangServers",
     "SGLangUpdateError",
     "SGLangWeightPusher",
     "bucket_dtype",
@@ -180,8 +191,7 @@ class SGLangWeightPusher:
 
     def __init__(self, config: SGLangPusherConfig) -> None:
         self.config = config
-        headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-        self._http = httpx.Client(headers=headers, timeout=config.timeout_s)
+        self._http = httpx.Client(headers=_auth(config), timeout=config.timeout_s)
         self._pool = ThreadPoolExecutor(max_workers=len(config.urls))
         self._group: dist.ProcessGroup | None = None
         self.cache_flushed: list[bool] = []  # per server (``urls`` order): did the last push flush?
@@ -318,6 +328,113 @@ class SGLangWeightPusher:
         if response.status_code != 200 or (answer is not None and not answer.success):
             message = response.text if answer is None else answer.message
             raise SGLangUpdateError(f"{url}{path}: HTTP {response.status_code}: {message}")
+
+
+class SGLangServers:
+    """A trainer's direct line to several SGLang servers: one :class:`SGLangWeightPusher`, and
+    one weight-update group, per server (``config.urls``), pushed to side by side.
+
+    ::
+
+        servers = SGLangServers(SGLangPusherConfig(urls=[a, b], master_address="10.0.0.1"))
+        failed = servers.push(named, version=3)   # {url: error} of the servers that failed
+        servers.catch_up(named, version=3)        # servers behind (failed, restarted) get it now
+        servers.close()
+
+    Each server's group has its own rendezvous port (a free one on ``master_address``, picked
+    per connection; ``config.master_port`` is not used) and group name (``config.group_name``
+    plus the server's index and the connection count, so a group left behind on a server by a
+    dead trainer never clashes). ``versions`` holds the version each
+    server confirmed last (None: unknown, after a failure). Not thread-safe: one call at a time.
+    """
+
+    def __init__(self, config: SGLangPusherConfig) -> None:
+        self.config = config
+        self.urls = list(config.urls)
+        self._pushers: dict[str, SGLangWeightPusher] = {}
+        self._pool = ThreadPoolExecutor(max_workers=len(self.urls), thread_name_prefix="sglang-push")
+        self._connections = 0
+        self.versions: dict[str, int | None] = dict.fromkeys(self.urls)
+
+    def push(self, named: Mapping[str, torch.Tensor], version: int) -> dict[str, str]:
+        """Push ``named`` as ``version`` to every server at once (connecting where needed);
+        returns the servers that failed, with why. The others serve ``version`` on return."""
+        return self._push(self.urls, named, version)
+
+    def catch_up(self, named: Mapping[str, torch.Tensor], version: int) -> dict[str, str]:
+        """Push ``version`` to each server that does not report it (a failed push, a restart),
+        through a fresh group; returns the servers that failed, with why."""
+        behind = [url for url in self.urls if self._served(url) != str(version)]
+        for url in behind:
+            self._drop(url)
+        return self._push(behind, named, version)
+
+    def close(self) -> None:
+        for url in list(self._pushers):
+            self._drop(url)
+        self._pool.shutdown()
+
+    def _push(self, urls: list[str], named: Mapping[str, torch.Tensor], version: int) -> dict[str, str]:
+        calls = {url: self._pool.submit(self._push_one, url, named, version) for url in urls}
+        failed = {}
+        for url, call in calls.items():
+            if (error := call.exception()) is not None:
+                failed[url] = f"{type(error).__name__}: {error}"
+                self.versions[url] = None
+                self._drop(url)
+            else:
+                self.versions[url] = version
+        return failed
+
+    def _push_one(self, url: str, named: Mapping[str, torch.Tensor], version: int) -> None:
+        if url not in self._pushers:
+            self._pushers[url] = self._connect(url)
+        self._pushers[url].push(named, version)
+
+    def _connect(self, url: str) -> SGLangWeightPusher:
+        c, i = self.config, self.urls.index(url)
+        self._connections += 1
+        port = _free_port(c.master_address)
+        pusher = SGLangWeightPusher(
+            msgspec.structs.replace(
+                c, urls=[url], master_port=port, group_name=f"{c.group_name}-{i}-{self._connections}"
+            )
+        )
+        try:
+            pusher.connect()
+        except BaseException:
+            pusher.shutdown()
+            raise
+        return pusher
+
+    def _served(self, url: str) -> str | None:
+        """The version ``url`` reports; None when it does not answer."""
+        try:
+            answer = httpx.get(f"{url}/get_weight_version", headers=_auth(self.config), timeout=30.0)
+            return msgspec.json.decode(
+                answer.raise_for_status().content, type=WeightVersionResponse
+            ).weight_version
+        except (httpx.HTTPError, msgspec.DecodeError):
+            return None
+
+    def _drop(self, url: str) -> None:
+        """Forget ``url``'s pusher: its group is destroyed where the server still answers."""
+        pusher = self._pushers.pop(url, None)
+        if pusher is None:
+            return
+        with contextlib.suppress(SGLangUpdateError, httpx.HTTPError, RuntimeError):
+            pusher.close()
+        pusher.shutdown()
+
+
+def _auth(config: SGLangPusherConfig) -> dict[str, str]:
+    return {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
+
+
+def _free_port(address: str) -> int:
+    with socket.socket() as s:
+        s.bind((address, 0))
+        return s.getsockname()[1]
 
 
 def _update_answer(content: bytes) -> UpdateWeightsResponse | None:
