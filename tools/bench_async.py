@@ -262,11 +262,10 @@ class _hogging:
         self.proc = subprocess.Popen(self.cmd, stdout=subprocess.PIPE, text=True)
         ready, _, _ = select.select([self.proc.stdout], [], [], _HOG_READY_S)
         if not ready or self.proc.stdout.readline().strip() != "ready":
+            exited = self.proc.poll()
             self._stop()
-            raise RuntimeError(
-                f"{' '.join(self.cmd[2:5])}: no first iteration within {_HOG_READY_S} s "
-                f"(exit code {self.proc.returncode})"
-            )
+            why = f"exited with {exited}" if exited is not None else f"not ready within {_HOG_READY_S} s"
+            raise RuntimeError(f"{' '.join(self.cmd[2:5])}: {why} before its first iteration")
 
     def __exit__(self, *exc) -> None:
         self._stop()
@@ -460,15 +459,16 @@ def table(summary: dict) -> str:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for workload, w in summary.items():
-        base = w["configs"][w["best_sync"] or w["best_async"]]["samples_per_s"]
+        base = w["configs"][w["best_sync"]]["samples_per_s"] if w["best_sync"] else math.nan
         if floor := w.get("cpu_floor_samples_per_s"):
             lines.append(
                 f"| {workload} | CPU floor (every core busy) | {floor:.1f} | {floor / base:.2f}x | | | | | |"
             )
         for config, c in w["configs"].items():
             mark = " (best)" if config in (w["best_sync"], w["best_async"]) else ""
+            ratio = "-" if math.isnan(base) else f"{c['samples_per_s'] / base:.2f}x"
             lines.append(
-                f"| {workload} | {config}{mark} | {c['samples_per_s']:.1f} | {c['samples_per_s'] / base:.2f}x "
+                f"| {workload} | {config}{mark} | {c['samples_per_s']:.1f} | {ratio} "
                 f"| {_predicted(w, config)} | {c['final_eval']:.2f} | {c.get('trainer_busy', float('nan')):.0%} "
                 f"| {c.get('engine_busy', float('nan')):.0%} | {c.get('rows_per_step', float('nan')):.0f} |"
             )
@@ -511,7 +511,9 @@ def main() -> None:
     result = {"recipe": args.recipe, "steps": args.steps, "window": args.window, "cores": os.cpu_count()}
 
     def save() -> None:  # after every run: a cut-off benchmark keeps what it measured
-        args.json.write_text(json.dumps(result | {"runs": rows}, indent=2))
+        tmp = args.json.with_name(args.json.name + ".tmp")
+        tmp.write_text(json.dumps(result | {"runs": rows}, indent=2))
+        os.replace(tmp, args.json)
 
     with tempfile.TemporaryDirectory(prefix="loong-bench-async-") as tmp:
         for name, workload in workloads:

@@ -43,6 +43,7 @@ def slug(name: str) -> str:
 def run(recipe: str, sets: list[str], out: Path, cache: Path) -> None:
     """One ``loong-train run`` into ``out`` (skipped when ``out`` already holds a finished run)."""
     if (out / "summary.json").exists():
+        print(f"{out}: finished earlier, reused", flush=True)
         return
     cmd = [sys.executable, "-m", "loong_train.cli", "run", recipe, "--out", str(out), "--cache", str(cache)]
     for s in sets:
@@ -58,8 +59,10 @@ def curves(summary: dict) -> dict[str, list[tuple[int, float]]]:
 
 
 def mean_curve(runs: list[list[tuple[int, float]]]) -> list[tuple[int, float, float, float]]:
-    """(step, mean, min, max) over runs, at the steps every run evaluated."""
+    """(step, mean, min, max) over runs, at the steps every run evaluated (at least one)."""
     common = sorted(set.intersection(*({s for s, _ in c} for c in runs)))
+    if not common:
+        raise ValueError(f"the runs share no evaluated step: {[[s for s, _ in c] for c in runs]}")
     out = []
     for step in common:
         xs = [dict(c)[step] for c in runs]
@@ -86,7 +89,7 @@ def compare(summaries: dict[str, list[dict]]) -> dict:
             rows[variant] = {
                 "curve": c,
                 "final": c[-1][1],
-                "final_per_seed": [curves(s)[domain][-1][1] for s in runs],
+                "final_per_seed": [dict(curves(s)[domain])[c[-1][0]] for s in runs],  # at that step
                 "wall_s": statistics.fmean(s["wall_s"] for s in runs),
             }
         baseline = rows[first]["final"]
@@ -162,6 +165,8 @@ def main() -> None:
     parser.add_argument("--cache", type=Path, default=Path.home() / ".cache" / "loong")
     args = parser.parse_args()
     variants = [parse_variant(v) for v in args.variant or DEFAULT_VARIANTS]
+    if len({slug(name) for name, _ in variants}) < len(variants):
+        parser.error(f"--variant: names must differ in letters and digits: {[n for n, _ in variants]}")
     seeds = [int(s) for s in args.seeds.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     summaries: dict[str, list[dict]] = {name: [] for name, _ in variants}

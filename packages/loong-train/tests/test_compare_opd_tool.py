@@ -63,6 +63,11 @@ def test_a_mean_curve_keeps_the_steps_every_seed_evaluated():
     assert compare_opd.mean_curve(runs) == [(0, 0.1, 0.0, 0.2), (20, 0.8, 0.6, 1.0)]
 
 
+def test_runs_that_share_no_step_are_refused():
+    with pytest.raises(ValueError, match="share no evaluated step"):
+        compare_opd.mean_curve([[(0, 0.1)], [(10, 0.2)]])
+
+
 def test_a_variant_spec_names_its_overrides():
     assert compare_opd.parse_variant("RL only=opd.enabled=false") == ("RL only", ["opd.enabled=false"])
     assert compare_opd.parse_variant("OPD=") == ("OPD", [])

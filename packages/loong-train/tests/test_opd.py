@@ -212,7 +212,29 @@ def test_forward_kl_distillation_matches_a_float64_reference(dirs, mode, task_co
     assert metrics["distill_kl"] == pytest.approx(want["kl"], rel=1e-4)
     if mode == "teacher_only":
         assert metrics["loss"] == pytest.approx(want["loss"], rel=1e-4)
+    else:  # the PPO term on the first step (ratio 1 up to the train-inference gap) plus L_distill
+        assert metrics["loss"] == pytest.approx(want["loss"] + metrics["pg_loss"], rel=1e-4)
+    assert math.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0
     assert metrics["opd/add-teacher/samples"] == 2.0
+
+
+def test_a_teacher_id_outside_the_students_vocabulary_is_a_clear_error(dirs):
+    from loong_train.backends.torch_backend import TorchBackend
+
+    backend = TorchBackend.from_pretrained(dirs["student"], lr=1e-3)
+    vocab = backend.model.config.vocab_size
+    batch = _batch(len(load_tokenizer(dirs["student"])))
+    n = batch.num_tokens
+    bad = msgspec.structs.replace(
+        batch,
+        teacher_topk_ids=[1] * (n - 1) + [vocab],
+        teacher_topk_logprobs=[-0.5] * n,
+        distill_coef=[1.0] * n,
+    )
+    with pytest.raises(
+        ValueError, match=rf"holds id {vocab}, outside the student's vocabulary \[0, {vocab}\)"
+    ):
+        backend.train_step(bad)
 
 
 def test_forward_kl_needs_the_teachers_top_k(dirs):

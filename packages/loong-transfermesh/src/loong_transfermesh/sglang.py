@@ -51,10 +51,13 @@ from __future__ import annotations
 import contextlib
 import datetime
 import functools
+import itertools
 import math
 import socket
+import threading
+import uuid
 from collections.abc import Iterator, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from typing import Any
 
 import httpx
@@ -342,10 +345,14 @@ class SGLangServers:
         servers.close()
 
     Each server's group has its own rendezvous port (a free one on ``master_address``, picked
-    per connection; ``config.master_port`` is not used) and group name (``config.group_name``
-    plus the server's index and the connection count, so a group left behind on a server by a
-    dead trainer never clashes). ``versions`` holds the version each
-    server confirmed last (None: unknown, after a failure). Not thread-safe: one call at a time.
+    per connection; ``config.master_port`` is not used) and group name (``config.group_name``,
+    a random tag of this object, the server's index and a connection count: a group that a dead
+    trainer left on a server never clashes with a new one). ``push`` returns when every
+    server's push ended (a dead server's fails as soon as its connection breaks, or after
+    ``timeout_s``). A server whose push failed while it stayed up resumes serving, the buckets
+    that landed included, under its previous version label until ``catch_up``. ``versions``
+    holds the version each server confirmed last (None: unknown, after a failure). Not
+    thread-safe: one call at a time.
     """
 
     def __init__(self, config: SGLangPusherConfig) -> None:
@@ -353,7 +360,9 @@ class SGLangServers:
         self.urls = list(config.urls)
         self._pushers: dict[str, SGLangWeightPusher] = {}
         self._pool = ThreadPoolExecutor(max_workers=len(self.urls), thread_name_prefix="sglang-push")
-        self._connections = 0
+        self._connections = itertools.count(1)
+        self._tag = uuid.uuid4().hex[:8]
+        self._joining = threading.Lock()  # torch's process-group registry is not thread-safe
         self.versions: dict[str, int | None] = dict.fromkeys(self.urls)
 
     def push(self, named: Mapping[str, torch.Tensor], version: int) -> dict[str, str]:
@@ -364,9 +373,13 @@ class SGLangServers:
     def catch_up(self, named: Mapping[str, torch.Tensor], version: int) -> dict[str, str]:
         """Push ``version`` to each server that does not report it (a failed push, a restart),
         through a fresh group; returns the servers that failed, with why."""
-        behind = [url for url in self.urls if self._served(url) != str(version)]
-        for url in behind:
-            self._drop(url)
+        served = dict(zip(self.urls, self._pool.map(self._served, self.urls), strict=True))
+        behind = [url for url in self.urls if served[url] != str(version)]
+        for url in self.urls:
+            if url in behind:
+                self._drop(url)
+            else:
+                self.versions[url] = version
         return self._push(behind, named, version)
 
     def close(self) -> None:
@@ -375,7 +388,9 @@ class SGLangServers:
         self._pool.shutdown()
 
     def _push(self, urls: list[str], named: Mapping[str, torch.Tensor], version: int) -> dict[str, str]:
-        calls = {url: self._pool.submit(self._push_one, url, named, version) for url in urls}
+        groups = {url: self._group_name(url) for url in urls if url not in self._pushers}
+        calls = {url: self._pool.submit(self._push_one, url, groups.get(url), named, version) for url in urls}
+        wait(calls.values())  # every push ended before any failed one is torn down
         failed = {}
         for url, call in calls.items():
             if (error := call.exception()) is not None:
@@ -386,22 +401,23 @@ class SGLangServers:
                 self.versions[url] = version
         return failed
 
-    def _push_one(self, url: str, named: Mapping[str, torch.Tensor], version: int) -> None:
-        if url not in self._pushers:
-            self._pushers[url] = self._connect(url)
+    def _group_name(self, url: str) -> str:
+        return f"{self.config.group_name}-{self._tag}-{self.urls.index(url)}-{next(self._connections)}"
+
+    def _push_one(self, url: str, group: str | None, named: Mapping[str, torch.Tensor], version: int) -> None:
+        if group is not None:  # no pusher yet: connect one (``_push`` named its new group)
+            self._pushers[url] = self._connect(url, group)
         self._pushers[url].push(named, version)
 
-    def _connect(self, url: str) -> SGLangWeightPusher:
-        c, i = self.config, self.urls.index(url)
-        self._connections += 1
+    def _connect(self, url: str, group: str) -> SGLangWeightPusher:
+        c = self.config
         port = _free_port(c.master_address)
         pusher = SGLangWeightPusher(
-            msgspec.structs.replace(
-                c, urls=[url], master_port=port, group_name=f"{c.group_name}-{i}-{self._connections}"
-            )
+            msgspec.structs.replace(c, urls=[url], master_port=port, group_name=group)
         )
         try:
-            pusher.connect()
+            with self._joining:
+                pusher.connect()
         except BaseException:
             pusher.shutdown()
             raise
@@ -410,7 +426,9 @@ class SGLangServers:
     def _served(self, url: str) -> str | None:
         """The version ``url`` reports; None when it does not answer."""
         try:
-            answer = httpx.get(f"{url}/get_weight_version", headers=_auth(self.config), timeout=30.0)
+            answer = httpx.get(
+                f"{url}/get_weight_version", headers=_auth(self.config), timeout=self.config.timeout_s
+            )
             return msgspec.json.decode(
                 answer.raise_for_status().content, type=WeightVersionResponse
             ).weight_version

@@ -19,7 +19,7 @@ unchanged (PPO-clipped, IS-weighted against b), so OPD and RL share one code pat
 With ``opd.objective = "forward_kl"`` the teachers' top-k distributions (``[opd.teachers]
 top_k``) go into the batch instead (``TrainBatch.teacher_topk_ids``, ``teacher_topk_logprobs``,
 ``distill_coef`` = lambda_T(i) at loss tokens) and the train backend adds a dense term to the
-policy loss (:func:`loong_train.algo.losses.distill_loss`), at every position the student visited:
+policy loss (:func:`loong_train.algo.losses.distill_loss`), at every loss token the student sampled:
 
     L_distill = agg_t( lambda_T(i) * KL(pi_T(. | y_<t) || pi_S(. | y_<t)) )   over the top-k + tail
 

@@ -124,10 +124,11 @@ class TorchBackend:
         assert entropy is not None
         if bonus > 0:  # the bonus: minus coef times the aggregated entropy
             loss = loss - bonus * aggregate(entropy, t["mask"], self.loss_cfg)
-        if batch.teacher_top_k:  # dense on-policy distillation: position j - 1 predicts token j
-            targets = [x[:, 1:] for x in self._distill_targets(batch)]
+        if batch.teacher_topk_ids:  # dense on-policy distillation: position j - 1 predicts token j
+            targets = [x[:, 1:] for x in self._distill_targets(batch, logits.shape[-1])]
             distill, distill_stats = distill_loss(logits, *targets, t["mask"][:, 1:], self.loss_cfg)
             loss, stats = loss + distill, stats | distill_stats
+        del logits  # the graph keeps what backward needs; the float32 copy goes now
         stats["entropy"] = float((entropy.detach() * t["mask"]).sum() / t["mask"].sum().clamp(min=1))
         self.opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -145,11 +146,19 @@ class TorchBackend:
         }
 
     @staticmethod
-    def _distill_targets(batch: TrainBatch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    def _distill_targets(batch: TrainBatch, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The batch's teacher top-k ids and logprobs ``[rows, seq, k]`` and ``distill_coef``
-        ``[rows, seq]``, right-padded (pads: id 0, logprob 0, coefficient 0)."""
+        ``[rows, seq]``, right-padded (pads: id 0, logprob 0, coefficient 0); checked first: k
+        per token, every id inside the student's ``vocab``."""
+        batch.validate()
         k, lens = batch.teacher_top_k, batch.row_lens
-        ids = torch.tensor(batch.teacher_topk_ids, dtype=torch.long).view(-1, k).split(lens)
+        flat = torch.tensor(batch.teacher_topk_ids, dtype=torch.long)
+        if len(outside := flat[(flat < 0) | (flat >= vocab)]):
+            raise ValueError(
+                f"TrainBatch.teacher_topk_ids holds id {int(outside[0])}, outside the student's vocabulary "
+                f"[0, {vocab}) (a teacher with another vocabulary needs a tokenizer mapping)"
+            )
+        ids = flat.view(-1, k).split(lens)
         logprobs = torch.tensor(batch.teacher_topk_logprobs, dtype=torch.float32).view(-1, k).split(lens)
         pad = torch.nn.utils.rnn.pad_sequence
         return (
