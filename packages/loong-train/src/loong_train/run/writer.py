@@ -69,8 +69,8 @@ _TRAIN_KEYS = (
     "is_weight_max",
     "kl",
     "kl_loss",
-    "distill_kl",  # loong_train.algo.losses.distill_loss (opd.objective = "forward_kl")
 )
+_TRAIN_IF_PRESENT = ("distill_kl",)  # loong_train.algo.losses.distill_loss (opd.objective = "forward_kl")
 _TRAIN_PREFIXES = ("opd/", "teacher/")  # per-teacher OPD metrics (loong_train.algo.opd), named by teacher
 
 
@@ -205,6 +205,7 @@ class RunDir:
             "policy_version": version,
             **self.batch,
             **{k: m.get(k) for k in _TRAIN_KEYS},
+            **{k: m[k] for k in _TRAIN_IF_PRESENT if k in m},
             **{k: v for k, v in m.items() if k.startswith(_TRAIN_PREFIXES)},
             "trainer_busy_frac": min(1.0, self.trainer_busy / wall),
             "rollout_busy_frac": min(1.0, self._rollout_busy() / (wall * len(pipe.workers))),
