@@ -120,9 +120,9 @@ def _trainer(dirs, opd: OPDConfig, name: str) -> TrainerWorker:
     )
 
 
-@pytest.mark.parametrize(("mode", "task_coef"), [("teacher_only", 1.0), ("mixed", 0.5)])
-def test_trainer_opd_advantages_match_a_float64_reference(dirs, mode, task_coef):
-    trainer = _trainer(dirs, _opd(dirs, mode, task_coef), f"opd-test-{mode}")
+def _one_step(dirs, opd: OPDConfig, name: str) -> tuple[TrainBatch, list[TrainBatch], dict]:
+    """One trainer step on :func:`_batch`: the batch, what the backend trained on, the metrics."""
+    trainer = _trainer(dirs, opd, name)
     seen = []
     step = trainer.backend.train_step
     trainer.backend.train_step = lambda b: (seen.append(b), step(b))[1]
@@ -131,6 +131,12 @@ def test_trainer_opd_advantages_match_a_float64_reference(dirs, mode, task_coef)
         metrics = trainer.train_step(batch)
     finally:
         trainer.close()
+    return batch, seen, metrics
+
+
+@pytest.mark.parametrize(("mode", "task_coef"), [("teacher_only", 1.0), ("mixed", 0.5)])
+def test_trainer_opd_advantages_match_a_float64_reference(dirs, mode, task_coef):
+    batch, seen, metrics = _one_step(dirs, _opd(dirs, mode, task_coef), f"opd-test-{mode}")
     want, kl = _reference(dirs, batch, mode, task_coef)
     assert seen[0].advantages == pytest.approx(want, abs=2e-5)
     assert seen[0].behaviour_logprobs == batch.behaviour_logprobs
@@ -194,15 +200,7 @@ def test_forward_kl_distillation_matches_a_float64_reference(dirs, mode, task_co
     opd = msgspec.structs.replace(
         opd, objective="forward_kl", teachers=msgspec.structs.replace(opd.teachers, top_k=k)
     )
-    trainer = _trainer(dirs, opd, f"opd-test-fkl-{mode}")
-    seen = []
-    step = trainer.backend.train_step
-    trainer.backend.train_step = lambda b: (seen.append(b), step(b))[1]
-    try:
-        batch = _batch(len(load_tokenizer(dirs["student"])))
-        metrics = trainer.train_step(batch)
-    finally:
-        trainer.close()
+    batch, seen, metrics = _one_step(dirs, opd, f"opd-test-fkl-{mode}")
     want = _topk_reference(dirs, batch, k, mode, task_coef)
     (got,) = seen
     got.validate()
