@@ -636,6 +636,8 @@ def test_servers_get_direct_pushes_and_one_that_dies_fails_alone_then_catches_up
         assert _version(a) == "3" and _holds(a, newest)
 
         _stop(proc_b)
+        failed = servers.push(newest, 3)  # b is down: refused at once, not after a rendezvous timeout
+        assert list(failed) == [b] and "does not answer" in failed[b] and servers.versions[a] == 3
         proc_b, _ = _launch(model_dir, port=int(b.rsplit(":", 1)[1]))
         assert _version(b) == "0"
         assert servers.catch_up(newest, 3) == {}  # a already serves 3: only b is pushed

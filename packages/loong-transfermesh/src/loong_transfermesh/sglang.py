@@ -406,6 +406,8 @@ class SGLangServers:
 
     def _push_one(self, url: str, group: str | None, named: Mapping[str, torch.Tensor], version: int) -> None:
         if group is not None:  # no pusher yet: connect one (``_push`` named its new group)
+            if self._served(url) is None:  # a rendezvous would wait timeout_s for a dead server
+                raise SGLangUpdateError(f"{url} does not answer /get_weight_version: not connecting")
             self._pushers[url] = self._connect(url, group)
         self._pushers[url].push(named, version)
 
