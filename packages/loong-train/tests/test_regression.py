@@ -5,13 +5,15 @@ pipeline computes (which prompts it draws, what it samples, how it packs, the lo
 the weight sync) shows as a difference in its metrics, its ledger or its final weights. Restructures
 must reproduce the fixture exactly; a change that means to alter behaviour re-records it and says so.
 
-Record (writes ``fixtures/tiny_calc_agent_sync10.json``)::
+Record (writes ``fixtures/regression/tiny_calc_agent_sync10-<platform>.json``)::
 
     LOONG_RECORD_REGRESSION=1 uv run pytest packages/loong-train/tests/test_regression.py -m slow
 
-Floating point depends on the CPU's kernels and the torch build, so the fixture carries a platform
-fingerprint (torch's version and a hash of a fixed forward pass of a tiny model); on a platform
-whose fingerprint differs the test skips with that reason instead of failing on arithmetic noise.
+Floating point depends on the CPU's kernels and the torch build: two Xeons with the same ISA level
+can pick different matrix kernels for the model's shapes. So each fixture is recorded for one
+platform fingerprint (torch's version, its CPU capability, and a hash of the tiny model's own
+forward, backward and cached decode step on one thread, the shapes the run computes), and the test
+checks the fixture of the platform it runs on; where none was recorded it skips and says so.
 """
 
 from __future__ import annotations
@@ -28,8 +30,9 @@ from safetensors.torch import load_file
 from loong_core.telemetry import read_metrics
 from loong_train.config import load_recipe
 from loong_train.controller import run
+from loong_train.models.decoder import CausalLM, DecoderConfig, KVCache
 
-FIXTURE = Path(__file__).parent / "fixtures" / "tiny_calc_agent_sync10.json"
+FIXTURES = Path(__file__).parent / "fixtures" / "regression"
 OVERRIDES = ["train.max_staleness=0", "train.steps=10", "seed=0"]
 # wall-clock fields differ run to run, and so does how requests share decode steps (the engine's
 # loop admits what arrived while a step ran)
@@ -37,12 +40,43 @@ TIMING = ("_s", "_per_s", "_frac", "_start", "_end", "_per_step")
 
 
 def platform_fingerprint() -> str:
-    """torch's version plus a hash of a fixed forward pass (matmul, softmax, RMS norm kernels)."""
-    gen = torch.Generator().manual_seed(0)
-    x = torch.randn(8, 64, generator=gen)
-    w = torch.randn(64, 64, generator=gen)
-    y = torch.softmax(x @ w, -1) * torch.rsqrt((x * x).mean(-1, keepdim=True) + 1e-6)
-    return f"{torch.__version__}:{hashlib.sha256(y.numpy().tobytes()).hexdigest()[:16]}"
+    """torch's version and CPU capability plus a hash of the recipe's model computing on one thread:
+    a training forward and backward and a cached decode step, from a fixed random init."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the run's actors (threads = 1)
+    try:
+        m = load_recipe("tiny-calc-agent").model
+        sizes = (
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_attention_heads",
+            "num_key_value_heads",
+            "head_dim",
+        )
+        cfg = DecoderConfig(vocab_size=101, **{k: getattr(m, k) for k in sizes})
+        model = CausalLM(cfg)
+        model.init_weights(0)
+        ids = torch.randint(0, cfg.vocab_size, (16, 96), generator=torch.Generator().manual_seed(0))
+        logits = model(ids)
+        logits.float().log_softmax(-1).mean().backward()
+        with torch.no_grad():
+            cache = KVCache(cfg, 16, 128, torch.float32, "cpu")
+            mask = torch.ones(16, 1, 32, 32, dtype=torch.bool).tril()
+            model(ids[:, :32], mask=mask, cache=cache)
+            step = model(
+                ids[:, 32:33],
+                positions=torch.full((16, 1), 32),
+                mask=torch.ones(16, 1, 1, 33, dtype=torch.bool),
+                cache=cache,
+                start=32,
+            )
+    finally:
+        torch.set_num_threads(threads)
+    digest = hashlib.sha256()
+    for t in (logits.detach(), step, *(p.grad for p in model.parameters())):
+        digest.update(t.contiguous().numpy().tobytes())
+    return f"{torch.__version__}-{torch.backends.cpu.get_cpu_capability()}-{digest.hexdigest()[:12]}"
 
 
 def weight_hashes(path: Path) -> dict[str, str]:
@@ -87,14 +121,18 @@ def _dump(record: dict) -> str:
 @pytest.mark.xdist_group("tiny-calc-warm-start")  # with the learning test: one warm start for both
 def test_sync_run_reproduces_the_recorded_fixture(tmp_path, tiny_cache):
     recipe = load_recipe("tiny-calc-agent", OVERRIDES)
-    got = {"platform": platform_fingerprint(), **fingerprint(run(recipe, tmp_path / "run", tiny_cache))}
-    if os.environ.get("LOONG_RECORD_REGRESSION"):
-        FIXTURE.parent.mkdir(exist_ok=True)
-        FIXTURE.write_text(_dump(got))
+    platform = platform_fingerprint()
+    fixture = FIXTURES / f"tiny_calc_agent_sync10-{platform}.json"
+    recording = bool(os.environ.get("LOONG_RECORD_REGRESSION"))
+    if not recording and not fixture.exists():
+        recorded = sorted(p.stem.split("-", 1)[1] for p in FIXTURES.glob("*.json"))
+        pytest.skip(f"no fixture for platform {platform} (recorded: {recorded}): record one on this machine")
+    got = {"platform": platform, **fingerprint(run(recipe, tmp_path / "run", tiny_cache))}
+    if recording:
+        FIXTURES.mkdir(exist_ok=True)
+        fixture.write_text(_dump(got))
         return
-    want = json.loads(FIXTURE.read_text())
-    if want["platform"] != got["platform"]:
-        pytest.skip(f"fixture recorded on platform {want['platform']}, this is {got['platform']}: re-record")
+    want = json.loads(fixture.read_text())
     assert len(got["metrics"]) == 10
     for step, (a, b) in enumerate(zip(got["metrics"], want["metrics"], strict=True), start=1):
         assert a == b, f"step {step} metrics differ"
