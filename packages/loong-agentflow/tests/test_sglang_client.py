@@ -122,22 +122,31 @@ def test_an_aborted_answer_is_continued_from_its_tokens():
     assert [body["sampling_params"]["max_new_tokens"] for _, body in seen] == [2, 1]
 
 
-def test_aborted_streams_and_non_integer_versions_raise():
-    aborted = _reply(finish={"type": "abort", "message": "paused"})
+async def _stream(url):
+    engine = SGLangEngine(SGLangClientConfig(url=url))
+    try:
+        return [s async for s in engine.stream([1, 2, 3], SamplingParams(max_new_tokens=2))]
+    finally:
+        await engine.aclose()
 
-    async def stream(url):
-        engine = SGLangEngine(SGLangClientConfig(url=url))
-        try:
-            return [s async for s in engine.stream([1, 2, 3], SamplingParams(max_new_tokens=2))]
-        finally:
-            await engine.aclose()
 
-    events = f"data: {json.dumps(aborted)}\n\ndata: [DONE]\n\n"
-    with _scripted([events]) as (url, _), pytest.raises(SGLangError, match="aborted"):
-        asyncio.run(stream(url))
+def test_an_aborted_stream_is_continued_from_its_tokens():
+    """As ``generate``: the stream goes on with a second request holding the tokens so far; each
+    part keeps the version the server named."""
+    aborted = _reply(version="3", finish={"type": "abort", "message": "paused"}, ids=(7,))
+    first = f"data: {json.dumps(aborted)}\n\ndata: [DONE]\n\n"
+    second = f"data: {json.dumps(_reply(version='4', ids=(9,)))}\n\ndata: [DONE]\n\n"
+    with _scripted([first, second]) as (url, seen):
+        spans = asyncio.run(_stream(url))
+    assert [(s.token_ids, s.weight_version) for s in spans] == [([7], 3), ([9], 4)]
+    assert [body["input_ids"] for _, body in seen] == [[1, 2, 3], [1, 2, 3, 7]]
+    assert [body["sampling_params"]["max_new_tokens"] for _, body in seen] == [2, 1]
+
+
+def test_broken_streams_and_non_integer_versions_raise():
     cut = f"data: {json.dumps(_reply(ids=(7,)))}\n\n"  # no [DONE]: the stream broke off
     with _scripted([cut]) as (url, _), pytest.raises(SGLangError, match=r"ended without data: \[DONE\]"):
-        asyncio.run(stream(url))
+        asyncio.run(_stream(url))
     with _scripted([_reply(version="step-3")]) as (url, _), pytest.raises(SGLangError, match="step-3"):
         _generate(url)
 

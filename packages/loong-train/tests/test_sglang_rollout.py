@@ -113,6 +113,67 @@ def test_worker_generates_takes_weights_and_survives_a_server_restart(tiny_dir, 
     assert log.count("serve-sglang:") == 2 and "exited with code -9" in log
 
 
+def _holds_all(url: str, named: dict[str, torch.Tensor]) -> bool:
+    return all(torch.equal(_served(url, k), v) for k, v in named.items())
+
+
+@pytest.mark.integration
+def test_direct_weights_reach_both_servers_and_a_restarted_one_is_caught_up(tiny_dir, recipe, tmp_path):
+    """``weights = "direct"``: two workers (no host copy) and their servers; the trainer pushes
+    each version into both (bit for bit, every tensor) and the workers only confirm it. One
+    server is killed: relaunched from the checkpoint (version 0), the trainer's watcher catches it
+    up to the newest version, and the worker's next rollout runs on it."""
+    config = SGLangEngineConfig(port_base=_port(), health_interval_s=0.2, weights="direct")
+    workers = [
+        RolloutWorker(
+            str(tiny_dir),
+            seed=i,
+            sampling={"temperature": 1.0, "max_new_tokens": 16},
+            limits={"max_turns": 2, "max_model_tokens": 32},
+            engine=config,
+            worker_id=i,
+            log_dir=str(tmp_path / "logs"),
+        )
+        for i in range(2)
+    ]
+    options = {
+        **trainer_options(recipe),
+        "receivers": 0,
+        "servers": config.pusher(2),
+        "watch_interval_s": 0.2,
+    }
+    trainer = TrainerWorker(str(tiny_dir), transport=TransportConfig(), **options)
+    urls = [config.url(0), config.url(1)]
+    try:
+        assert all(w.engine.model is None and w.receiver is None for w in workers)
+        for version in (1, 2):
+            trajs = [t for i, w in enumerate(workers) for t in _rollout(w, seed=10 * version + i)]
+            assert {t.oldest_version for t in trajs} == {version - 1}
+            _, manifest = trainer.publish(
+                trainer.train_step(pack_batch(trajs, grpo_advantages(trajs), version - 1))
+            )
+            assert manifest.version == version
+            sent = trainer.backend.named_weights()
+            assert [_version(u) for u in urls] == [str(version)] * 2
+            assert all(_holds_all(u, sent) for u in urls)
+            for w in workers:
+                w.apply_weights(manifest)
+                assert w.weight_version() == version
+
+        supervisor = workers[1].engine.supervisor
+        os.kill(supervisor.pid, signal.SIGKILL)  # relaunched from the checkpoint: version 0 ...
+        deadline = time.monotonic() + 30
+        while not (supervisor.restarts and _healthy_at_version(urls[1], "2")):
+            assert time.monotonic() < deadline, "the restarted server was not caught up within 30 s"
+            time.sleep(0.1)
+        assert _holds_all(urls[1], sent)  # ... and the trainer pushed version 2 into it
+        assert {t.oldest_version for t in _rollout(workers[1], seed=3)} == {2}
+    finally:
+        trainer.close()
+        for w in workers:
+            w.close()
+
+
 @pytest.mark.integration
 def test_a_server_the_supervisor_gave_up_on_fails_the_rollout_call(tiny_dir, tmp_path):
     config = SGLangEngineConfig(port_base=_port(), health_interval_s=0.2, max_restarts=0)
@@ -217,3 +278,25 @@ def test_a_ray_run_with_an_sglang_engine_trains_and_logs_the_server(tiny_dir, tm
     assert rows[0]["mismatch_kl"] < 1e-9  # the servers generated with the trainer's initial weights
     log = (out / "logs" / "sglang-0.log").read_text()
     assert log.count("=== loong: launch") == 1 and "serve-sglang:" in log
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_a_ray_run_with_direct_weights_into_two_servers(tiny_dir, tmp_path):
+    """The controller with ``weights = "direct"``: two workers and servers, the trainer pushing
+    into both. Synchronous (``max_staleness = 0``), so every step trains on samples the servers
+    generated at the trainer's current version: the trainer's recomputed logprobs match theirs
+    at every step only if both servers held the trainer's weights exactly."""
+    from loong_core.telemetry import read_metrics
+    from loong_train.controller import run
+
+    sets = [f"model.path={tiny_dir}", "rollout.engine.type=sglang", "rollout.engine.weights=direct",
+            f"rollout.engine.port_base={_port()}", "rollout.workers=2", "train.max_staleness=0",
+            "train.steps=3", "train.batch_groups=2", "rollout.group_size=4", "rollout.max_new_tokens=16",
+            "rollout.max_model_tokens=32", "eval.every=100", "eval.num_tasks=4"]  # fmt: skip
+    out = run(load_recipe("tiny-calc-agent", sets), tmp_path / "run", tmp_path / "cache")
+    rows = read_metrics(out / "metrics.jsonl")
+    assert [r["policy_version"] for r in rows] == [1, 2, 3]
+    assert all(r["mismatch_kl"] < 1e-9 and r["staleness_max"] == 0 for r in rows), rows
+    for i in range(2):
+        assert (out / "logs" / f"sglang-{i}.log").read_text().count("=== loong: launch") == 1

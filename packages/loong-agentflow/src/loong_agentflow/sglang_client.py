@@ -121,8 +121,24 @@ class SGLangEngine:
 
     async def stream(self, input_ids: list[int], sampling: SamplingParams) -> AsyncIterator[TokenSpan]:
         """``generate`` as SGLang streams it (``stream: true``): each event is the answer so far,
-        and this yields the tokens new in it. Closing early closes the connection, which SGLang
-        takes as an abort of the request. Not retried: tokens may already have been used."""
+        and this yields the tokens new in it. An answer the server aborted (an ``abort`` pause for
+        a weight update) is continued as ``generate`` continues it, so the tokens after the cut
+        carry the new version. Closing early closes the connection, which SGLang takes as an
+        abort of the request. Not retried on failure: tokens may already have been used."""
+        sent: list[int] = []
+        while True:
+            rest = msgspec.structs.replace(sampling, max_new_tokens=sampling.max_new_tokens - len(sent))
+            cut: list[bool] = []
+            async for span in self._stream_once([*input_ids, *sent], rest, cut):
+                sent += span.token_ids
+                yield span
+            if not cut or len(sent) >= sampling.max_new_tokens:
+                return
+
+    async def _stream_once(
+        self, input_ids: list[int], sampling: SamplingParams, cut: list[bool]
+    ) -> AsyncIterator[TokenSpan]:
+        """One streamed request; appends True to ``cut`` when the server aborted it."""
         body = msgspec.json.encode(_generate_body(input_ids, sampling, stream=True))
         where, got = f"{self._base}/generate", 0
         try:
@@ -145,7 +161,10 @@ class SGLangEngine:
                             "(is the server started with --incremental-streaming-output? Loong reads "
                             "SGLang's default, cumulative events)"
                         )
-                    span = self._span(out, got)
+                    finish = out.meta_info.finish_reason
+                    if finish is not None and finish.type == "abort":
+                        cut.append(True)
+                    span = self._span(out, got, aborted_ok=bool(cut))
                     got = len(out.output_ids)
                     if span.token_ids:
                         yield span

@@ -29,6 +29,7 @@ from loong_core.window import StalenessWindow
 from loong_train.backends.base import BackendOptions
 from loong_train.backends.config import TorchBackendConfig, require_installed
 from loong_train.config import Recipe
+from loong_train.engines.config import SGLangEngineConfig
 from loong_train.evaluator import Evaluator
 from loong_train.models.checkpoint import check_checkpoint
 from loong_train.pipeline import GroupSource, Pipeline
@@ -136,7 +137,16 @@ def trainer_options(recipe: Recipe) -> dict[str, Any]:
         threads=recipe.trainer_threads,
         trust_remote_code=recipe.model.trust_remote_code,
     )
-    return {"options": options, "seed": recipe.seed, "opd": recipe.opd, "receivers": recipe.rollout.workers}
+    r = recipe.rollout
+    direct = isinstance(r.engine, SGLangEngineConfig) and r.engine.weights == "direct"
+    return {
+        "options": options,
+        "seed": recipe.seed,
+        "opd": recipe.opd,
+        "receivers": 0 if direct else r.workers,
+        "servers": r.engine.pusher(r.workers) if direct else None,  # the trainer pushes into each
+        "watch_interval_s": r.engine.health_interval_s if direct else 1.0,
+    }
 
 
 def _check_model(recipe: Recipe, model_path: str) -> None:

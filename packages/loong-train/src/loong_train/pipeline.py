@@ -289,8 +289,9 @@ class Pipeline:
         """
         if (groups := self.scheduler.take()) is None:
             return None
+        direct = self.recipe.rollout.engine.weights == "direct"  # no transport buffer to reuse
         reused = self.recipe.transport.must_have_applied(self.window.version + 1)
-        readers = list(self.applies.get(reused, {}).values())
+        readers = [] if direct else list(self.applies.get(reused, {}).values())
         trajs = [t for g in groups for t in self.finished.pop(g)]
         self.source.release(groups)
         adv = advantages(trajs, self.recipe.loss)
@@ -309,14 +310,16 @@ class Pipeline:
         self.latest = manifest
 
     def queue_rollout(self, worker: Any, specs: list[EpisodeSpec], evaluation: bool = False) -> Any:
-        """Queue a rollout call that runs at ``queued_version`` or newer (with partial rollouts the
-        worker waits for that version itself; without, Ray's call order ensures it). An
-        evaluation runs entirely at one version (updates wait for it)."""
+        """Queue a rollout call that runs at ``queued_version`` or newer (with partial rollouts, or
+        servers the trainer updates directly, the worker waits for that version itself; without,
+        Ray's call order ensures it). An evaluation runs entirely at one version (updates wait
+        for it)."""
         if self.concurrent_calls > 1:  # beside the updates: the worker waits for the version
             call = worker.rollout.options(concurrency_group="rollout")
             return call.remote(specs, self.queued_version, evaluation)
-        partial = self.recipe.rollout.engine.partial != "off"
-        return worker.rollout.remote(specs, self.queued_version if partial else 0, evaluation)
+        engine = self.recipe.rollout.engine
+        waits = engine.partial != "off" or engine.weights == "direct"
+        return worker.rollout.remote(specs, self.queued_version if waits else 0, evaluation)
 
     def _apply(self, w: int, manifest: WeightManifest) -> Any:
         """Queue ``manifest`` on worker ``w``: behind its rollout calls, or with partial rollouts

@@ -353,10 +353,15 @@ class SGLangServers:
     that landed included, under its previous version label until ``catch_up``. ``versions``
     holds the version each server confirmed last (None: unknown, after a failure). Not
     thread-safe: one call at a time.
+
+    ``initial_version``: the version of the checkpoint the servers were launched from, which a
+    server that has had no update reports as ``"default"`` (SGLang's label before the first one);
+    ``catch_up`` leaves such a server alone while ``initial_version`` is the one to serve.
     """
 
-    def __init__(self, config: SGLangPusherConfig) -> None:
+    def __init__(self, config: SGLangPusherConfig, initial_version: int = 0) -> None:
         self.config = config
+        self.initial_version = initial_version
         self.urls = list(config.urls)
         self._pushers: dict[str, SGLangWeightPusher] = {}
         self._pool = ThreadPoolExecutor(max_workers=len(self.urls), thread_name_prefix="sglang-push")
@@ -371,16 +376,22 @@ class SGLangServers:
         return self._push(self.urls, named, version)
 
     def catch_up(self, named: Mapping[str, torch.Tensor], version: int) -> dict[str, str]:
-        """Push ``version`` to each server that does not report it (a failed push, a restart),
-        through a fresh group; returns the servers that failed, with why."""
-        served = dict(zip(self.urls, self._pool.map(self._served, self.urls), strict=True))
-        behind = [url for url in self.urls if served[url] != str(version)]
+        """Push ``version`` to each server that answers with another version (a failed push, a
+        restart), through a fresh group; returns the servers that failed, with why. A server that
+        does not answer (down, or still starting) is left for a later call."""
+        behind = self.behind(version)
         for url in self.urls:
             if url in behind:
                 self._drop(url)
             else:
                 self.versions[url] = version
         return self._push(behind, named, version)
+
+    def behind(self, version: int) -> list[str]:
+        """The servers that answer ``/get_weight_version`` with another version than ``version``."""
+        want = {str(version)} | ({"default"} if version == self.initial_version else set())
+        served = self._pool.map(self._served, self.urls)
+        return [url for url, label in zip(self.urls, served, strict=True) if label not in (None, *want)]
 
     def close(self) -> None:
         for url in list(self._pushers):

@@ -4,8 +4,10 @@ Every engine is a ``loong_core.protocols.RolloutEngine`` (``generate`` with logp
 weight version, ``pause``/``resume``) plus what a worker does around generation:
 
 - ``model``: the torch module whose parameters TransferMesh writes an update into (the embedded
-  engine's own model; for a server, a host copy that ``set_version`` then pushes into it);
-- ``set_version(v)``: the weights in ``model`` are now version ``v``: serve them;
+  engine's own model; for a server, a host copy that ``set_version`` then pushes into it); None
+  for a server the trainer pushes into itself (``weights = "direct"``);
+- ``set_version(v)``: the weights in ``model`` are now version ``v``: serve them (no ``model``:
+  wait until the engine serves ``v``);
 - ``mid_call_updates``: whether an update may land between decode steps of a running call
   (:class:`~loong_train.engines.embedded.host.EngineHost`), or only between calls;
 - ``check()``: raise if the engine can no longer serve (a server its supervisor gave up on), so the
@@ -33,7 +35,7 @@ __all__ = ["WorkerEngine", "build_engine", "build_host"]
 
 
 class WorkerEngine(Protocol):
-    model: nn.Module
+    model: nn.Module | None
     mid_call_updates: bool
 
     @property
@@ -61,9 +63,10 @@ def build_engine(
     worker_id: int = 0,
     log_dir: str = "",
     trust_remote_code: bool = False,
+    version: int = 0,
 ) -> WorkerEngine:
     """The engine ``config.type`` names, serving the checkpoint at ``model_path`` (a server logs
-    into ``log_dir``) on the implementation :func:`~loong_train.models.auto.load_causal_lm` picks."""
+    into ``log_dir``; ``version``: the checkpoint's) on the implementation :func:`~loong_train.models.auto.load_causal_lm` picks."""
     if isinstance(config, SGLangEngineConfig):
         from loong_train.engines.sglang.rollout import SGLangRollout
 
@@ -74,6 +77,7 @@ def build_engine(
             log_dir=log_dir,
             seed=seed,
             trust_remote_code=trust_remote_code,
+            version=version,
         )
     from loong_train.engines.embedded.engine import EmbeddedEngine
     from loong_train.models.auto import load_causal_lm

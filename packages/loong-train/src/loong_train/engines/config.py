@@ -18,6 +18,7 @@ import msgspec
 
 from loong_core.config import is_loopback
 from loong_train.engines.sglang.supervisor import SGLangServerConfig, sglang_launch_command
+from loong_transfermesh.config import SGLangPusherConfig
 
 __all__ = ["EmbeddedEngineConfig", "EngineConfig", "SGLangEngineConfig"]
 
@@ -57,6 +58,11 @@ class EmbeddedEngineConfig(_Engine, tag="embedded"):
         """GPUs Ray reserves for the worker: none (the embedded engine runs on CPU)."""
         return 0.0
 
+    @property
+    def weights(self) -> Literal["worker"]:
+        """Updates reach the engine through its worker (``SGLangEngineConfig.weights``)."""
+        return "worker"
+
 
 class SGLangEngineConfig(_Engine, tag="sglang"):
     """``[rollout.engine] type = "sglang"``: a supervised SGLang server per rollout worker
@@ -74,8 +80,16 @@ class SGLangEngineConfig(_Engine, tag="sglang"):
       (``gpus`` must cover it). ``mem_fraction_static``: SGLang's static memory share (0: its default).
     - ``startup_timeout_s``, ``health_interval_s``, ``health_failures``, ``max_restarts``: the
       supervisor's policy (:class:`~loong_train.engines.sglang.supervisor.SGLangServerConfig`).
-    - ``update_backend``: ``"gloo"`` (host memory; works everywhere) or ``"nccl"`` (the worker
-      needs a GPU of its own). ``bucket_mb``: one broadcast's size bound.
+    - ``weights``: how updates reach the servers. ``"worker"``: each rollout worker holds a host
+      copy of the policy, receives every update into it over TransferMesh and pushes it into its
+      server; an update lands between rollout calls. ``"direct"``: the trainer pushes into every
+      server itself (:class:`loong_transfermesh.SGLangServers`, one weight-update group per
+      server) and catches up a restarted one; workers hold no copy and only wait until their
+      server reports the version. Requests running on a server when an update lands are held
+      and continue under the new weights (SGLang's ``in_place`` pause: partial rollouts); their
+      spans carry the older version, so staleness is never understated.
+    - ``update_backend``: ``"gloo"`` (host memory; works everywhere) or ``"nccl"`` (the process
+      that pushes needs a GPU of its own). ``bucket_mb``: one broadcast's size bound.
     """
 
     launcher: Literal["sglang", "loong"] = "loong"
@@ -92,6 +106,7 @@ class SGLangEngineConfig(_Engine, tag="sglang"):
     health_interval_s: float = 5.0
     health_failures: int = 3
     max_restarts: int = 3
+    weights: Literal["worker", "direct"] = "worker"
     update_backend: Literal["gloo", "nccl"] = "gloo"
     bucket_mb: float = 512.0
 
@@ -116,6 +131,23 @@ class SGLangEngineConfig(_Engine, tag="sglang"):
             )
         if problem := _gpu_problem(self):
             raise ValueError(problem)
+
+    def url(self, worker_id: int) -> str:
+        """Where worker ``worker_id``'s server listens."""
+        return f"http://{self.host}:{self.port_base + worker_id}"
+
+    def pusher(self, workers: int, master_address: str = "127.0.0.1") -> SGLangPusherConfig:
+        """The trainer's line to every worker's server (``weights = "direct"``); ``master_address``:
+        the trainer's host as the servers reach it."""
+        return SGLangPusherConfig(
+            urls=[self.url(i) for i in range(workers)],
+            master_address=master_address,
+            backend=self.update_backend,
+            ranks_per_engine=self.tp_size,
+            bucket_bytes=int(self.bucket_mb * (1 << 20)),
+            api_key=self.api_key or None,
+            pause_mode="abort",  # running requests end early and the client continues them
+        )
 
     def server(
         self, model_path: str, worker_id: int, log_dir: str, seed: int, trust_remote_code: bool = False

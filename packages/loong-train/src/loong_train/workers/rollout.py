@@ -86,6 +86,7 @@ class RolloutWorker:
             worker_id=worker_id,
             log_dir=log_dir,
             trust_remote_code=trust_remote_code,
+            version=version,
         )
         stop = end_of_turn_ids(tokenizer, model_path)
         self.sampling = SamplingParams(**sampling, stop_token_ids=stop)
@@ -115,9 +116,12 @@ class RolloutWorker:
         if version:  # resumed: ``model_path`` is a checkpoint of this version
             self.engine.set_version(version)
         self._calls_lock, self._calls, self._calls_since, self.busy_s = threading.Lock(), 0, 0.0, 0.0
-        transport = transport or TransportConfig()
-        self.receiver = open_receiver(transport, background=True)  # pushes never wait for our apply
-        self._catch_up(transport)
+        # an engine without a host copy is updated by the trainer itself (weights = "direct")
+        self.receiver = None
+        if self.engine.model is not None:
+            transport = transport or TransportConfig()
+            self.receiver = open_receiver(transport, background=True)  # pushes never wait for our apply
+            self._catch_up(transport)
 
     def _catch_up(self, transport: TransportConfig) -> None:
         """Take the newest version the transport still holds, if newer than ours (a restarted
@@ -139,6 +143,8 @@ class RolloutWorker:
         ``evaluation`` runs entirely at one version."""
         start = self._call_began()
         try:
+            if self.receiver is None and min_version > self.engine.weight_version:
+                self.engine.set_version(min_version)  # direct weights: wait until the server has it
             if self.blackbox is not None:
                 out = self.blackbox.run(specs)
             elif self.host is not None:
@@ -198,7 +204,9 @@ class RolloutWorker:
         copy, and episodes that started below ``restart_below`` run again. A worker that already
         holds this version or a newer one (a restarted worker that caught up) skips it."""
         start, restarted = time.time(), 0
-        if manifest.version > self.engine.weight_version:
+        if self.receiver is None:  # direct weights: the trainer pushed; wait until the server has it
+            self.engine.set_version(max(manifest.version, self.engine.weight_version))
+        elif manifest.version > self.engine.weight_version:
             params = dict(self.engine.model.named_parameters())
             copy = functools.partial(self.receiver.apply, params, version=manifest.version)
             if self.host is not None:
@@ -224,7 +232,8 @@ class RolloutWorker:
             self.blackbox.close()
         if self.host is not None:
             self.host.close()
-        self.receiver.close()
+        if self.receiver is not None:
+            self.receiver.close()
         self.engine.close()
 
     def model_path(self) -> str:

@@ -1,27 +1,42 @@
-"""The trainer worker: a train backend plus the TransferMesh sender that publishes its weights."""
+"""The trainer worker: a train backend plus what publishes its weights: a TransferMesh sender to
+the rollout workers, or (``[rollout.engine] weights = "direct"``) every SGLang server directly."""
 
 from __future__ import annotations
 
+import logging
+import threading
 import time
 from collections.abc import Sequence
+from urllib.parse import urlsplit
 
+import msgspec
 import ray
 import torch
 
+from loong_core.config import is_loopback
 from loong_core.records import TrainBatch, WeightManifest
 from loong_train.algo.config import OPDConfig
 from loong_train.algo.opd import Distiller
 from loong_train.backends.base import BackendOptions, build_backend
-from loong_transfermesh import TransportConfig, open_sender
+from loong_transfermesh import SGLangPusherConfig, SGLangServers, TransportConfig, open_sender
 
 __all__ = ["TrainerWorker"]
+
+log = logging.getLogger("loong.trainer")
 
 
 class TrainerWorker:
     """Runs one optimizer step per batch, then pushes the new weights (version + 1) through
     TransferMesh. Its backend is whatever ``options.train.backend`` names
     (:func:`~loong_train.backends.base.build_backend`); with ``opd`` enabled, teachers rewrite each
-    batch's advantages first (:mod:`loong_train.algo.opd`)."""
+    batch's advantages first (:mod:`loong_train.algo.opd`).
+
+    ``servers`` (direct weights): instead of a sender, :class:`loong_transfermesh.SGLangServers`
+    pushes each version into every server, and a watcher thread catches up, every
+    ``watch_interval_s``, a server that does not report the newest version (restarted, or its push
+    failed). Pushes and catch-ups hold one lock, and a catch-up waits while a train step has
+    changed the weights that are not yet published: a server never gets a half-trained version.
+    """
 
     def __init__(
         self,
@@ -32,13 +47,24 @@ class TrainerWorker:
         seed: int = 0,
         opd: OPDConfig | None = None,
         receivers: int = 0,
+        servers: SGLangPusherConfig | None = None,
+        watch_interval_s: float = 1.0,
     ) -> None:
         torch.set_num_threads(options.threads)
         torch.manual_seed(seed)
         self.backend = build_backend(model_path, options)
-        self.sender = open_sender(transport, receivers)  # the rollout workers
         self.version = 0
         self.distiller = Distiller(opd, model_path) if opd is not None and opd.enabled else None
+        self.sender = open_sender(transport, receivers) if servers is None else None  # the rollout workers
+        self.servers = None if servers is None else SGLangServers(_reachable(servers))
+        self._weights = threading.Lock()  # pushes and catch-ups, and the flag below
+        self._unpublished = False  # a train step changed the weights since the last push
+        self._closed = threading.Event()
+        if self.servers is not None:
+            watcher = threading.Thread(
+                target=self._watch, args=(watch_interval_s,), name="catch-up", daemon=True
+            )
+            watcher.start()
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step; an all-failed (empty) batch skips the step but still advances.
@@ -48,6 +74,8 @@ class TrainerWorker:
         if self.distiller is not None and batch.row_lens:
             batch, opd = self.distiller.distill(batch)
             opd["teacher_end"] = time.time()
+        with self._weights:
+            self._unpublished = bool(batch.row_lens)
         metrics = self.backend.train_step(batch) if batch.row_lens else {"skipped": 1.0}
         return {**metrics, **opd, "train_start": start, "train_end": time.time()}
 
@@ -61,10 +89,35 @@ class TrainerWorker:
         if readers:
             ray.wait(list(readers), num_returns=len(readers))
         start = time.time()
-        self.version += 1
-        manifest = self.sender.push(self.backend.named_weights(), self.version)
+        if self.servers is None:
+            self.version += 1
+            manifest = self.sender.push(self.backend.named_weights(), self.version)
+        else:
+            manifest = self._push_to_servers()
         end = time.time()
         return {**metrics, "push_s": end - start, "push_start": start, "push_end": end}, manifest
+
+    def _push_to_servers(self) -> WeightManifest:
+        """Push version + 1 into every server; one that fails is caught up by the watcher."""
+        with self._weights:
+            self.version += 1
+            failed = self.servers.push(self.backend.named_weights(), self.version)
+            self._unpublished = False
+        for url, why in failed.items():
+            log.warning(
+                "weights v%d did not reach %s (%s): catching it up when it answers", self.version, url, why
+            )
+        return WeightManifest(version=self.version, tensors=[], bucket_sizes=[])
+
+    def _watch(self, interval_s: float) -> None:
+        """Catch up servers behind the newest published version (direct weights)."""
+        while not self._closed.wait(interval_s):
+            with self._weights:
+                if self._unpublished or self._closed.is_set() or not self.servers.behind(self.version):
+                    continue
+                failed = self.servers.catch_up(self.backend.named_weights(), self.version)
+            for url, why in failed.items():
+                log.warning("catching %s up to v%d failed (%s): trying again", url, self.version, why)
 
     def logprobs(self, batch: TrainBatch) -> list[float]:
         """Recomputed logprobs, flattened like the batch's per-token lists."""
@@ -87,11 +140,28 @@ class TrainerWorker:
         self.backend.load_state(path)
         state = torch.load(f"{path}/trainer_state.pt", weights_only=False)
         torch.set_rng_state(state["rng"])
-        self.version = state["version"]
+        with self._weights:
+            self.version = state["version"]
+            if self.servers is not None:
+                self.servers.initial_version = self.version  # the servers were launched from ``path``
         return self.version
 
     def close(self) -> None:
-        self.sender.close()
+        self._closed.set()
+        with self._weights:
+            if self.servers is not None:
+                self.servers.close()
+        if self.sender is not None:
+            self.sender.close()
         self.backend.close()
         if self.distiller is not None:
             self.distiller.close()
+
+
+def _reachable(config: SGLangPusherConfig) -> SGLangPusherConfig:
+    """``config`` with the rendezvous on this node's address (as Ray knows it) when a server is
+    not on loopback: the servers must reach wherever Ray placed the trainer."""
+    hosts = {urlsplit(url).hostname or "" for url in config.urls}
+    if all(is_loopback(h) for h in hosts):
+        return config
+    return msgspec.structs.replace(config, master_address=ray.util.get_node_ip_address())

@@ -28,10 +28,17 @@ With the variable off, ``/health`` answers 503 until the server is up, then 200 
 CPU, so this whole path runs in CPU tests and on machines without SGLang.
 
 What needs a GPU: the ``sglang`` launcher (SGLang's server needs CUDA) and ``update_backend =
-"nccl"`` (the worker itself must then see a GPU; ``gloo`` moves the broadcast through host memory,
-which SGLang's servers accept too). Costs: the host copy holds the full policy in the trainer's
-dtype on every worker, and every update crosses host memory twice (shared memory, then the
-broadcast); a direct trainer-to-server NCCL broadcast is not wired into the controller yet.
+"nccl"`` (the pushing process must then see a GPU; ``gloo`` moves the broadcast through host
+memory, which SGLang's servers accept too). Costs of the host copy: the full policy in the
+trainer's dtype on every worker, and every update crosses host memory twice (shared memory, then
+the broadcast).
+
+``weights = "direct"`` removes both: the trainer pushes into every server itself
+(:class:`loong_transfermesh.SGLangServers`, see :mod:`loong_train.workers.trainer`) and catches
+up a server that restarted; this engine loads no model (``model`` is None) and ``set_version(v)``
+only waits until its server reports ``v`` or newer. The trainer pauses a server with SGLang's
+``abort`` mode: running requests return early and the client continues each one with its tokens
+so far (:class:`loong_agentflow.SGLangEngine`), so every token carries the version that made it.
 """
 
 from __future__ import annotations
@@ -40,11 +47,12 @@ import asyncio
 import contextlib
 import socket
 import threading
+import time
 from collections.abc import AsyncIterator
 
 import httpx
 
-from loong_agentflow.sglang_client import SGLangClientConfig, SGLangEngine
+from loong_agentflow.sglang_client import SGLangClientConfig, SGLangEngine, SGLangError
 from loong_core.protocols import SamplingParams
 from loong_core.records import TokenSpan
 from loong_train.engines.config import SGLangEngineConfig
@@ -68,7 +76,8 @@ class SGLangRollout:
 
     Generation runs on an event loop of its own, in a thread, so callers may use ``asyncio.run``
     per call (the white-box runner) or a long-lived loop (the black-box proxy) alike. Updates land
-    between rollout calls only (``mid_call_updates``).
+    between rollout calls only (``mid_call_updates``); with ``weights = "direct"`` the trainer
+    lands them whenever it publishes, and requests cut by one continue (module docstring).
     """
 
     mid_call_updates = False
@@ -82,9 +91,13 @@ class SGLangRollout:
         log_dir: str,
         seed: int,
         trust_remote_code: bool = False,
+        version: int = 0,
     ) -> None:
+        """``version``: the version of the checkpoint at ``model_path`` (a resumed run's)."""
         self.config = config
-        self.model = load_causal_lm(model_path, trust_remote_code)  # the host copy TransferMesh fills
+        self.direct = config.weights == "direct"
+        # the host copy TransferMesh fills (none when the trainer pushes into the server itself)
+        self.model = None if self.direct else load_causal_lm(model_path, trust_remote_code)
         self._version = 0
         self._pusher: SGLangWeightPusher | None = None
         self._push_lock = threading.Lock()  # updates come from the worker and the supervisor
@@ -97,7 +110,9 @@ class SGLangRollout:
         self._thread = threading.Thread(target=self._loop.run_forever, name="sglang-client", daemon=True)
         self._thread.start()
         self.client = SGLangEngine(
-            SGLangClientConfig(url=self.supervisor.url, api_key=config.api_key or None)
+            SGLangClientConfig(
+                url=self.supervisor.url, api_key=config.api_key or None, initial_version=version
+            )
         )
 
     @property
@@ -145,9 +160,31 @@ class SGLangRollout:
         self.client.resume()
 
     def set_version(self, version: int) -> None:
-        """The host copy now holds ``version``: push it into the server, which then serves it."""
+        """The host copy now holds ``version``: push it into the server, which then serves it.
+        Direct weights: wait until the server reports ``version`` or newer (the trainer pushed it,
+        or catches a restarted server up), for at most ``startup_timeout_s``."""
+        if self.direct:
+            self._wait_for(version)
+            return
         with self._push_lock:
             self._push(version)
+
+    def _wait_for(self, version: int) -> None:
+        deadline, pause = time.monotonic() + self.config.startup_timeout_s, 0.01
+        while True:
+            self.supervisor.check()
+            with contextlib.suppress(SGLangError, httpx.HTTPError):
+                call = asyncio.run_coroutine_threadsafe(self.client.refresh_version(), self._loop)
+                if (served := call.result()) >= version:
+                    self._version = served
+                    return
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"server {self.supervisor.url} did not report weight version {version} within "
+                    f"{self.config.startup_timeout_s:.0f} s (the trainer pushes it with weights = 'direct')"
+                )
+            time.sleep(pause)
+            pause = min(pause * 2, 0.5)
 
     def close(self) -> None:
         """Destroy the update group, close the client, stop the server."""
@@ -176,7 +213,10 @@ class SGLangRollout:
 
     def _push_again(self) -> None:
         """After a restart: the old group died with the old server; rebuild it and push the
-        current version (nothing to push while the server's checkpoint is still current)."""
+        current version (nothing to push while the server's checkpoint is still current; with
+        direct weights the trainer catches the server up)."""
+        if self.direct:
+            return
         with self._push_lock:
             self._drop_pusher()
             if self._version != 0:
