@@ -108,6 +108,13 @@ def test_an_entropy_bonus_on_megatron_is_refused_naming_both_keys():
         load_recipe("tiny-calc-agent", ["loss.entropy_coef=0.1", "train.backend.type=megatron"])
 
 
+def test_direct_weights_over_nccl_need_a_trainer_gpu():
+    sets = ["rollout.engine.type=sglang", "rollout.engine.weights=direct", "rollout.engine.update_backend=nccl"]
+    with pytest.raises(ConfigError, match=r"update_backend = \"nccl\".*train.backend.gpus = 0"):
+        load_recipe("tiny-calc-agent", sets)
+    assert load_recipe("tiny-calc-agent", sets[:2]).rollout.engine.weights == "direct"
+
+
 def test_a_negative_tool_latency_is_refused():
     with pytest.raises(ConfigError, match="tool_latency_ms and tool_latency_sigma must be >= 0"):
         load_recipe("tiny-calc-agent", ["rollout.tool_latency_ms=-5"])

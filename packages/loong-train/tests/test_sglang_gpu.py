@@ -111,3 +111,46 @@ def _group_exists(pgid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="NCCL pairs distinct GPUs: the trainer's and the server's"
+)
+def test_the_trainer_pushes_straight_into_real_sglang_over_nccl(tmp_path):
+    """``weights = "direct"`` with ``update_backend = "nccl"``: ``SGLangServers`` broadcasts CUDA
+    tensors from GPU 0 into a server on GPU 1. The server then holds them (as bfloat16, its dtype)
+    and generates from them at the new version."""
+    import httpx
+    import msgspec
+
+    from loong_transfermesh import SGLangServers
+
+    first, second = _model(0), _model(1)
+    first.save_pretrained(tmp_path / "model")
+    config = real_sglang_config(tmp_path / "model", tmp_path / "sglang.log")
+    sup = SGLangSupervisor(msgspec.structs.replace(config, env={**config.env, "CUDA_VISIBLE_DEVICES": "1"}))
+    sup.start()
+    torch.cuda.set_device(0)
+    servers = SGLangServers(
+        SGLangPusherConfig(urls=[sup.url], backend="nccl", timeout_s=120, pause_mode="abort")
+    )
+    try:
+        named = {k: v.detach().cuda() for k, v in second.named_parameters()}
+        assert servers.push(named, 1) == {}
+        for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            body = {"name": name, "truncate_size": 4}
+            served = torch.tensor(httpx.post(f"{sup.url}/get_weights_by_name", json=body, timeout=60).json())
+            assert torch.equal(served.float(), named[name][:4].to(torch.bfloat16).float().cpu()), name
+
+        async def generate():
+            client = SGLangEngine(SGLangClientConfig(url=sup.url))
+            try:
+                return await client.generate(PROMPT, SamplingParams(max_new_tokens=8))
+            finally:
+                await client.aclose()
+
+        span = asyncio.run(generate())
+        assert span.weight_version == 1 and _gap(second, span.token_ids, span.logprobs) < 0.1
+    finally:
+        servers.close()
+        sup.stop()

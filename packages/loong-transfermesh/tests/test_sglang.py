@@ -7,6 +7,12 @@ tests/test_sglang_server.py, the only package allowed to import both sides.
 
 from __future__ import annotations
 
+import contextlib
+import http.server
+import json
+import socket
+import threading
+
 import pytest
 import torch
 
@@ -57,3 +63,50 @@ def test_config_names_the_bad_value():
         SGLangPusherConfig(urls=["http://x"], pause_mode="soon")
     with pytest.raises(ValueError, match="urls"):
         SGLangPusherConfig(urls=[])
+
+
+@contextlib.contextmanager
+def _reporting(label: str):
+    """A loopback HTTP server that answers ``GET /get_weight_version`` with ``label``."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps({"weight_version": label}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_behind_names_servers_answering_another_version_and_skips_silent_ones():
+    """SGLang's ``"default"`` (no update since launch) counts as ``initial_version``; a server
+    that does not answer is left for later (not pushed, so no rendezvous waits on it)."""
+    from loong_transfermesh import SGLangServers
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        silent = f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens once closed
+    with _reporting("default") as fresh, _reporting("3") as at_3:
+        servers = SGLangServers(
+            SGLangPusherConfig(urls=[fresh, at_3, silent], timeout_s=5), initial_version=3
+        )
+        try:
+            assert servers.behind(3) == []
+            assert servers.behind(4) == [fresh, at_3]
+            servers.initial_version = 0  # launched from version 0: "default" is behind 3
+            assert servers.behind(3) == [fresh]
+        finally:
+            servers.close()

@@ -28,7 +28,7 @@ import msgspec
 from loong_core.config import ConfigError, apply_override, load_config
 from loong_train.algo.config import LossConfig, OPDConfig
 from loong_train.backends.config import BackendConfig, TorchBackendConfig
-from loong_train.engines.config import EmbeddedEngineConfig, EngineConfig
+from loong_train.engines.config import EmbeddedEngineConfig, EngineConfig, SGLangEngineConfig
 from loong_train.tasks import TaskTables, task_problem
 from loong_train.tasks.data import DataConfig, get_dotted
 from loong_train.tasks.env import EnvConfig
@@ -285,6 +285,12 @@ class Recipe(_Section):
             raise ValueError(
                 f"loss.entropy_coef = {self.loss.entropy_coef} is a torch-backend option; "
                 f"train.backend.type = {self.train.backend.type!r} does not compute the entropy bonus"
+            )
+        direct = isinstance(engine, SGLangEngineConfig) and engine.weights == "direct"
+        if direct and engine.update_backend == "nccl" and not self.train.backend.gpus:
+            raise ValueError(
+                'rollout.engine.weights = "direct" with update_backend = "nccl": the trainer broadcasts '
+                "from its GPU, but train.backend.gpus = 0 (use update_backend = 'gloo' on CPU)"
             )
         if self.opd.enabled and self.opd.objective == "forward_kl" and self.train.backend.type != "torch":
             raise ValueError(
