@@ -64,10 +64,10 @@ if nvidia-smi >/dev/null 2>&1; then
     run_case megatron-gpu+sglang-gpu --set train.backend.gpus=0.5 --set rollout.engine.type=sglang \
       --set rollout.engine.launcher=sglang --set "rollout.engine.python=$SGLANG_PYTHON" --set rollout.engine.gpus=0.5 \
       --set rollout.engine.mem_fraction_static=0.3 --set 'rollout.engine.args=["--disable-cuda-graph", "--dtype", "bfloat16"]'
-    # the same with the trainer pushing into the server itself (no host copy in the worker)
+    # the same with the trainer handing the server its CUDA tensors (IPC; no host copy in the worker)
     run_case megatron-gpu+sglang-gpu-direct --set train.backend.gpus=0.5 --set rollout.engine.type=sglang \
       --set rollout.engine.launcher=sglang --set "rollout.engine.python=$SGLANG_PYTHON" --set rollout.engine.gpus=0.5 \
-      --set rollout.engine.weights=direct \
+      --set rollout.engine.weights=direct --set rollout.engine.update_backend=tensor \
       --set rollout.engine.mem_fraction_static=0.3 --set 'rollout.engine.args=["--disable-cuda-graph", "--dtype", "bfloat16"]'
   else
     printf 'run::%s\t0\t%s\n' megatron-gpu+sglang-gpu "skipped: no SGLang (set SGLANG_PYTHON)" >>"$runs"

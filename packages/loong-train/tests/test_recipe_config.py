@@ -109,7 +109,11 @@ def test_an_entropy_bonus_on_megatron_is_refused_naming_both_keys():
 
 
 def test_direct_weights_over_nccl_need_a_trainer_gpu():
-    sets = ["rollout.engine.type=sglang", "rollout.engine.weights=direct", "rollout.engine.update_backend=nccl"]
+    sets = [
+        "rollout.engine.type=sglang",
+        "rollout.engine.weights=direct",
+        "rollout.engine.update_backend=nccl",
+    ]
     with pytest.raises(ConfigError, match=r"update_backend = \"nccl\".*train.backend.gpus = 0"):
         load_recipe("tiny-calc-agent", sets)
     assert load_recipe("tiny-calc-agent", sets[:2]).rollout.engine.weights == "direct"

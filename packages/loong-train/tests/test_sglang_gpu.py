@@ -105,6 +105,14 @@ def test_real_sglang_generates_pauses_and_takes_pushed_weights(tmp_path):
         time.sleep(0.1)
 
 
+async def _generate_once(url: str):
+    client = SGLangEngine(SGLangClientConfig(url=url))
+    try:
+        return await client.generate(PROMPT, SamplingParams(max_new_tokens=8))
+    finally:
+        await client.aclose()
+
+
 def _group_exists(pgid: int) -> bool:
     try:
         os.killpg(pgid, 0)
@@ -142,14 +150,37 @@ def test_the_trainer_pushes_straight_into_real_sglang_over_nccl(tmp_path):
             served = torch.tensor(httpx.post(f"{sup.url}/get_weights_by_name", json=body, timeout=60).json())
             assert torch.equal(served.float(), named[name][:4].to(torch.bfloat16).float().cpu()), name
 
-        async def generate():
-            client = SGLangEngine(SGLangClientConfig(url=sup.url))
-            try:
-                return await client.generate(PROMPT, SamplingParams(max_new_tokens=8))
-            finally:
-                await client.aclose()
+        span = asyncio.run(_generate_once(sup.url))
+        assert span.weight_version == 1 and _gap(second, span.token_ids, span.logprobs) < 0.1
+    finally:
+        servers.close()
+        sup.stop()
 
-        span = asyncio.run(generate())
+
+def test_the_trainer_hands_real_sglang_its_cuda_tensors_by_ipc(tmp_path):
+    """``weights = "direct"`` with ``update_backend = "tensor"`` (colocated): the trainer's CUDA
+    tensors go to ``/update_weights_from_tensor`` as CUDA IPC handles; the server on the same GPU
+    copies from them. It then holds them (as bfloat16) and generates from them at the new version."""
+    import httpx
+
+    from loong_transfermesh import SGLangServers
+
+    first, second = _model(0), _model(1)
+    first.save_pretrained(tmp_path / "model")
+    sup = SGLangSupervisor(real_sglang_config(tmp_path / "model", tmp_path / "sglang.log"))
+    sup.start()
+    servers = SGLangServers(
+        SGLangPusherConfig(urls=[sup.url], backend="tensor", timeout_s=120, pause_mode="abort")
+    )
+    try:
+        named = {k: v.detach().cuda() for k, v in second.named_parameters()}
+        assert servers.push(named, 1) == {}
+        for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+            body = {"name": name, "truncate_size": 4}
+            served = torch.tensor(httpx.post(f"{sup.url}/get_weights_by_name", json=body, timeout=60).json())
+            assert torch.equal(served.float(), named[name][:4].to(torch.bfloat16).float().cpu()), name
+
+        span = asyncio.run(_generate_once(sup.url))
         assert span.weight_version == 1 and _gap(second, span.token_ids, span.logprobs) < 0.1
     finally:
         servers.close()

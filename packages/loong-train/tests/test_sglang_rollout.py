@@ -213,6 +213,7 @@ def _healthy_at_version(url: str, version: str) -> bool:
         ({"gpus": 1.5}, "fraction of one GPU or a whole number"),
         ({"tp_size": 2}, "need launcher = 'sglang'"),
         ({"host": "0.0.0.0"}, "set api_key"),
+        ({"update_backend": "tensor"}, 'it needs weights = "direct"'),
     ],
 )
 def test_sglang_table_errors_name_the_problem(table, problem):

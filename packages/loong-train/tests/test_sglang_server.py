@@ -648,6 +648,26 @@ def test_servers_get_direct_pushes_and_one_that_dies_fails_alone_then_catches_up
         _stop(proc_b)
 
 
+@pytest.mark.integration
+def test_tensor_backend_updates_through_the_request_bit_for_bit(server_process):
+    """``backend = "tensor"`` (no group): each bucket goes to ``/update_weights_from_tensor``; CPU
+    tensors travel as ``torch.save`` bytes (on a GPU they would be CUDA IPC handles: the gpu
+    tests). Several buckets, the version arrives with the last."""
+    from loong_transfermesh import SGLangServers
+
+    url = server_process
+    servers = SGLangServers(
+        SGLangPusherConfig(urls=[url], backend="tensor", bucket_bytes=16 << 10, timeout_s=60)
+    )
+    try:
+        for version, seed in ((1, 59), (2, 61)):
+            named = {k: v.detach().clone() for k, v in _model(seed).named_parameters()}
+            assert servers.push(named, version) == {}
+            assert _version(url) == str(version) and _holds(url, named)
+    finally:
+        servers.close()
+
+
 _DYING_TRAINER = """
 import sys, time
 import torch

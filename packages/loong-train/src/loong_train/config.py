@@ -287,10 +287,14 @@ class Recipe(_Section):
                 f"train.backend.type = {self.train.backend.type!r} does not compute the entropy bonus"
             )
         direct = isinstance(engine, SGLangEngineConfig) and engine.weights == "direct"
-        if direct and engine.update_backend == "nccl" and not self.train.backend.gpus:
+        on_gpu = direct and (
+            engine.update_backend == "nccl"
+            or (engine.launcher == "sglang" and engine.update_backend == "tensor")
+        )
+        if on_gpu and not self.train.backend.gpus:
             raise ValueError(
-                'rollout.engine.weights = "direct" with update_backend = "nccl": the trainer broadcasts '
-                "from its GPU, but train.backend.gpus = 0 (use update_backend = 'gloo' on CPU)"
+                f'rollout.engine.weights = "direct" with update_backend = "{engine.update_backend}": the trainer '
+                "sends from its GPU, but train.backend.gpus = 0 (use update_backend = 'gloo' on CPU)"
             )
         if self.opd.enabled and self.opd.objective == "forward_kl" and self.train.backend.type != "torch":
             raise ValueError(

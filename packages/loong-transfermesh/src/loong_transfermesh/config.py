@@ -86,6 +86,9 @@ class SGLangPusherConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     per tensor, in ``names`` order: for SGLang versions without flattened buckets).
     ``flush_cache``: after the last bucket, ask each server to drop its KV/prefix cache
     (``POST /flush_cache``; skipped by servers that still hold requests, see the module docstring).
+    ``backend``: ``gloo`` or ``nccl`` broadcast over a weight-update group; ``tensor`` sends each
+    bucket to ``/update_weights_from_tensor`` instead (CUDA IPC handles to a server on the same
+    GPU; :mod:`loong_transfermesh.sglang`).
     """
 
     urls: list[str]
@@ -105,8 +108,8 @@ class SGLangPusherConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unkno
     def __post_init__(self) -> None:
         if not self.urls:
             raise ValueError("urls must name at least one server")
-        if self.backend not in ("gloo", "nccl"):
-            raise ValueError(f"backend must be 'gloo' or 'nccl', got {self.backend!r}")
+        if self.backend not in ("gloo", "nccl", "tensor"):
+            raise ValueError(f"backend must be 'gloo', 'nccl' or 'tensor', got {self.backend!r}")
         if self.pause_mode not in ("abort", "retract", "in_place"):
             raise ValueError(f"pause_mode must be abort, retract or in_place, got {self.pause_mode!r}")
         if self.load_format not in ("flattened_bucket", "direct"):

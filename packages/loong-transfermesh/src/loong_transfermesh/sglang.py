@@ -34,7 +34,14 @@ dtypes, so buckets here hold one dtype each and every byte arrives unconverted (
 ``loong_transfermesh.manifest.build_manifest`` is not reused: its buckets are byte buffers with
 64-byte-aligned offsets and mixed dtypes, which is not this wire format.
 
-Backends: ``nccl`` (tensors are moved to the current CUDA device) or ``gloo`` (CPU).
+Backends: ``nccl`` (tensors are moved to the current CUDA device) or ``gloo`` (CPU) broadcast over
+the group above. ``tensor`` needs no group: each bucket goes to ``POST /update_weights_from_tensor``
+as SGLang's ``MultiprocessingSerializer`` sends it (base64 of a ``ForkingPickler`` pickle of the
+``(name, tensor)`` list, once per tensor-parallel rank). For CUDA tensors that pickle carries CUDA
+IPC handles, so a server on the same GPU (colocated) maps the trainer's memory and copies from it:
+no byte leaves the device. CPU tensors cannot be shared that way with an unrelated process, so
+they travel in the body as ``torch.save`` bytes, which only Loong's embedded server reads (the CPU
+tests of this path).
 
 Several servers, one group each (:class:`SGLangServers`): a single group ties every server's
 fate to the slowest or deadest one (a broadcast waits for every rank). With a group per server,
@@ -48,9 +55,11 @@ lands and ``/continue_generation`` comes with it.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import datetime
 import functools
+import io
 import itertools
 import math
 import socket
@@ -72,6 +81,7 @@ from loong_core.sglang_api import (
     PauseGenerationRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
+    UpdateWeightsFromTensorRequest,
     UpdateWeightsResponse,
     WeightVersionResponse,
 )
@@ -86,6 +96,7 @@ __all__ = [
     "flatten_bucket",
     "join_weight_update_group",
     "plan_buckets",
+    "serialize_tensors",
     "unflatten_bucket",
 ]
 
@@ -204,8 +215,12 @@ class SGLangWeightPusher:
         return 1 + len(self.config.urls) * self.config.ranks_per_engine
 
     def connect(self) -> None:
-        """Create the broadcast group: every server joins while this process hosts rank 0."""
+        """Create the broadcast group: every server joins while this process hosts rank 0
+        (nothing to create for the ``tensor`` backend)."""
         c = self.config
+        if c.backend == "tensor":
+            self._group = _NO_GROUP
+            return
         calls = [
             self._post_async(
                 url,
@@ -261,6 +276,8 @@ class SGLangWeightPusher:
 
     def close(self) -> None:
         """Destroy the group on the servers and here; the pusher can ``connect()`` again."""
+        if self._group is _NO_GROUP:
+            self._group = None
         if self._group is not None:
             try:
                 self._all(
@@ -278,6 +295,15 @@ class SGLangWeightPusher:
 
     def _send_bucket(self, items: list[tuple[str, torch.Tensor]], version: str | None) -> None:
         c = self.config
+        if c.backend == "tensor":
+            payload = serialize_tensors([(n, t.detach()) for n, t in items])
+            body = UpdateWeightsFromTensorRequest(
+                serialized_named_tensors=[payload] * c.ranks_per_engine,
+                flush_cache=False,
+                weight_version=version,
+            )
+            self._all("/update_weights_from_tensor", body)
+            return
         body = UpdateWeightsFromDistributedRequest(
             names=[n for n, _ in items],
             dtypes=[dtype_field(t.dtype) for _, t in items],
@@ -456,6 +482,34 @@ class SGLangServers:
         with contextlib.suppress(SGLangUpdateError, httpx.HTTPError, RuntimeError):
             pusher.close()
         pusher.shutdown()
+
+
+_NO_GROUP: Any = object()  # a connected ``tensor`` pusher: no process group to broadcast over
+
+
+def serialize_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
+    """``named`` as ``/update_weights_from_tensor`` takes it (base64 text): CUDA tensors as SGLang's
+    ``MultiprocessingSerializer`` pickles them (CUDA IPC handles: the receiver must be on the same
+    GPU, and the tensors must stay alive until it answered), CPU tensors as ``torch.save`` bytes
+    (Loong's embedded server)."""
+    devices = {t.device.type for _, t in named}
+    if devices == {"cuda"}:
+        from multiprocessing.reduction import ForkingPickler
+
+        from torch.multiprocessing.reductions import init_reductions
+
+        init_reductions()  # torch's reducers (CUDA IPC handles) in ForkingPickler
+
+        buffer = io.BytesIO()
+        ForkingPickler(buffer).dump(named)
+    elif devices <= {"cpu"}:
+        buffer = io.BytesIO()
+        torch.save(named, buffer)
+    else:
+        raise ValueError(
+            f"tensors of one update must all be on CUDA or all on the CPU, got {sorted(devices)}"
+        )
+    return base64.b64encode(buffer.getvalue()).decode()
 
 
 def _auth(config: SGLangPusherConfig) -> dict[str, str]:

@@ -88,8 +88,10 @@ class SGLangEngineConfig(_Engine, tag="sglang"):
       server reports the version. Requests running on a server when an update lands are held
       and continue under the new weights (SGLang's ``in_place`` pause: partial rollouts); their
       spans carry the older version, so staleness is never understated.
-    - ``update_backend``: ``"gloo"`` (host memory; works everywhere) or ``"nccl"`` (the process
-      that pushes needs a GPU of its own). ``bucket_mb``: one broadcast's size bound.
+    - ``update_backend``: ``"gloo"`` (host memory; works everywhere), ``"nccl"`` (the process
+      that pushes needs a GPU of its own) or ``"tensor"`` (direct weights only: CUDA IPC handles
+      into a server on the trainer's GPU, colocated; on CPU the tensors travel in the request,
+      which only ``launcher = "loong"`` reads). ``bucket_mb``: one update call's size bound.
     """
 
     launcher: Literal["sglang", "loong"] = "loong"
@@ -107,7 +109,7 @@ class SGLangEngineConfig(_Engine, tag="sglang"):
     health_failures: int = 3
     max_restarts: int = 3
     weights: Literal["worker", "direct"] = "worker"
-    update_backend: Literal["gloo", "nccl"] = "gloo"
+    update_backend: Literal["gloo", "nccl", "tensor"] = "gloo"
     bucket_mb: float = 512.0
 
     @property
@@ -131,6 +133,11 @@ class SGLangEngineConfig(_Engine, tag="sglang"):
             )
         if problem := _gpu_problem(self):
             raise ValueError(problem)
+        if self.update_backend == "tensor" and self.weights != "direct":
+            raise ValueError(
+                'update_backend = "tensor" hands the trainer\'s tensors to the server: it needs '
+                "weights = \"direct\" (a worker's host copy is not on the server's GPU)"
+            )
 
     def url(self, worker_id: int) -> str:
         """Where worker ``worker_id``'s server listens."""
