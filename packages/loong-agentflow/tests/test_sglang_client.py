@@ -143,6 +143,21 @@ def test_an_aborted_stream_is_continued_from_its_tokens():
     assert [body["sampling_params"]["max_new_tokens"] for _, body in seen] == [2, 1]
 
 
+def test_a_request_aborted_again_and_again_without_tokens_raises():
+    """A server that keeps aborting a request before its first token (not a weight update's one
+    pause) fails it after ``MAX_IDLE_ABORTS`` tries, in ``generate`` and ``stream`` alike."""
+    from loong_agentflow.sglang_client import MAX_IDLE_ABORTS
+
+    empty = _reply(finish={"type": "abort", "message": "deadline"}, ids=())
+    with _scripted([empty]) as (url, seen), pytest.raises(SGLangError, match="aborted 8 times in a row"):
+        _generate(url)
+    assert len(seen) == MAX_IDLE_ABORTS == 8
+    events = f"data: {json.dumps(empty)}\n\ndata: [DONE]\n\n"
+    with _scripted([events]) as (url, seen), pytest.raises(SGLangError, match="deadline"):
+        asyncio.run(_stream(url))
+    assert len(seen) == MAX_IDLE_ABORTS
+
+
 def test_broken_streams_and_non_integer_versions_raise():
     cut = f"data: {json.dumps(_reply(ids=(7,)))}\n\n"  # no [DONE]: the stream broke off
     with _scripted([cut]) as (url, _), pytest.raises(SGLangError, match=r"ended without data: \[DONE\]"):

@@ -123,9 +123,20 @@ def _versions() -> Iterator[int]:
 VERSIONS = _versions()
 
 
+RESULTS: dict[str, float] = {}  # case -> best seconds per update (this run), for ``test_ratios``
+
+
 def _run(benchmark, named, case: str, step, rounds: int = 3) -> None:
     benchmark.extra_info.update(case=case, bytes=_nbytes(named), tensors=len(named))
-    benchmark.pedantic(lambda: step(next(VERSIONS)), rounds=rounds, iterations=1, warmup_rounds=1)
+    times = []
+
+    def timed(version: int) -> None:
+        start = time.perf_counter()
+        step(version)
+        times.append(time.perf_counter() - start)
+
+    benchmark.pedantic(lambda: timed(next(VERSIONS)), rounds=rounds, iterations=1, warmup_rounds=1)
+    RESULTS[case] = min(times[1:] or times)  # the warm-up round is not counted (benchmarks off: one call)
 
 
 def test_floor_memcpy(benchmark, trainer_weights) -> None:
@@ -170,6 +181,21 @@ def test_via_worker(benchmark, trainer_weights, server) -> None:
         sender.close()
 
 
+def test_ratios(capsys) -> None:
+    """Runs after the three timed cases (this module's order): each case and its ratio to the floor."""
+    cases = ("floor_memcpy", "direct", "via_worker")
+    if not set(cases) <= set(RESULTS):
+        pytest.skip("needs the three timed cases in this run")
+    with capsys.disabled():
+        print()
+        for case in cases:
+            print(
+                f"{case}: {RESULTS[case] * 1e3:.1f} ms per update, {RESULTS[case] / RESULTS['floor_memcpy']:.1f}x memcpy"
+            )
+        print(f"via_worker / direct: {RESULTS['via_worker'] / RESULTS['direct']:.2f}")
+    assert all(RESULTS[c] > 0 for c in cases)
+
+
 def _rss_mb(pid: int) -> float:
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
         if line.startswith("VmRSS:"):
@@ -189,6 +215,7 @@ def test_worker_rss(benchmark, model_dir, trainer_weights, weights: str) -> None
 
     config = SGLangEngineConfig(port_base=_port(), weights=weights)
     transport = TransportConfig(name=f"bench-rss-{uuid.uuid4().hex[:8]}")
+    sender = ShmSender(transport.name) if weights == "worker" else None  # the trainer's side
     ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True)
     worker = ray.remote(RolloutWorker).remote(
         str(model_dir),
@@ -206,7 +233,6 @@ def test_worker_rss(benchmark, model_dir, trainer_weights, weights: str) -> None
             servers.close()
             manifest = WeightManifest(version=1, tensors=[], bucket_sizes=[])
         else:
-            sender = ShmSender(transport.name)
             manifest = sender.push(trainer_weights, 1)
         ray.get(worker.apply_weights.remote(manifest))
         rss = _rss_mb(pid)
@@ -220,5 +246,6 @@ def test_worker_rss(benchmark, model_dir, trainer_weights, weights: str) -> None
     finally:
         ray.get(worker.close.remote())
         ray.kill(worker)
-        if weights == "worker":
+        ray.shutdown()
+        if sender is not None:
             sender.close()

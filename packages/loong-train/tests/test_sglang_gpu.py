@@ -145,7 +145,7 @@ def test_the_trainer_pushes_straight_into_real_sglang_over_nccl(tmp_path):
     try:
         named = {k: v.detach().cuda() for k, v in second.named_parameters()}
         assert servers.push(named, 1) == {}
-        for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+        for name in ("model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight", "lm_head.weight"):
             body = {"name": name, "truncate_size": 4}
             served = torch.tensor(httpx.post(f"{sup.url}/get_weights_by_name", json=body, timeout=60).json())
             assert torch.equal(served.float(), named[name][:4].to(torch.bfloat16).float().cpu()), name
@@ -175,7 +175,7 @@ def test_the_trainer_hands_real_sglang_its_cuda_tensors_by_ipc(tmp_path):
     try:
         named = {k: v.detach().cuda() for k, v in second.named_parameters()}
         assert servers.push(named, 1) == {}
-        for name in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"):
+        for name in ("model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight", "lm_head.weight"):
             body = {"name": name, "truncate_size": 4}
             served = torch.tensor(httpx.post(f"{sup.url}/get_weights_by_name", json=body, timeout=60).json())
             assert torch.equal(served.float(), named[name][:4].to(torch.bfloat16).float().cpu()), name

@@ -15,8 +15,10 @@ as ``initial_version``; any other non-integer label is an error naming it.
 
 Failures: connection errors and 502/503/504 answers are retried with exponential backoff (a
 request that never reached the server is safe to resend); other HTTP errors raise
-``SGLangError`` with the server's message. A request the server aborted (finish reason ``abort``)
-and an answer that does not decode as SGLang's also raise ``SGLangError``.
+``SGLangError`` with the server's message, as does an answer that does not decode as SGLang's.
+A request the server aborted (finish reason ``abort``, as an ``abort`` pause for a weight update
+ends it) is continued from its tokens so far, by ``generate`` and ``stream`` alike; one aborted
+``MAX_IDLE_ABORTS`` times in a row without a new token raises ``SGLangError``.
 
 Lifecycle::
 
@@ -106,7 +108,7 @@ class SGLangEngine:
         appended to the prompt (the server holds it until generation continues), and the span
         joins the parts (per-token ``versions`` when they differ)."""
         parts: list[TokenSpan] = []
-        done = 0
+        done, idle = 0, 0
         while True:
             body = _generate_body(
                 [*input_ids, *(t for p in parts for t in p.token_ids)],
@@ -118,6 +120,8 @@ class SGLangEngine:
             done += len(parts[-1].token_ids)
             if not aborted or done >= sampling.max_new_tokens:
                 return _joined(parts)
+            idle = 0 if parts[-1].token_ids else idle + 1
+            _check_aborts(idle, out)
 
     async def stream(self, input_ids: list[int], sampling: SamplingParams) -> AsyncIterator[TokenSpan]:
         """``generate`` as SGLang streams it (``stream: true``): each event is the answer so far,
@@ -126,19 +130,23 @@ class SGLangEngine:
         carry the new version. Closing early closes the connection, which SGLang takes as an
         abort of the request. Not retried on failure: tokens may already have been used."""
         sent: list[int] = []
+        idle = 0  # aborted answers in a row that brought no token
         while True:
             rest = msgspec.structs.replace(sampling, max_new_tokens=sampling.max_new_tokens - len(sent))
-            cut: list[bool] = []
+            cut: list[GenerateResponse] = []
+            before = len(sent)
             async for span in self._stream_once([*input_ids, *sent], rest, cut):
                 sent += span.token_ids
                 yield span
             if not cut or len(sent) >= sampling.max_new_tokens:
                 return
+            idle = 0 if len(sent) > before else idle + 1
+            _check_aborts(idle, cut[0])
 
     async def _stream_once(
         self, input_ids: list[int], sampling: SamplingParams, cut: list[bool]
     ) -> AsyncIterator[TokenSpan]:
-        """One streamed request; appends True to ``cut`` when the server aborted it."""
+        """One streamed request; appends the answer to ``cut`` when the server aborted it."""
         body = msgspec.json.encode(_generate_body(input_ids, sampling, stream=True))
         where, got = f"{self._base}/generate", 0
         try:
@@ -163,7 +171,7 @@ class SGLangEngine:
                         )
                     finish = out.meta_info.finish_reason
                     if finish is not None and finish.type == "abort":
-                        cut.append(True)
+                        cut.append(out)
                     span = self._span(out, got, aborted_ok=bool(cut))
                     got = len(out.output_ids)
                     if span.token_ids:
@@ -302,3 +310,15 @@ def _decode(response: httpx.Response, kind: type[_T], where: str) -> _T:
         return msgspec.json.decode(response.content, type=kind)
     except msgspec.DecodeError as e:
         raise SGLangError(f"{where}: not an SGLang answer: {e}") from None
+
+
+MAX_IDLE_ABORTS = 8
+"""Aborted answers in a row without a new token before a request fails: a weight update's pause
+aborts a request once (the resent one waits for the pause to end); a server that keeps aborting
+it (an error, a deadline) would otherwise be asked forever."""
+
+
+def _check_aborts(idle: int, out: GenerateResponse) -> None:
+    if idle >= MAX_IDLE_ABORTS:
+        reason = msgspec.to_builtins(out.meta_info.finish_reason)
+        raise SGLangError(f"request aborted {idle} times in a row without a new token: {reason}")

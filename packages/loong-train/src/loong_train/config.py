@@ -296,6 +296,16 @@ class Recipe(_Section):
                 f'rollout.engine.weights = "direct" with update_backend = "{engine.update_backend}": the trainer '
                 "sends from its GPU, but train.backend.gpus = 0 (use update_backend = 'gloo' on CPU)"
             )
+        if (
+            direct
+            and engine.update_backend == "tensor"
+            and engine.launcher == "loong"
+            and self.train.backend.gpus
+        ):
+            raise ValueError(
+                'rollout.engine.update_backend = "tensor" from a trainer on a GPU hands over CUDA IPC handles, '
+                "which launcher = 'loong' (a CPU server) cannot open: use launcher = 'sglang' or update_backend = 'gloo'"
+            )
         if self.opd.enabled and self.opd.objective == "forward_kl" and self.train.backend.type != "torch":
             raise ValueError(
                 f'opd.objective = "forward_kl" is a torch-backend option; train.backend.type = '

@@ -250,8 +250,12 @@ def _start(
     trainer_actor = ray.remote(num_cpus=recipe.trainer_threads, num_gpus=recipe.train.backend.gpus)(
         TrainerWorker
     )
+    options = trainer_options(recipe)
+    if options["servers"] is not None:  # direct weights: to the servers where Ray placed them
+        urls = ray.get([w.server_url.remote() for w in workers])
+        options["servers"] = msgspec.structs.replace(options["servers"], urls=urls)
     # from the initial model, which stays the KL reference when resumed
-    trainer = trainer_actor.remote(model_path, transport=transport, **trainer_options(recipe))
+    trainer = trainer_actor.remote(model_path, transport=transport, **options)
     if ckpt:
         ray.get(trainer.load_checkpoint.remote(str(ckpt.path)))
     window = StalenessWindow(recipe.train.max_staleness, recipe.train.batch_groups)

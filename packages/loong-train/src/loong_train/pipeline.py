@@ -117,6 +117,7 @@ class Pipeline:
     rollouts: dict[Any, tuple[int, list[str]]] = field(default_factory=dict)
     train_ref: Any = None
     applies: dict[int, dict[int, Any]] = field(default_factory=dict)  # version -> worker -> apply
+    evaluations: list[Any] = field(default_factory=list)  # direct weights: evaluation calls a push waits for
     latest: WeightManifest | None = None
     finished: dict[str, list[Trajectory]] = field(default_factory=dict)
     pids: list[int] = field(default_factory=list)  # each worker's process, as last seen
@@ -285,19 +286,32 @@ class Pipeline:
         The push of version v + 1 may reuse the buffer of an older version (the transport's rule,
         ``TransportConfig.must_have_applied``: shm's double buffer reuses v - 1's slot, or v's with
         ``zero_copy`` receivers), so the publish call depends on every worker's apply of that
-        version (a Ray dependency: the controller never blocks on it).
+        version (a Ray dependency: the controller never blocks on it). With direct weights the
+        trainer's push lands in the servers at once, so the step waits instead for the evaluations
+        still running (before it changes the weights, so the trainer can still catch a server up
+        meanwhile): an evaluation runs entirely at the version it names.
         """
         if (groups := self.scheduler.take()) is None:
             return None
-        direct = self.recipe.rollout.engine.weights == "direct"  # no transport buffer to reuse
-        reused = self.recipe.transport.must_have_applied(self.window.version + 1)
-        readers = [] if direct else list(self.applies.get(reused, {}).values())
+        readers, evaluations = [], []  # what the push waits for; what the step waits for
+        if self.recipe.rollout.engine.weights == "direct":  # no buffer to reuse; evaluations see one version
+            evaluations = self.evaluations = self._running(self.evaluations)
+        else:
+            reused = self.recipe.transport.must_have_applied(self.window.version + 1)
+            readers = list(self.applies.get(reused, {}).values())
         trajs = [t for g in groups for t in self.finished.pop(g)]
         self.source.release(groups)
         adv = advantages(trajs, self.recipe.loss)
         batch = pack_batch(trajs, adv, self.window.version, self.recipe.loss.overlong_filter)
-        self.train_ref = self.trainer.publish.remote(self.trainer.train_step.remote(batch), readers)
+        step = self.trainer.train_step.remote(batch, evaluations)
+        self.train_ref = self.trainer.publish.remote(step, readers)
         return trajs
+
+    @staticmethod
+    def _running(refs: list[Any]) -> list[Any]:
+        """The calls of ``refs`` that have not finished."""
+        done = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0]) if refs else set()
+        return [r for r in refs if r not in done]
 
     def sync_weights(self, manifest: WeightManifest) -> None:
         """The scheduler learns of the new version; the update is queued on every live worker, and
@@ -313,13 +327,18 @@ class Pipeline:
         """Queue a rollout call that runs at ``queued_version`` or newer (with partial rollouts, or
         servers the trainer updates directly, the worker waits for that version itself; without,
         Ray's call order ensures it). An evaluation runs entirely at one version (updates wait
-        for it)."""
+        for it; with direct weights the trainer's next step does, ``start_train_step``)."""
         if self.concurrent_calls > 1:  # beside the updates: the worker waits for the version
             call = worker.rollout.options(concurrency_group="rollout")
             return call.remote(specs, self.queued_version, evaluation)
         engine = self.recipe.rollout.engine
-        waits = engine.partial != "off" or engine.weights == "direct"
-        return worker.rollout.remote(specs, self.queued_version if waits else 0, evaluation)
+        direct = engine.weights == "direct"
+        ref = worker.rollout.remote(
+            specs, self.queued_version if direct or engine.partial != "off" else 0, evaluation
+        )
+        if direct and evaluation:
+            self.evaluations.append(ref)
+        return ref
 
     def _apply(self, w: int, manifest: WeightManifest) -> Any:
         """Queue ``manifest`` on worker ``w``: behind its rollout calls, or with partial rollouts

@@ -398,35 +398,56 @@ class SGLangServers:
 
     def push(self, named: Mapping[str, torch.Tensor], version: int) -> dict[str, str]:
         """Push ``named`` as ``version`` to every server at once (connecting where needed);
-        returns the servers that failed, with why. The others serve ``version`` on return."""
+        returns the servers that failed, with why. The others serve ``version`` on return. A
+        server that reports another version than it confirmed last (it restarted: its group died
+        with it) is reconnected through a fresh group first."""
         return self._push(self.urls, named, version)
 
     def catch_up(self, named: Mapping[str, torch.Tensor], version: int) -> dict[str, str]:
         """Push ``version`` to each server that answers with another version (a failed push, a
         restart), through a fresh group; returns the servers that failed, with why. A server that
         does not answer (down, or still starting) is left for a later call."""
-        behind = self.behind(version)
-        for url in self.urls:
-            if url in behind:
-                self._drop(url)
-            else:
+        labels = self._labels()
+        for url, label in labels.items():
+            if label in self._current(version):
                 self.versions[url] = version
-        return self._push(behind, named, version)
+        return self._push(self._behind(labels, version), named, version)
 
-    def behind(self, version: int) -> list[str]:
-        """The servers that answer ``/get_weight_version`` with another version than ``version``."""
-        want = {str(version)} | ({"default"} if version == self.initial_version else set())
-        served = self._pool.map(self._served, self.urls)
-        return [url for url, label in zip(self.urls, served, strict=True) if label not in (None, *want)]
+    def behind(self, version: int, timeout_s: float | None = None) -> list[str]:
+        """The servers that answer ``/get_weight_version`` (within ``timeout_s``; default: the
+        config's) with another version than ``version``."""
+        return self._behind(self._labels(timeout_s), version)
 
     def close(self) -> None:
         for url in list(self._pushers):
             self._drop(url)
         self._pool.shutdown()
 
+    def _current(self, version: int) -> set[str]:
+        """The labels a server serving ``version`` may report (``"default"``: the launch checkpoint)."""
+        return {str(version)} | ({"default"} if version == self.initial_version else set())
+
+    def _behind(self, labels: dict[str, str | None], version: int) -> list[str]:
+        current = self._current(version)
+        return [url for url, label in labels.items() if label is not None and label not in current]
+
+    def _labels(self, timeout_s: float | None = None) -> dict[str, str | None]:
+        """What every server reports as its version (None: no answer), asked side by side."""
+        ask = functools.partial(self._served, timeout_s=timeout_s)
+        return dict(zip(self.urls, self._pool.map(ask, self.urls), strict=True))
+
     def _push(self, urls: list[str], named: Mapping[str, torch.Tensor], version: int) -> dict[str, str]:
+        labels = dict(zip(urls, self._pool.map(self._served, urls), strict=True))
+        for url in urls:
+            if url in self._pushers and labels[url] != str(self.versions[url]):
+                self._drop(url)  # restarted, or down: its group is gone
         groups = {url: self._group_name(url) for url in urls if url not in self._pushers}
-        calls = {url: self._pool.submit(self._push_one, url, groups.get(url), named, version) for url in urls}
+        calls = {
+            url: self._pool.submit(
+                self._push_one, url, groups.get(url), labels[url] is not None, named, version
+            )
+            for url in urls
+        }
         wait(calls.values())  # every push ended before any failed one is torn down
         failed = {}
         for url, call in calls.items():
@@ -441,9 +462,11 @@ class SGLangServers:
     def _group_name(self, url: str) -> str:
         return f"{self.config.group_name}-{self._tag}-{self.urls.index(url)}-{next(self._connections)}"
 
-    def _push_one(self, url: str, group: str | None, named: Mapping[str, torch.Tensor], version: int) -> None:
+    def _push_one(
+        self, url: str, group: str | None, answers: bool, named: Mapping[str, torch.Tensor], version: int
+    ) -> None:
         if group is not None:  # no pusher yet: connect one (``_push`` named its new group)
-            if self._served(url) is None:  # a rendezvous would wait timeout_s for a dead server
+            if not answers:  # a rendezvous would wait timeout_s for a dead server
                 raise SGLangUpdateError(f"{url} does not answer /get_weight_version: not connecting")
             self._pushers[url] = self._connect(url, group)
         self._pushers[url].push(named, version)
@@ -462,11 +485,13 @@ class SGLangServers:
             raise
         return pusher
 
-    def _served(self, url: str) -> str | None:
-        """The version ``url`` reports; None when it does not answer."""
+    def _served(self, url: str, timeout_s: float | None = None) -> str | None:
+        """The version ``url`` reports; None when it does not answer (within ``timeout_s``)."""
         try:
             answer = httpx.get(
-                f"{url}/get_weight_version", headers=_auth(self.config), timeout=self.config.timeout_s
+                f"{url}/get_weight_version",
+                headers=_auth(self.config),
+                timeout=self.config.timeout_s if timeout_s is None else timeout_s,
             )
             return msgspec.json.decode(
                 answer.raise_for_status().content, type=WeightVersionResponse

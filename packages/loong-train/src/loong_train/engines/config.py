@@ -85,9 +85,10 @@ class SGLangEngineConfig(_Engine, tag="sglang"):
       server; an update lands between rollout calls. ``"direct"``: the trainer pushes into every
       server itself (:class:`loong_transfermesh.SGLangServers`, one weight-update group per
       server) and catches up a restarted one; workers hold no copy and only wait until their
-      server reports the version. Requests running on a server when an update lands are held
-      and continue under the new weights (SGLang's ``in_place`` pause: partial rollouts); their
-      spans carry the older version, so staleness is never understated.
+      server reports the version. Requests running on a server when an update lands end early
+      (SGLang's ``abort`` pause) and the client continues each from its tokens so far, so every
+      token carries the version that produced it (partial rollouts); an evaluation holds the
+      trainer's next step back until it ends, so it runs at one version.
     - ``update_backend``: ``"gloo"`` (host memory; works everywhere), ``"nccl"`` (the process
       that pushes needs a GPU of its own) or ``"tensor"`` (direct weights only: CUDA IPC handles
       into a server on the trainer's GPU, colocated; on CPU the tensors travel in the request,

@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import ray
 import torch
 
 from loong_agentflow import (
@@ -238,6 +239,15 @@ class RolloutWorker:
 
     def model_path(self) -> str:
         return self._model_path
+
+    def server_url(self) -> str:
+        """Where other nodes reach this worker's server (direct weights): its bind address, or
+        this node's IP as Ray knows it when the server binds every interface (loopback stays
+        loopback: a trainer on another node cannot reach it)."""
+        config = self.engine.supervisor.config
+        if config.host in ("0.0.0.0", "::"):
+            return f"http://{ray.util.get_node_ip_address()}:{config.port}"
+        return config.url
 
     def pid(self) -> int:
         """The worker's process id (a restarted worker has a new one)."""

@@ -32,10 +32,12 @@ class TrainerWorker:
     batch's advantages first (:mod:`loong_train.algo.opd`).
 
     ``servers`` (direct weights): instead of a sender, :class:`loong_transfermesh.SGLangServers`
-    pushes each version into every server, and a watcher thread catches up, every
-    ``watch_interval_s``, a server that does not report the newest version (restarted, or its push
-    failed). Pushes and catch-ups hold one lock, and a catch-up waits while a train step has
-    changed the weights that are not yet published: a server never gets a half-trained version.
+    pushes each version into every server (reconnecting a restarted one first), and a watcher
+    thread catches up, every ``watch_interval_s``, a server that answers with an older version
+    (restarted, or its push failed) while the trainer waits for work. Every call into the backend
+    holds one lock, so the watcher never runs beside a step, a save or a Megatron gather, and it
+    waits while a train step has changed weights not yet published: a server never gets a
+    half-trained version.
     """
 
     def __init__(
@@ -57,7 +59,7 @@ class TrainerWorker:
         self.distiller = Distiller(opd, model_path) if opd is not None and opd.enabled else None
         self.sender = open_sender(transport, receivers) if servers is None else None  # the rollout workers
         self.servers = None if servers is None else SGLangServers(_reachable(servers))
-        self._weights = threading.Lock()  # pushes and catch-ups, and the flag below
+        self._lock = threading.RLock()  # the backend, the servers and the flag below
         self._unpublished = False  # a train step changed the weights since the last push
         self._closed = threading.Event()
         if self.servers is not None:
@@ -66,17 +68,21 @@ class TrainerWorker:
             )
             watcher.start()
 
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch, wait_for: Sequence[ray.ObjectRef] = ()) -> dict[str, float]:
         """One optimizer step; an all-failed (empty) batch skips the step but still advances.
-        With ``[opd] enabled`` the teachers first replace the batch's advantages (:mod:`loong_train.algo.opd`)."""
+        With ``[opd] enabled`` the teachers first replace the batch's advantages (:mod:`loong_train.algo.opd`).
+        ``wait_for``: calls that must end before the weights change (direct weights: evaluations
+        running on the servers; refs inside a list, so Ray does not resolve them as arguments)."""
+        if wait_for:
+            ray.wait(list(wait_for), num_returns=len(wait_for))
         start = time.time()
         opd: dict[str, float] = {}
         if self.distiller is not None and batch.row_lens:
             batch, opd = self.distiller.distill(batch)
             opd["teacher_end"] = time.time()
-        with self._weights:
+        with self._lock:
             self._unpublished = bool(batch.row_lens)
-        metrics = self.backend.train_step(batch) if batch.row_lens else {"skipped": 1.0}
+            metrics = self.backend.train_step(batch) if batch.row_lens else {"skipped": 1.0}
         return {**metrics, **opd, "train_start": start, "train_end": time.time()}
 
     def publish(
@@ -89,20 +95,19 @@ class TrainerWorker:
         if readers:
             ray.wait(list(readers), num_returns=len(readers))
         start = time.time()
-        if self.servers is None:
+        with self._lock:
             self.version += 1
-            manifest = self.sender.push(self.backend.named_weights(), self.version)
-        else:
-            manifest = self._push_to_servers()
+            if self.servers is None:
+                manifest = self.sender.push(self.backend.named_weights(), self.version)
+            else:
+                manifest = self._push_to_servers()
         end = time.time()
         return {**metrics, "push_s": end - start, "push_start": start, "push_end": end}, manifest
 
     def _push_to_servers(self) -> WeightManifest:
-        """Push version + 1 into every server; one that fails is caught up by the watcher."""
-        with self._weights:
-            self.version += 1
-            failed = self.servers.push(self.backend.named_weights(), self.version)
-            self._unpublished = False
+        """Push ``version`` into every server; one that fails is caught up later."""
+        failed = self.servers.push(self.backend.named_weights(), self.version)
+        self._unpublished = False
         for url, why in failed.items():
             log.warning(
                 "weights v%d did not reach %s (%s): catching it up when it answers", self.version, url, why
@@ -110,10 +115,13 @@ class TrainerWorker:
         return WeightManifest(version=self.version, tensors=[], bucket_sizes=[])
 
     def _watch(self, interval_s: float) -> None:
-        """Catch up servers behind the newest published version (direct weights)."""
+        """Catch up servers behind the newest published version (direct weights). The check runs
+        outside the lock, with the interval as its timeout: a server that hangs holds up nothing."""
         while not self._closed.wait(interval_s):
-            with self._weights:
-                if self._unpublished or self._closed.is_set() or not self.servers.behind(self.version):
+            if not self.servers.behind(self.version, timeout_s=interval_s):
+                continue
+            with self._lock:
+                if self._unpublished or self._closed.is_set():
                     continue
                 failed = self.servers.catch_up(self.backend.named_weights(), self.version)
             for url, why in failed.items():
@@ -121,26 +129,29 @@ class TrainerWorker:
 
     def logprobs(self, batch: TrainBatch) -> list[float]:
         """Recomputed logprobs, flattened like the batch's per-token lists."""
-        lp = self.backend.logprobs(batch)
+        with self._lock:
+            lp = self.backend.logprobs(batch)
         return [v for i, n in enumerate(batch.row_lens) for v in lp[i, :n].tolist()]
 
     def save(self, path: str) -> None:
         """The model as a Hugging Face checkpoint (``checkpoints/final``)."""
-        self.backend.save_pretrained(path)
+        with self._lock:
+            self.backend.save_pretrained(path)
 
     def save_checkpoint(self, path: str) -> None:
         """The backend's resumable state (weights, optimizer, LR scheduler, step count), plus
         ``trainer_state.pt``: the torch RNG state and the sender's version."""
-        self.backend.save_state(path)
-        torch.save({"version": self.version, "rng": torch.get_rng_state()}, f"{path}/trainer_state.pt")
+        with self._lock:
+            self.backend.save_state(path)
+            torch.save({"version": self.version, "rng": torch.get_rng_state()}, f"{path}/trainer_state.pt")
 
     def load_checkpoint(self, path: str) -> int:
         """Continue from ``save_checkpoint(path)``; returns the version it holds (the next push is
         that version + 1)."""
-        self.backend.load_state(path)
-        state = torch.load(f"{path}/trainer_state.pt", weights_only=False)
-        torch.set_rng_state(state["rng"])
-        with self._weights:
+        with self._lock:
+            self.backend.load_state(path)
+            state = torch.load(f"{path}/trainer_state.pt", weights_only=False)
+            torch.set_rng_state(state["rng"])
             self.version = state["version"]
             if self.servers is not None:
                 self.servers.initial_version = self.version  # the servers were launched from ``path``
@@ -148,7 +159,7 @@ class TrainerWorker:
 
     def close(self) -> None:
         self._closed.set()
-        with self._weights:
+        with self._lock:
             if self.servers is not None:
                 self.servers.close()
         if self.sender is not None:
