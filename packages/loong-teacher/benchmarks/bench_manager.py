@@ -252,5 +252,45 @@ def test_page_in(setup, capsys):
     assert all(v > 0 for v in seconds.values())
 
 
+def test_switch_cost(setup, capsys):
+    """What a teacher switch costs the managed path, per teacher (this process): page-in, the
+    first score on a fresh mapping, a second score, page-out; against the same score with every
+    teacher resident."""
+    from loong_teacher import LocalTeacher, LocalTeacherConfig
+
+    paths, spec, _ = setup
+    rows = [(s.token_ids, [t for t, m in enumerate(s.loss_mask) if m]) for s in _workload(spec)[0][:4]]
+    teachers = [LocalTeacher(LocalTeacherConfig(name=d, path=p)) for d, p in zip(DOMAINS, paths, strict=True)]
+
+    def timed(fn) -> float:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    for t in teachers:
+        t.page_in()
+    resident = [timed(lambda t=t: t.score(rows)) for t in teachers for _ in range(2)]
+    for t in teachers:
+        t.page_out()
+    switches = [
+        (
+            timed(t.page_in),
+            timed(lambda t=t: t.score(rows)),
+            timed(lambda t=t: t.score(rows)),
+            timed(t.page_out),
+        )
+        for _ in range(2)
+        for t in teachers
+    ]
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    with capsys.disabled():
+        print(
+            f"\nswitch: page in {mean([s[0] for s in switches]) * 1e3:.1f} ms, first score "
+            f"{mean([s[1] for s in switches]):.3f} s, second {mean([s[2] for s in switches]):.3f} s, "
+            f"page out {mean([s[3] for s in switches]) * 1e3:.1f} ms; resident score {mean(resident):.3f} s"
+        )
+    assert all(v > 0 for s in switches for v in s)
+
+
 if __name__ == "__main__":
     print(json.dumps(run_case(sys.argv[1], json.loads(sys.argv[2]), json.loads(sys.argv[3]))))
