@@ -121,13 +121,10 @@ def _group_exists(pgid: int) -> bool:
     return True
 
 
-@pytest.mark.skipif(
-    torch.cuda.device_count() < 2, reason="NCCL pairs distinct GPUs: the trainer's and the server's"
-)
-def test_the_trainer_pushes_straight_into_real_sglang_over_nccl(tmp_path):
-    """``weights = "direct"`` with ``update_backend = "nccl"``: ``SGLangServers`` broadcasts CUDA
-    tensors from GPU 0 into a server on GPU 1. The server then holds them (as bfloat16, its dtype)
-    and generates from them at the new version."""
+def _direct_push_lands(tmp_path, backend: str, server_env: dict[str, str]) -> None:
+    """The trainer's side of ``weights = "direct"``: ``SGLangServers`` pushes CUDA tensors into a
+    real server launched on other weights (``server_env``: where it runs). The server then holds
+    them (as bfloat16, its dtype) and generates from them at the new version."""
     import httpx
     import msgspec
 
@@ -136,11 +133,10 @@ def test_the_trainer_pushes_straight_into_real_sglang_over_nccl(tmp_path):
     first, second = _model(0), _model(1)
     first.save_pretrained(tmp_path / "model")
     config = real_sglang_config(tmp_path / "model", tmp_path / "sglang.log")
-    sup = SGLangSupervisor(msgspec.structs.replace(config, env={**config.env, "CUDA_VISIBLE_DEVICES": "1"}))
+    sup = SGLangSupervisor(msgspec.structs.replace(config, env={**config.env, **server_env}))
     sup.start()
-    torch.cuda.set_device(0)
     servers = SGLangServers(
-        SGLangPusherConfig(urls=[sup.url], backend="nccl", timeout_s=120, pause_mode="abort")
+        SGLangPusherConfig(urls=[sup.url], backend=backend, timeout_s=120, pause_mode="abort")
     )
     try:
         named = {k: v.detach().cuda() for k, v in second.named_parameters()}
@@ -155,33 +151,18 @@ def test_the_trainer_pushes_straight_into_real_sglang_over_nccl(tmp_path):
     finally:
         servers.close()
         sup.stop()
+
+
+@pytest.mark.skipif(
+    torch.cuda.device_count() < 2, reason="NCCL pairs distinct GPUs: the trainer's and the server's"
+)
+def test_the_trainer_pushes_straight_into_real_sglang_over_nccl(tmp_path):
+    """``update_backend = "nccl"``: a broadcast from GPU 0 into a server on GPU 1."""
+    torch.cuda.set_device(0)
+    _direct_push_lands(tmp_path, "nccl", {"CUDA_VISIBLE_DEVICES": "1"})
 
 
 def test_the_trainer_hands_real_sglang_its_cuda_tensors_by_ipc(tmp_path):
-    """``weights = "direct"`` with ``update_backend = "tensor"`` (colocated): the trainer's CUDA
-    tensors go to ``/update_weights_from_tensor`` as CUDA IPC handles; the server on the same GPU
-    copies from them. It then holds them (as bfloat16) and generates from them at the new version."""
-    import httpx
-
-    from loong_transfermesh import SGLangServers
-
-    first, second = _model(0), _model(1)
-    first.save_pretrained(tmp_path / "model")
-    sup = SGLangSupervisor(real_sglang_config(tmp_path / "model", tmp_path / "sglang.log"))
-    sup.start()
-    servers = SGLangServers(
-        SGLangPusherConfig(urls=[sup.url], backend="tensor", timeout_s=120, pause_mode="abort")
-    )
-    try:
-        named = {k: v.detach().cuda() for k, v in second.named_parameters()}
-        assert servers.push(named, 1) == {}
-        for name in ("model.embed_tokens.weight", "model.layers.0.mlp.down_proj.weight", "lm_head.weight"):
-            body = {"name": name, "truncate_size": 4}
-            served = torch.tensor(httpx.post(f"{sup.url}/get_weights_by_name", json=body, timeout=60).json())
-            assert torch.equal(served.float(), named[name][:4].to(torch.bfloat16).float().cpu()), name
-
-        span = asyncio.run(_generate_once(sup.url))
-        assert span.weight_version == 1 and _gap(second, span.token_ids, span.logprobs) < 0.1
-    finally:
-        servers.close()
-        sup.stop()
+    """``update_backend = "tensor"`` (colocated): CUDA IPC handles to ``/update_weights_from_tensor``;
+    the server, on the same GPU, copies from the trainer's memory."""
+    _direct_push_lands(tmp_path, "tensor", {})
