@@ -328,6 +328,16 @@ def test_forward_kl_is_a_torch_backend_objective():
         load_recipe("tiny-multi-teacher-opd", [*sets, "train.backend.type='megatron'"])
 
 
+def test_one_sample_per_prompt_is_for_teacher_only_distillation():
+    """Groups exist for the task reward's baseline: teacher-only OPD may sample each prompt once."""
+    assert load_recipe("tiny-multi-teacher-opd", ["rollout.group_size=1"]).rollout.group_size == 1
+    for sets in (["opd.enabled=false"], ["opd.mode='mixed'"]):
+        with pytest.raises(ConfigError, match=r"rollout\.group_size = 1: .* at least 2"):
+            load_recipe("tiny-multi-teacher-opd", ["rollout.group_size=1", *sets])
+    with pytest.raises(ConfigError, match="group_size"):
+        load_recipe("tiny-multi-teacher-opd", ["rollout.group_size=0"])
+
+
 def test_enabled_opd_needs_teachers():
     with pytest.raises(ConfigError, match="enabled = true needs"):
         load_recipe("tiny-calc-agent", ["opd.enabled=true"])

@@ -143,7 +143,7 @@ class RolloutConfig(_Section):
     tool_latency_sigma: float = 0.5
 
     def __post_init__(self) -> None:
-        _at_least(self, workers=1, group_size=2, max_new_tokens=1, max_turns=1, max_model_tokens=1)
+        _at_least(self, workers=1, group_size=1, max_new_tokens=1, max_turns=1, max_model_tokens=1)
         _at_least(self, max_restarts=0)
         if self.tool_latency_ms < 0 or self.tool_latency_sigma < 0:
             raise ValueError(
@@ -305,6 +305,13 @@ class Recipe(_Section):
             raise ValueError(
                 'rollout.engine.update_backend = "tensor" from a trainer on a GPU hands over CUDA IPC handles, '
                 "which launcher = 'loong' (a CPU server) cannot open: use launcher = 'sglang' or update_backend = 'gloo'"
+            )
+        teacher_only = self.opd.enabled and self.opd.mode == "teacher_only"
+        if self.rollout.group_size < 2 and not teacher_only:
+            raise ValueError(
+                f"rollout.group_size = {self.rollout.group_size}: the task reward's advantage compares a prompt's "
+                "samples, so a group needs at least 2 (only teacher-only distillation, opd.enabled = true with "
+                "opd.mode = 'teacher_only', trains on one sample per prompt)"
             )
         if self.opd.enabled and self.opd.objective == "forward_kl" and self.train.backend.type != "torch":
             raise ValueError(
