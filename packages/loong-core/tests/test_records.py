@@ -390,9 +390,10 @@ def test_distillation_targets_are_k_per_token() -> None:
         ("teacher_topk_ids", [1] * 7, "teacher_topk_ids has 7 entries, expected k \\* 5 tokens"),
         ("teacher_topk_logprobs", [0.0] * 5, "teacher_topk_logprobs has 5 entries and distill_coef 5"),
         ("distill_coef", [], "distill_coef 0, expected 10 and 5"),
+        ("distill_beta", -0.5, r"distill_beta must be in \[0, 1\], got -0.5"),
     ],
 )
-def test_distillation_targets_validate_rejects(field: str, value: list, message: str) -> None:
+def test_distillation_targets_validate_rejects(field: str, value: list | float, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         msgspec.structs.replace(_distilled_batch(), **{field: value}).validate()
 

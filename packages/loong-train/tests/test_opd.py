@@ -149,14 +149,27 @@ def test_trainer_opd_advantages_match_a_float64_reference(dirs, mode, task_coef)
     assert "clip_frac" in metrics
 
 
-def _topk_reference(dirs, batch: TrainBatch, k: int, mode: str, task_coef: float) -> dict:
+def _divergence(p: list[float], q: list[float], beta: float) -> float:
+    """GKD's generalized JSD of teacher ``p`` and student ``q`` (beta 0: KL(p || q), 1: KL(q || p))."""
+
+    def kl(a: list[float], b: list[float]) -> float:
+        return sum(x * math.log(x / y) for x, y in zip(a, b, strict=True))
+
+    if beta in (0.0, 1.0):
+        return kl(p, q) if beta == 0 else kl(q, p)
+    m = [beta * x + (1 - beta) * y for x, y in zip(p, q, strict=True)]
+    return beta * kl(p, m) + (1 - beta) * kl(q, m)
+
+
+def _topk_reference(dirs, batch: TrainBatch, k: int, mode: str, task_coef: float, beta: float = 0.0) -> dict:
     """Plain float64 loops: each loss token's routed teacher top-k (ids, logprobs), coefficient and
-    advantage, and L_distill = token-mean of lambda * KL(T || S) over the k ids plus the tail,
-    with S the student before the step."""
+    advantage, and L_distill = token-mean of lambda * D(T, S) over the k ids plus the tail (D the
+    generalized JSD of ``beta``, 0 the forward KL), with S the student before the step; ``kl`` the
+    forward KL's token mean, ``div`` D's."""
     route = {"add": "add-teacher", "mul": "mul-teacher"}
     teachers = {n: CausalLM.from_pretrained(dirs[n]).double().eval() for n in TEACHERS}
     student = CausalLM.from_pretrained(dirs["student"]).double().eval()
-    out = {"ids": [], "logprobs": [], "coef": [], "adv": [], "loss": 0.0, "kl": 0.0}
+    out = {"ids": [], "logprobs": [], "coef": [], "adv": [], "loss": 0.0, "kl": 0.0, "div": 0.0}
     tokens = 0
     for (s, e), tags in zip(batch.rows(), batch.row_tags, strict=True):
         name = route.get(tags.get("domain", ""), "add-teacher")
@@ -179,14 +192,14 @@ def _topk_reference(dirs, batch: TrainBatch, k: int, mode: str, task_coef: float
             out["adv"].append(task_coef * batch.advantages[s + t] if mode == "mixed" else 0.0)
             p_top = [math.exp(float(t_logp[t - 1, v])) for v in top]
             q_top = [math.exp(float(s_logp[t - 1, v])) for v in top]
-            p_tail, q_tail = 1.0 - sum(p_top), 1.0 - sum(q_top)
-            kl = sum(p * math.log(p / q) for p, q in zip(p_top, q_top, strict=True))
-            kl += p_tail * math.log(p_tail / q_tail)
-            out["loss"] += lam * kl
-            out["kl"] += kl
+            p_all, q_all = [*p_top, 1.0 - sum(p_top)], [*q_top, 1.0 - sum(q_top)]
+            div = _divergence(p_all, q_all, beta)
+            out["loss"] += lam * div
+            out["kl"] += _divergence(p_all, q_all, 0.0)
+            out["div"] += div
             tokens += 1
-    out["loss"] /= tokens
-    out["kl"] /= tokens
+    for key in ("loss", "kl", "div"):
+        out[key] /= tokens
     return out
 
 
@@ -214,6 +227,27 @@ def test_forward_kl_distillation_matches_a_float64_reference(dirs, mode, task_co
         assert metrics["loss"] == pytest.approx(want["loss"] + metrics["pg_loss"], rel=1e-4)
     assert math.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0
     assert metrics["opd/add-teacher/samples"] == 2.0
+
+
+@pytest.mark.parametrize("beta", [0.5, 1.0])
+def test_jsd_distillation_matches_a_float64_reference(dirs, beta):
+    """objective = "jsd": the batch carries the teachers' top-k and jsd_beta, and the step's loss is
+    the float64 generalized JSD (beta 1: the reverse KL(S || T)) over the top-k + tail; the logged
+    ``distill_kl`` stays the forward KL, so runs with either objective compare."""
+    k = 4
+    opd = _opd(dirs, "teacher_only")
+    opd = msgspec.structs.replace(
+        opd, objective="jsd", jsd_beta=beta, teachers=msgspec.structs.replace(opd.teachers, top_k=k)
+    )
+    batch, seen, metrics = _one_step(dirs, opd, f"opd-test-jsd-{beta}")
+    want = _topk_reference(dirs, batch, k, "teacher_only", 1.0, beta)
+    (got,) = seen
+    got.validate()
+    assert got.distill_beta == beta and got.teacher_topk_ids == want["ids"]
+    assert want["div"] != pytest.approx(want["kl"], rel=1e-2)  # the two divergences differ here
+    assert metrics["distill_jsd"] == pytest.approx(want["div"], rel=1e-4)
+    assert metrics["distill_kl"] == pytest.approx(want["kl"], rel=1e-4)
+    assert metrics["loss"] == pytest.approx(want["loss"], rel=1e-4)
 
 
 def test_a_teacher_id_outside_the_students_vocabulary_is_a_clear_error(dirs):
@@ -314,6 +348,8 @@ def test_opd_recipe_loads_and_round_trips():
         ),
         ("task='calc-div'", "unknown task 'calc-div'"),
         ("opd.objective='forward_kl'", "needs [opd.teachers] top_k > 0"),
+        ("opd.objective='jsd'", 'objective = "jsd" needs [opd.teachers] top_k > 0'),
+        ("opd.jsd_beta=1.5", "jsd_beta must be in [0, 1]"),
     ],
 )
 def test_opd_table_validation(override, message):

@@ -205,7 +205,8 @@ class TrainBatch(msgspec.Struct):
     Dense distillation targets (empty without): ``teacher_topk_ids`` and ``teacher_topk_logprobs``
     hold each token's k most likely ids under its row's teacher and their logprobs
     (``[num_tokens * k]``, token by token), ``distill_coef`` each token's weight on the distillation
-    loss (``[num_tokens]``; the teacher's coefficient at loss tokens, else 0).
+    loss (``[num_tokens]``; the teacher's coefficient at loss tokens, else 0), ``distill_beta`` the
+    divergence's beta (the generalized JSD's; 0 is the forward KL(teacher || student), 1 the reverse).
     """
 
     token_ids: list[int]
@@ -220,6 +221,7 @@ class TrainBatch(msgspec.Struct):
     teacher_topk_ids: list[int] = []
     teacher_topk_logprobs: list[float] = []
     distill_coef: list[float] = []
+    distill_beta: float = 0.0
 
     @property
     def num_tokens(self) -> int:
@@ -248,6 +250,8 @@ class TrainBatch(msgspec.Struct):
             raise ValueError("TrainBatch needs one sample_id per row")
         if self.row_tags and len(self.row_tags) != len(self.row_lens):
             raise ValueError("TrainBatch.row_tags must be empty or hold one dict per row")
+        if not 0.0 <= self.distill_beta <= 1.0:
+            raise ValueError(f"TrainBatch.distill_beta must be in [0, 1], got {self.distill_beta}")
         k = self.teacher_top_k
         if self.teacher_topk_ids or self.teacher_topk_logprobs or self.distill_coef:
             if k == 0 or len(self.teacher_topk_ids) != k * n:

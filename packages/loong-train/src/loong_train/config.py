@@ -313,9 +313,9 @@ class Recipe(_Section):
                 "samples, so a group needs at least 2 (only teacher-only distillation, opd.enabled = true with "
                 "opd.mode = 'teacher_only', trains on one sample per prompt)"
             )
-        if self.opd.enabled and self.opd.objective == "forward_kl" and self.train.backend.type != "torch":
+        if self.opd.enabled and self.opd.objective != "advantage" and self.train.backend.type != "torch":
             raise ValueError(
-                f'opd.objective = "forward_kl" is a torch-backend option; train.backend.type = '
+                f'opd.objective = "{self.opd.objective}" is a torch-backend option; train.backend.type = '
                 f'{self.train.backend.type!r} does not compute the distillation loss (use "advantage")'
             )
 

@@ -159,9 +159,11 @@ class OPDConfig(_Section):
       advantage of the policy loss, the sampled-token estimate of the reverse KL. ``"forward_kl"``:
       a dense loss term, the forward KL(teacher || student) over each position's teacher top-k
       (``teachers.top_k``, which must be > 0) plus a tail bucket, weighted by lambda; the policy
-      loss then has no teacher advantage.
+      loss then has no teacher advantage. ``"jsd"``: the same with GKD's generalized JSD of
+      ``jsd_beta`` in place of the forward KL (0: forward KL, 1: reverse KL(student || teacher),
+      between: the JSD against the mixture beta T + (1 - beta) S).
     - ``mode``: ``"teacher_only"`` (advantage: A_t = -lambda (logp_student - logp_teacher);
-      forward_kl: no task reward, the advantages are 0) or ``"mixed"`` (plus ``task_coef`` times
+      forward_kl and jsd: no task reward, the advantages are 0) or ``"mixed"`` (plus ``task_coef`` times
       the GRPO advantage of the row).
     - ``teachers``: a ``loong_teacher.TeacherManagerConfig`` (routing tag, default teacher, memory
       budget, and the teachers with their coefficients lambda).
@@ -171,9 +173,10 @@ class OPDConfig(_Section):
     """
 
     enabled: bool = False
-    objective: Literal["advantage", "forward_kl"] = "advantage"
+    objective: Literal["advantage", "forward_kl", "jsd"] = "advantage"
     mode: Literal["teacher_only", "mixed"] = "teacher_only"
     task_coef: float = 1.0
+    jsd_beta: float = 0.5
     teachers: TeacherManagerConfig | None = None
     build: list[TeacherBuild] = []
     baseline_run: str = ""
@@ -192,8 +195,12 @@ def _opd_problems(c: OPDConfig) -> list[str]:
         (not c.enabled or teachers, "enabled = true needs [opd.teachers] with at least one teacher"),
         (c.task_coef >= 0, f"task_coef must be >= 0, got {c.task_coef}"),
         (
-            c.objective != "forward_kl" or (c.teachers is not None and c.teachers.top_k > 0),
-            'objective = "forward_kl" needs [opd.teachers] top_k > 0 (the teacher ids it is taken over)',
+            c.objective == "advantage" or (c.teachers is not None and c.teachers.top_k > 0),
+            f'objective = "{c.objective}" needs [opd.teachers] top_k > 0 (the teacher ids it is taken over)',
+        ),
+        (
+            0 <= c.jsd_beta <= 1,
+            f"jsd_beta must be in [0, 1] (0: forward KL, 1: reverse KL), got {c.jsd_beta}",
         ),
         (set(built) <= set(names), f"build names teachers {sorted(set(built) - set(names))} not in {names}"),
         (

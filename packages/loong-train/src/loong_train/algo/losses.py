@@ -66,13 +66,14 @@ Aggregations (verl's ``loss_agg_mode`` names), over rows with at least one kept 
 Dr. GRPO divides by the generation budget; Loong takes the constant ``norm_length`` from config.
 
 Dense distillation (:func:`distill_loss`, on-policy distillation with ``objective =
-"forward_kl"``, :mod:`loong_train.algo.opd`), added to L: with c_t the token's teacher
-coefficient and K_t the teacher's top-k ids at t,
+"forward_kl"`` or ``"jsd"``, :mod:`loong_train.algo.opd`), added to L: with c_t the token's
+teacher coefficient and K_t the teacher's top-k ids at t,
 
-    L_distill = agg(c * KL_t; m),   KL_t = KL(T_t || S_t) over K_t plus one tail bucket
+    L_distill = agg(c * D_t; m),   D_t = JSD_beta(T_t, S_t) over K_t plus one tail bucket
 
-(:func:`loong_teacher.topk_forward_kl`; S_t is the student's distribution at temperature 1,
-the one the teacher's logprobs are taken at).
+(:func:`loong_teacher.topk_tail_logprobs`, :func:`loong_teacher.generalized_jsd`; S_t is the
+student's distribution at temperature 1, the one the teacher's logprobs are taken at). beta = 0
+is the forward KL(T_t || S_t) (``"forward_kl"``), beta = 1 the reverse KL(S_t || T_t).
 
 The defaults (std scaling, coupled PPO, token-mean, everything else off) are the loss Loong
 trained with before these options existed, bit for bit.
@@ -87,7 +88,7 @@ from collections.abc import Sequence
 import torch
 
 from loong_core.records import EpisodeStatus, TrainBatch, Trajectory
-from loong_teacher import topk_forward_kl
+from loong_teacher import generalized_jsd, kl_divergence, topk_tail_logprobs
 from loong_train.algo.config import LossConfig
 
 __all__ = [
@@ -290,14 +291,22 @@ def distill_loss(
     coef: torch.Tensor,
     mask: torch.Tensor,
     cfg: LossConfig,
+    beta: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """L_distill (module docstring) from the student's logits ``[batch, seq, vocab]`` at the
     positions that predict each token, the teacher's ``topk_ids``/``topk_logprobs`` ``[batch, seq,
-    k]`` there, ``coef`` and ``mask`` ``[batch, seq]``; stats: ``distill_kl``, KL_t's mean over
-    the mask."""
-    kl = topk_forward_kl(student_logits, topk_ids, topk_logprobs, mask)
-    mean = float(kl.detach().sum() / mask.sum().clamp(min=1))
-    return aggregate(coef * kl, mask, cfg), {"distill_kl": mean}
+    k]`` there, ``coef`` and ``mask`` ``[batch, seq]``, with D_t the generalized JSD of ``beta``
+    (0: the forward KL). Stats: ``distill_kl``, the forward KL's mean over the mask (whatever the
+    divergence trained on, so runs compare), and with ``beta > 0`` ``distill_jsd``, D_t's mean."""
+    student, teacher = topk_tail_logprobs(student_logits, topk_ids, topk_logprobs)
+    forward = kl_divergence(teacher, student, mask)
+    tokens = mask.sum().clamp(min=1)
+    stats = {"distill_kl": float(forward.detach().sum() / tokens)}
+    if beta == 0:
+        return aggregate(coef * forward, mask, cfg), stats
+    divergence = generalized_jsd(student, teacher, mask, beta)
+    stats["distill_jsd"] = float(divergence.detach().sum() / tokens)
+    return aggregate(coef * divergence, mask, cfg), stats
 
 
 def kl_estimate(logprobs: torch.Tensor, reference: torch.Tensor, estimator: str) -> torch.Tensor:

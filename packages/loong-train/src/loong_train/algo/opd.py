@@ -16,12 +16,14 @@ KL(pi_S || pi_T) at t, for y_t drawn from the sampler (tinker-cookbook's and sli
 sampler's logprob costs no extra forward pass). The policy loss is the recipe's ``[loss]``
 unchanged (PPO-clipped, IS-weighted against b), so OPD and RL share one code path.
 
-With ``opd.objective = "forward_kl"`` the teachers' top-k distributions (``[opd.teachers]
+With ``opd.objective = "forward_kl"`` (or ``"jsd"``) the teachers' top-k distributions (``[opd.teachers]
 top_k``) go into the batch instead (``TrainBatch.teacher_topk_ids``, ``teacher_topk_logprobs``,
 ``distill_coef`` = lambda_T(i) at loss tokens) and the train backend adds a dense term to the
 policy loss (:func:`loong_train.algo.losses.distill_loss`), at every loss token the student sampled:
 
     L_distill = agg_t( lambda_T(i) * KL(pi_T(. | y_<t) || pi_S(. | y_<t)) )   over the top-k + tail
+
+(``"jsd"``: GKD's generalized JSD of ``opd.jsd_beta`` in place of the KL, ``TrainBatch.distill_beta``).
 
 The advantages are then 0 (teacher_only: pure distillation) or alpha * A_i^GRPO (mixed).
 
@@ -103,7 +105,7 @@ class Distiller:
         scores = self.manager.score(rows)
         student = _padded(batch.behaviour_logprobs, lens)
         task = self.cfg.task_coef * _padded(batch.advantages, lens) if self.cfg.mode == "mixed" else None
-        if self.cfg.objective == "forward_kl":
+        if self.cfg.objective != "advantage":
             return self._targets(batch, scores, task), self._metrics(student, scores)
         adv = reverse_kl_advantage(
             student, scores.logprobs, scores.mask, coef=scores.coef, task_advantages=task
@@ -121,6 +123,7 @@ class Distiller:
             teacher_topk_ids=_flat(scores.topk_ids, lens),
             teacher_topk_logprobs=_flat(scores.topk_logprobs, lens),
             distill_coef=_flat(scores.coef * scores.mask, lens),
+            distill_beta=self.cfg.jsd_beta if self.cfg.objective == "jsd" else 0.0,
         )
 
     def _metrics(self, student: torch.Tensor, scores: TeacherScores) -> dict[str, float]:

@@ -126,7 +126,9 @@ class TorchBackend:
             loss = loss - bonus * aggregate(entropy, t["mask"], self.loss_cfg)
         if batch.teacher_topk_ids:  # dense on-policy distillation: position j - 1 predicts token j
             targets = [x[:, 1:] for x in self._distill_targets(batch, logits.shape[-1])]
-            distill, distill_stats = distill_loss(logits, *targets, t["mask"][:, 1:], self.loss_cfg)
+            distill, distill_stats = distill_loss(
+                logits, *targets, t["mask"][:, 1:], self.loss_cfg, beta=batch.distill_beta
+            )
             loss, stats = loss + distill, stats | distill_stats
         del logits  # the graph keeps what backward needs; the float32 copy goes now
         stats["entropy"] = float((entropy.detach() * t["mask"]).sum() / t["mask"].sum().clamp(min=1))

@@ -70,7 +70,10 @@ _TRAIN_KEYS = (
     "kl",
     "kl_loss",
 )
-_TRAIN_IF_PRESENT = ("distill_kl",)  # loong_train.algo.losses.distill_loss (opd.objective = "forward_kl")
+_TRAIN_IF_PRESENT = (
+    "distill_kl",
+    "distill_jsd",
+)  # loong_train.algo.losses.distill_loss (dense OPD objectives)
 _TRAIN_PREFIXES = ("opd/", "teacher/")  # per-teacher OPD metrics (loong_train.algo.opd), named by teacher
 
 
