@@ -230,3 +230,28 @@ def test_topk_masked_padding_stays_zero_with_minus_inf_teacher():
         torch.tensor([[0, 0]]),
     )
     assert got.tolist() == [[0.0, 0.0]]
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5, 1.0])
+def test_divergence_gradients_are_finite_with_padding_and_an_empty_teacher_tail(beta):
+    """Padding rows hold -inf teacher logprobs and a confident teacher's tail rounds to empty: the
+    loss and every gradient stay finite, and padding passes no gradient."""
+    z = torch.randn(1, 3, 6, generator=torch.Generator().manual_seed(3), requires_grad=True)
+    ids = torch.tensor([[[0, 1], [2, 3], [0, 1]]])
+    teacher = torch.tensor(
+        [[[-0.69, -0.69], [-0.1, -2.5], [-math.inf, -math.inf]]]
+    )  # empty tail; a tail; padding
+    mask = torch.tensor([[1, 1, 0]])
+    loss = generalized_jsd(*topk_tail_logprobs(z, ids, teacher), mask, beta).sum()
+    loss.backward()
+    assert math.isfinite(loss.item()) and torch.isfinite(z.grad).all()
+    assert z.grad[0, 2].abs().max().item() == 0.0
+
+
+def test_reverse_kl_floors_an_empty_teacher_tail_at_eps():
+    # student (0.5, 0.25, 0.25) over top-2 + tail; the teacher's top 2 hold all the mass
+    student = _logprobs([[[0.5, 0.25, 0.25]]])
+    teacher = torch.tensor([[[math.log(0.5), math.log(0.5), -math.inf]]], dtype=torch.float64)
+    eps = torch.finfo(torch.float64).eps
+    want = 0.5 * math.log(1.0) + 0.25 * math.log(0.25 / 0.5) + 0.25 * math.log(0.25 / eps)
+    assert generalized_jsd(student, teacher, ONE, 1.0).item() == pytest.approx(want, rel=1e-12)

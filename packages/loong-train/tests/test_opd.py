@@ -248,6 +248,7 @@ def test_jsd_distillation_matches_a_float64_reference(dirs, beta):
     assert metrics["distill_jsd"] == pytest.approx(want["div"], rel=1e-4)
     assert metrics["distill_kl"] == pytest.approx(want["kl"], rel=1e-4)
     assert metrics["loss"] == pytest.approx(want["loss"], rel=1e-4)
+    assert math.isfinite(metrics["grad_norm"]) and metrics["grad_norm"] > 0
 
 
 def test_a_teacher_id_outside_the_students_vocabulary_is_a_clear_error(dirs):

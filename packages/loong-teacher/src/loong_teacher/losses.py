@@ -154,9 +154,11 @@ def kl_divergence(p_logprobs: torch.Tensor, q_logprobs: torch.Tensor, mask: torc
         KL(P || Q) = sum_v P(v) (log P(v) - log Q(v))
 
     Terms with P(v) = 0 are 0 (so log P(v) = -inf is allowed), including where log Q(v) = -inf too.
+    Masked positions are 0 and pass no gradient, whatever their inputs (padding may hold -inf).
     """
     p = p_logprobs.exp()
-    terms = p * torch.where(p > 0, p_logprobs - q_logprobs, 0.0)
+    counted = (p > 0) & mask.bool().unsqueeze(-1)
+    terms = p * torch.where(counted, p_logprobs - q_logprobs, 0.0)
     return _masked(terms.sum(-1), mask)
 
 
@@ -180,11 +182,16 @@ def generalized_jsd(
 
     which are the limits of the normalized divergence: JSD_beta / beta -> KL(T || S) as beta -> 0
     and JSD_beta / (1 - beta) -> KL(S || T) as beta -> 1 (JSD_beta itself tends to 0 at both ends).
+
+    The reverse KL (beta = 1) floors the teacher's probabilities at the dtype's eps: below it a
+    probability is rounding (a top-k tail is 1 minus the top-k mass, an empty tail is -inf), and a
+    zero would make the KL, and every gradient, infinite.
     """
     if beta == 0:
         return kl_divergence(teacher_logprobs, student_logprobs, mask)
     if beta == 1:
-        return kl_divergence(student_logprobs, teacher_logprobs, mask)
+        floor = math.log(torch.finfo(teacher_logprobs.dtype).eps)
+        return kl_divergence(student_logprobs, teacher_logprobs.clamp(min=floor), mask)
     mixture = torch.logaddexp(teacher_logprobs + math.log(beta), student_logprobs + math.log1p(-beta))
     return beta * kl_divergence(teacher_logprobs, mixture, mask) + (1 - beta) * kl_divergence(
         student_logprobs, mixture, mask
