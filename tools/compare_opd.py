@@ -75,11 +75,25 @@ def first_step(curve: list[tuple[int, float, float, float]], level: float) -> in
     return next((step for step, mean, _, _ in curve if mean >= level - 1e-9), None)
 
 
+def teacher_levels(runs: list[dict]) -> dict[str, dict]:
+    """Per domain: its teacher's name, held-out success per seed (each seed builds its own
+    teachers) and their mean, from the runs' summaries."""
+    out: dict[str, dict] = {}
+    for s in runs:
+        for domain, t in s.get("teacher_by_domain", {}).items():
+            row = out.setdefault(domain, {"teacher": t["teacher"], "per_seed": []})
+            row["per_seed"].append(t["held_out_success"])
+    for row in out.values():
+        row["held_out_success"] = statistics.fmean(row["per_seed"])
+    return out
+
+
 def compare(summaries: dict[str, list[dict]]) -> dict:
     """Per domain, per variant: the mean curve, final success, steps to 0.9x teacher and to the
-    first variant's final level, wall time. ``summaries``: variant -> its runs' summary.json."""
+    first variant's final level, wall time; each domain's teacher level is its mean over the seeds.
+    ``summaries``: variant -> its runs' summary.json, seeds in the same order for every variant."""
     first = next(iter(summaries))
-    teachers = next(iter(summaries.values()))[0].get("teacher_by_domain", {})
+    teachers = teacher_levels(summaries[first])
     domains = sorted(curves(summaries[first][0]))
     out = {"teachers": teachers, "domains": {}}
     for domain in domains:
@@ -115,8 +129,9 @@ def table(result: dict) -> str:
     ]
     for domain, rows in result["domains"].items():
         if teacher := result["teachers"].get(domain):
+            seeds = ", ".join(f"{x:.2f}" for x in teacher["per_seed"])
             lines.append(
-                f"| {domain} | teacher {teacher['teacher']!r} | {teacher['held_out_success']:.2f} | | | | |"
+                f"| {domain} | teacher {teacher['teacher']!r} | {teacher['held_out_success']:.2f} | {seeds} | | | |"
             )
         for variant, r in rows.items():
             seeds = ", ".join(f"{x:.2f}" for x in r["final_per_seed"])
@@ -142,7 +157,9 @@ def plot(result: dict, path: Path) -> None:
             ax.fill_between(steps, low, high, color=f"C{i}", alpha=0.15)
         if teacher := result["teachers"].get(domain):
             level = teacher["held_out_success"]
-            ax.axhline(level, ls="--", color="k", lw=1, label=f"teacher {teacher['teacher']!r}")
+            ax.axhline(
+                level, ls="--", color="k", lw=1, label=f"teacher {teacher['teacher']!r} (mean over seeds)"
+            )
             ax.axhline(TEACHER_SHARE * level, ls=":", color="k", lw=1, label=f"{TEACHER_SHARE}x teacher")
         ax.set(xlabel="train step (policy version)", ylabel="held-out success", ylim=(-0.02, 1.02))
         ax.set_title(f"domain {domain!r}")

@@ -54,8 +54,27 @@ def test_steps_to_the_teacher_and_to_the_baselines_final_level():
     assert mul["RL only"]["steps_to_baseline_final"] == 20
     assert add["RL only"]["wall_s"] == 150.0
     lines = compare_opd.table(out).splitlines()
-    assert lines[2] == "| add | teacher 'add-teacher' | 0.90 | | | | |"
+    assert lines[2] == "| add | teacher 'add-teacher' | 0.90 | 0.90, 0.90 | | | |"
     assert lines[4] == "| add | OPD | 0.80 | 0.90, 0.70 | not reached | 10 | 2.5 min |"
+
+
+def test_each_seeds_teacher_counts_in_the_teacher_level():
+    """Every seed builds its own teachers: 0.9x teacher is taken of their mean over seeds."""
+
+    def run(add_teacher: float, add: list[float]) -> dict:
+        s = _summary(add, [0.2, 0.2], 60.0)
+        return s | {
+            "teacher_by_domain": {**TEACHERS, "add": {**TEACHERS["add"], "held_out_success": add_teacher}}
+        }
+
+    out = compare_opd.compare({"RL only": [run(1.0, [0.1, 0.8]), run(0.8, [0.1, 0.9])]})
+    teacher = out["teachers"]["add"]
+    assert teacher["per_seed"] == [1.0, 0.8] and teacher["held_out_success"] == pytest.approx(0.9)
+    # the mean curve ends at 0.85: at least 0.81 (0.9 x the mean teacher), below seed 0's 0.9
+    assert out["domains"]["add"]["RL only"]["steps_to_teacher"] == 10
+    assert (
+        compare_opd.table(out).splitlines()[2] == "| add | teacher 'add-teacher' | 0.90 | 1.00, 0.80 | | | |"
+    )
 
 
 def test_a_mean_curve_keeps_the_steps_every_seed_evaluated():
