@@ -24,19 +24,16 @@ Needs a run whose ``[opd.teachers]`` are local checkpoints (the tiny recipes bui
 from __future__ import annotations
 
 import argparse
-import asyncio
 from pathlib import Path
 
 import torch
 
-from loong_agentflow import EpisodeLimits, EpisodeSpec, ToolAgent, run_episodes
-from loong_core.protocols import SamplingParams
 from loong_teacher import LocalTeacherConfig
 from loong_train.config import Recipe, load_recipe
-from loong_train.engines.embedded.engine import EmbeddedEngine
 from loong_train.models.decoder import CausalLM
-from loong_train.models.tokenizer import HFCodec, load_tokenizer
+from loong_train.models.tokenizer import load_tokenizer
 from loong_train.tasks import build_task
+from loong_train.tiny.warmstart import probe_episodes
 
 COLUMNS = (
     "success",
@@ -100,11 +97,6 @@ def diagnose(recipe: Recipe, checkpoint: Path, k: int, low: float) -> dict[str, 
     tag = teachers.route_tag
     student, tokenizer = CausalLM.from_pretrained(checkpoint), load_tokenizer(checkpoint)
     task = build_task(recipe.task, recipe.task_tables)
-    r = recipe.rollout
-    sampling = SamplingParams(
-        temperature=r.temperature, max_new_tokens=r.max_new_tokens, stop_token_ids=[tokenizer.eos_token_id]
-    )
-    limits = EpisodeLimits(max_turns=r.max_turns, max_model_tokens=r.max_model_tokens)
     held_out = task.held_out(recipe.eval.num_tasks)
     out = {}
     for teacher_cfg in teachers.teachers:
@@ -113,10 +105,7 @@ def diagnose(recipe: Recipe, checkpoint: Path, k: int, low: float) -> dict[str, 
             if not tasks:
                 continue
             teacher = CausalLM.from_pretrained(Path(teacher_cfg.path))
-            agent = task.agent() if hasattr(task, "agent") else ToolAgent(task.tools(), task.reward)
-            engine = EmbeddedEngine(student, seed=recipe.seed, pad_id=tokenizer.pad_token_id)
-            specs = [EpisodeSpec(f"diag-{i}", f"diag-{i}", t) for i, t in enumerate(tasks)]
-            trajs = asyncio.run(run_episodes(agent, specs, engine, HFCodec(tokenizer), sampling, limits))
+            trajs = probe_episodes(student, tokenizer, recipe, tasks, recipe.seed, task)
             episodes = []
             for traj in trajs:
                 s, sampled = log_probs(student, traj.token_ids, traj.loss_mask)

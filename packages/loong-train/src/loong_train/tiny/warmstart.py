@@ -22,6 +22,7 @@ from tqdm import tqdm
 
 from loong_agentflow import ChatML, EpisodeLimits, EpisodeSpec, ToolAgent, run_episodes
 from loong_core.protocols import SamplingParams
+from loong_core.records import Trajectory
 from loong_train.config import Recipe
 from loong_train.engines.embedded.engine import EmbeddedEngine
 from loong_train.models.decoder import CausalLM, DecoderConfig
@@ -30,7 +31,7 @@ from loong_train.tasks import Task, TaskTables, build_task
 from loong_train.tasks.reward import final_turn, score_groups
 from loong_train.tiny.tokenizer import build_tokenizer
 
-__all__ = ["build_tiny", "prepare_model", "sampled_success", "tokenizer_corpus"]
+__all__ = ["build_tiny", "prepare_model", "probe_episodes", "sampled_success", "tokenizer_corpus"]
 
 log = logging.getLogger("loong.warmstart")
 
@@ -65,7 +66,7 @@ def sampled_success(
 ) -> float:
     """Mean reward of one temperature-``T`` episode per task (held-out or probe tasks) of the
     recipe's ``task`` (built from the recipe when not given)."""
-    rewards = _probe_rewards(model, tokenizer, recipe, tasks, seed, task)
+    rewards = [t.reward for t in probe_episodes(model, tokenizer, recipe, tasks, seed, task)]
     return sum(rewards) / len(rewards)
 
 
@@ -76,9 +77,11 @@ def _by_domain(tasks: list[dict], rewards: list[float]) -> dict[str, float]:
     return {d: sum(rs) / len(rs) for d, rs in sorted(groups.items())}
 
 
-def _probe_rewards(
-    model: CausalLM, tokenizer, recipe: Recipe, tasks: list[dict], seed: int, task: Task | None
-) -> list[float]:
+def probe_episodes(
+    model: CausalLM, tokenizer, recipe: Recipe, tasks: list[dict], seed: int, task: Task | None = None
+) -> list[Trajectory]:
+    """One temperature-``T`` episode per task from ``model`` (the recipe's rollout settings),
+    rewarded as in a run (group rewards over groups of one)."""
     engine = EmbeddedEngine(model, seed=seed, pad_id=tokenizer.pad_token_id)
     r = recipe.rollout
     sampling = SamplingParams(
@@ -97,7 +100,7 @@ def _probe_rewards(
         text = functools.partial(final_turn, decode=codec.decode, strip_end=ChatML.strip_end)
         score_groups(group, trajs, {s.sample_id: s.task for s in specs}, text)
     model.train()
-    return [t.reward for t in trajs]
+    return trajs
 
 
 def _sft_batch(codec: HFCodec, task: Task, items: list[dict]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,7 +156,7 @@ def warm_start(path: Path, recipe: Recipe) -> dict:
         opt.step()
         sched.step()
         if step % w.eval_every == 0:
-            rewards = _probe_rewards(model, tokenizer, recipe, probe, step, task)
+            rewards = [t.reward for t in probe_episodes(model, tokenizer, recipe, probe, step, task)]
             success, domains = sum(rewards) / len(rewards), _by_domain(probe, rewards)
             bar.set_postfix(loss=f"{loss.item():.3f}", sampled_success=f"{success:.2f}")
             shown = "".join(f", {d} {s:.3f}" for d, s in domains.items() if d)
