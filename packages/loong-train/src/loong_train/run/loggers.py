@@ -102,4 +102,11 @@ class WandbLogger:
         self.run.log(_scalars(row), step=int(row["step"]))
 
     def close(self) -> None:
+        import wandb
+
         self.run.finish()
+        # finish() can return before W&B's service has written the run file (measured: an empty
+        # file after about one close in four); tearing the service down waits for the write. Left
+        # running while the process holds another run.
+        if wandb.run is None:
+            wandb.teardown()
