@@ -26,6 +26,7 @@ from loong_core.records import Trajectory
 from loong_train.config import Recipe
 from loong_train.engines.embedded.engine import EmbeddedEngine
 from loong_train.models.decoder import CausalLM, DecoderConfig
+from loong_train.models.source import resolve
 from loong_train.models.tokenizer import HFCodec, load_tokenizer
 from loong_train.tasks import Task, TaskTables, build_task
 from loong_train.tasks.reward import final_turn, score_groups
@@ -204,9 +205,10 @@ def _file_digests(recipe: Recipe) -> dict[str, str]:
 
 
 def prepare_model(recipe: Recipe, cache_dir: Path) -> Path:
-    """The checkpoint RL starts from: the recipe's path, or a cached tiny warm-started model."""
+    """The checkpoint RL starts from: the recipe's ``model.path`` (a GGUF file converted,
+    :mod:`loong_train.models.source`), or a cached tiny warm-started model."""
     if recipe.model.path:
-        return Path(recipe.model.path)
+        return resolve(recipe.model.path, cache_dir)
     # everything that changes the warm start or its stopping point (the probe episodes)
     r = recipe.rollout
     episodes = [r.temperature, r.top_p, r.max_new_tokens, r.max_turns, r.max_model_tokens]
