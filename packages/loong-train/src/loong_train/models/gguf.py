@@ -59,6 +59,7 @@ def convert(path: str | Path, cache_dir: str | Path) -> Path:
     start = time.monotonic()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    tmp.chmod(0o755)  # mkdtemp makes it private; the checkpoint is an ordinary cache entry
     try:
         _write_checkpoint(path, tmp)
         marker = {"source": str(path), "sha256": sha, "architecture": arch, "tensor_types": types}

@@ -7,6 +7,8 @@ of the tiny recipes (:mod:`loong_train.tiny.calc`, :mod:`loong_train.tiny.calc_d
 - ``calc``: ``compute A<op>B`` with ``op`` in ``+ - *``, untagged;
 - ``calc-domains``: the same questions in two tagged domains, ``add`` and ``mul``, in equal shares;
 - ``calc-add``, ``calc-mul``: one domain each (how the tiny OPD recipe trains its teachers);
+- ``arithmetic``: ``What is A+B?`` for a pretrained chat model, scored by the answer's last
+  integer (the real-model recipe's task): :mod:`loong_train.tasks.arithmetic`;
 - ``data``: the user's rows (``[data]``) and reward function (``[reward]``): :mod:`loong_train.tasks.data`;
 - ``env``: the user's multi-turn environment (``[environment]``) on the rows of ``[data]``:
   :mod:`loong_train.tasks.env`;
@@ -53,6 +55,7 @@ SHIPPED: dict[str, tuple[str, dict]] = {
     "calc-domains": ("loong_train.tiny.calc_domains:CalcDomainsTask", {"domains": ("add", "mul")}),
     "calc-add": ("loong_train.tiny.calc_domains:CalcDomainsTask", {"domains": ("add",)}),
     "calc-mul": ("loong_train.tiny.calc_domains:CalcDomainsTask", {"domains": ("mul",)}),
+    "arithmetic": ("loong_train.tasks.arithmetic:ArithmeticTask", {}),
     "data": ("loong_train.tasks.data:DataTask", {}),
     "env": ("loong_train.tasks.env:EnvTask", {}),
     "verifiers": ("loong_train.tasks.verifiers:VerifiersTask", {}),
