@@ -75,3 +75,22 @@ def test_the_recipe_trains_a_gguf_model_checkpoints_it_and_resumes(stand_in, tmp
         load_recipe("smollm2-arithmetic", [*overrides, "train.steps=3"]), out, tmp_path / "cache", True
     )
     assert [r["step"] for r in read_metrics(resumed / "metrics.jsonl")] == [1, 2, 3]
+
+
+@pytest.mark.integration
+def test_a_black_box_agent_on_the_gguf_model_trains_token_exact(stand_in, tmp_path):
+    """Episodes of an openai-SDK program through the proxy, which renders each call with the
+    model's own template: every episode is recorded and trains on the tokens the engine sampled
+    (step 1's mismatch KL is float rounding)."""
+    import sys
+
+    agent = [
+        "agent.type=blackbox",
+        f'agent.command=["{sys.executable}", "-m", "loong_train.tiny.calc_agent"]',
+        'agent.preload=["openai"]',
+    ]
+    overrides = [f'model.path="{stand_in["path"]}"', *SMALL, *agent, "train.steps=1", "eval.every=1"]
+    out = run(load_recipe("smollm2-arithmetic", overrides), tmp_path / "run", tmp_path / "cache")
+    (row,) = read_metrics(out / "metrics.jsonl")
+    assert row["samples"] == 4 and row["failed"] == 0
+    assert row["mismatch_kl"] < 1e-9
