@@ -123,8 +123,7 @@ def _inspect(path: Path) -> tuple[str, list[str]]:
 
 def _write_checkpoint(path: Path, out: Path) -> None:
     """Load ``path`` with ``transformers`` and save it as a float32 Hugging Face checkpoint."""
-    _require("gguf")
-    _require("accelerate")
+    _require("accelerate")  # gguf was required by _inspect, which runs first
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
