@@ -83,7 +83,7 @@ class CudaIpcReceiver:
     def __init__(self, address: str, mode: str = "copy", timeout_s: float = 300.0) -> None:
         self.mode, self.version = mode, -1
         self._store = rendezvous_store(address, 1, False, timeout_s)
-        self._opened: dict[bytes, torch.Tensor] = {}  # buffer handle -> flat view of it
+        self._opened: dict[tuple, torch.Tensor] = {}  # (handle, size, offset) -> flat view
 
     @torch.no_grad()
     def apply(self, targets: Mapping[str, torch.Tensor], version: int | None = None) -> int:
@@ -99,7 +99,9 @@ class CudaIpcReceiver:
         return self.version
 
     def _open(self, handle: list) -> torch.Tensor:
-        key = bytes(handle[1])
+        # Small buffers share one caching-allocator segment, hence one IPC handle: a buffer is
+        # the handle's segment at an offset, so (handle, size, offset) names it.
+        key = (bytes(handle[1]), handle[2], handle[3])
         if key not in self._opened:
             storage = torch.UntypedStorage._new_shared_cuda(*handle)
             self._opened[key] = torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)

@@ -233,6 +233,9 @@ class MegatronBackend:
                 rotary_base=c.rope_theta,
                 **_rope_args(c),
             )
+        # megatron-core allocates its parallel layers on the GPU, but the local spec's norms are
+        # plain torch modules built on the CPU (Megatron's own trainer moves the model, too)
+        model = model.to(self.device)
         self._load_into(model, hf_weights)
         return model.train()
 
