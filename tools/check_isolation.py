@@ -1,6 +1,6 @@
 """Install each Loong package's wheel alone in a fresh venv, import all of it, and check what got imported.
 
-This enforces the dependency direction of DESIGN.md section 2 on the *built artefacts*, which import-linter
+This enforces the dependency direction of docs/architecture.md ("Packages and layers") on the *built artefacts*, which import-linter
 cannot: a package that works in the workspace venv may still forget a dependency in its pyproject, ship
 without a module, or drag a heavy stack (torch, ray) into a light package through a transitive import.
 
@@ -51,7 +51,7 @@ def module_name(package: str) -> str:
 
 
 def forbidden_modules(package: str) -> tuple[str, ...]:
-    """Top-level modules that must not be imported by importing ``package`` (DESIGN.md section 2)."""
+    """Top-level modules that must not be imported by importing ``package`` (docs/architecture.md)."""
     if package == "loong-core":
         return ("torch", "ray", "numpy", "transformers", *map(module_name, PACKAGES[1:]))
     if package in MIDDLE:

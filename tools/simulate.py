@@ -42,7 +42,7 @@ Model. Time is in units of the mean solo generation time of one GRPO group.
   times slower while a step trains; both are measured, each phase alone and beside the other
   (``tools/bench_async.py``). Phases that never overlap (K = 0) never slow each other.
 
-Not modelled: partial or interrupted rollouts (DESIGN.md section 5, step 4), aborts and
+Not modelled: partial or interrupted rollouts (docs/architecture.md, "The asynchronous loop", step 4), aborts and
 re-issue, engines pausing to swap weights, variance of the step time, heterogeneous engines,
 controller and network latency, and what staleness does to learning.
 

@@ -2,7 +2,7 @@
 starts empty, so the first slow run of the recipe warm-starts it).
 
 Builds and warm-starts the tiny model, then runs 40 asynchronous GRPO steps (window 1). The full
-recipe (120 steps) is what the README reports; 40 steps already show the held-out gain.
+recipe (160 steps) is what docs/results.md reports; 40 steps already show the held-out gain.
 """
 
 import json

@@ -1,6 +1,6 @@
 """The single controller: one process that drives rollout workers and the trainer (Ray actors).
 
-The driver is the loop of DESIGN.md section 5:
+The driver is the loop of docs/architecture.md, "The asynchronous loop":
 
 1. the controller owns the data, the staleness window and the ledger;
 2. rollout workers run agents continuously, every token stamped with its weight version;

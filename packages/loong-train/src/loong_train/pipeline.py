@@ -1,6 +1,6 @@
 """The mechanics under the driver: data, in-flight Ray calls, weight sync and telemetry.
 
-Kept apart from ``controller.py`` so the driver reads as the loop of DESIGN.md section 5.
+Kept apart from ``controller.py`` so the driver reads as the loop of docs/architecture.md.
 
 Faults. Rollout workers are Ray actors with ``max_restarts``. A call of a worker whose process
 died raises ``RayActorError`` (``ActorDiedError``, or ``ActorUnavailableError`` while Ray

@@ -1,4 +1,5 @@
-"""The run directory (DESIGN.md section 6) and the per-step measurements that fill it.
+"""The run directory (docs/architecture.md, "The run directory") and the per-step measurements
+that fill it.
 
 ``runs/<name>/``: ``config.toml`` (resolved recipe), ``metrics.jsonl`` (one object per train
 step), ``ledger.jsonl`` (per train step: its groups and sample ids, so anyone can check that no

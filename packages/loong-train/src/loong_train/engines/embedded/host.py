@@ -1,4 +1,5 @@
-"""Partial rollouts: a weight update that lands while a rollout call runs (DESIGN.md section 5, step 4).
+"""Partial rollouts: a weight update that lands while a rollout call runs (docs/architecture.md,
+"The asynchronous loop", step 4).
 
 ``[rollout] partial`` picks the policy:
 
