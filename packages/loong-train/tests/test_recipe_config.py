@@ -142,3 +142,83 @@ def test_the_trainer_may_have_threads_of_its_own():
     assert load_recipe("tiny-calc-agent", ["train.threads=2"]).trainer_threads == 2
     with pytest.raises(ConfigError, match="threads"):
         load_recipe("tiny-calc-agent", ["train.threads=-1"])
+
+
+# -- cross-table rules (loong_train.recipe_checks) ----------------------------------------------
+
+_SGLANG_DIRECT = ["rollout.engine.type='sglang'", "rollout.engine.weights='direct'"]
+_MEGATRON = ["train.backend.type='megatron'"]
+RULE_CASES = {
+    "known_task": ("tiny-calc-agent", ["task='no-such-task'"], r"no-such-task"),
+    "transport_loong_drives": ("tiny-calc-agent", ["transport.type='nccl'"], r"drives type 'shm'"),
+    "embedded_overlap_needs_whitebox": (
+        "tiny-calc-agent",
+        ["agent.type='blackbox'", "rollout.engine.partial='continue'"],
+        r"rollout.engine.partial = 'continue' needs agent.type = 'whitebox'",
+    ),
+    "overlong_buffer_within_budget": (
+        "tiny-calc-agent",
+        ["reward.overlong_buffer=100000"],
+        r"reward.overlong_buffer = 100000 must be below the episode budget",
+    ),
+    "group_reward_needs_whitebox": (
+        "tiny-calc-agent",
+        ["reward.group=true", "reward.fn='r.py:f'", "agent.type='blackbox'"],
+        r"reward.group = true scores the final turns of white-box episodes",
+    ),
+    "entropy_bonus_needs_torch": (
+        "tiny-calc-agent",
+        ["loss.entropy_coef=0.1", *_MEGATRON],
+        r"loss.entropy_coef = 0.1 is a torch-backend option",
+    ),
+    "gpu_weight_push_needs_trainer_gpu": (
+        "tiny-calc-agent",
+        [*_SGLANG_DIRECT, "rollout.engine.update_backend='nccl'"],
+        r'update_backend = "nccl": the trainer sends from its GPU, but train.backend.gpus = 0',
+    ),
+    "cuda_ipc_needs_real_sglang": (
+        "tiny-calc-agent",
+        [*_SGLANG_DIRECT, "rollout.engine.update_backend='tensor'", *_MEGATRON, "train.backend.gpus=1"],
+        r"hands over CUDA IPC handles, which launcher = 'loong' \(a CPU server\) cannot open",
+    ),
+    "groups_of_two_for_task_reward": (
+        "tiny-calc-agent",
+        ["rollout.group_size=1"],
+        r"rollout.group_size = 1: .* a group needs at least 2",
+    ),
+    "dense_distillation_needs_torch": (
+        "tiny-multi-teacher-opd",
+        _MEGATRON,
+        r'opd.objective = "jsd" is a torch-backend option',
+    ),
+}
+
+
+def test_every_cross_table_rule_has_a_case():
+    from loong_train import recipe_checks
+
+    assert [rule.__name__ for rule in recipe_checks.RULES] == list(RULE_CASES)
+
+
+@pytest.mark.parametrize("rule", list(RULE_CASES))
+def test_each_cross_table_rule_refuses_its_recipe_and_only_that_rule_fires(rule):
+    from loong_train import recipe_checks
+
+    name, sets, message = RULE_CASES[rule]
+    with pytest.raises(ConfigError, match=message):
+        load_recipe(name, sets)
+    # the rule alone finds it: the same settings minus the rule's own are consistent
+    base = load_recipe(name)
+    assert recipe_checks.problems(base) == []
+    fired = [r.__name__ for r in recipe_checks.RULES if r(_unchecked(name, sets))]
+    assert fired == [rule]
+
+
+def _unchecked(name: str, sets: list[str]):
+    """The recipe with ``sets`` applied, built without running the cross-table rules."""
+    from unittest import mock
+
+    from loong_train import recipe_checks
+
+    with mock.patch.object(recipe_checks, "RULES", ()):
+        return load_recipe(name, sets)

@@ -26,10 +26,11 @@ from typing import Any, Literal
 import msgspec
 
 from loong_core.config import ConfigError, apply_override, load_config
+from loong_train import recipe_checks
 from loong_train.algo.config import LossConfig, OPDConfig
 from loong_train.backends.config import BackendConfig, TorchBackendConfig
-from loong_train.engines.config import EmbeddedEngineConfig, EngineConfig, SGLangEngineConfig
-from loong_train.tasks import TaskTables, task_problem
+from loong_train.engines.config import EmbeddedEngineConfig, EngineConfig
+from loong_train.tasks import TaskTables
 from loong_train.tasks.data import DataConfig, get_dotted
 from loong_train.tasks.env import EnvConfig
 from loong_train.tasks.reasoning_gym import ReasoningGymConfig
@@ -250,74 +251,9 @@ class Recipe(_Section):
         )
 
     def __post_init__(self) -> None:
-        if problem := task_problem(self.task):
-            raise ValueError(problem)
-        if self.transport.type not in ("shm", "tcp") or self.transport.delta:
-            raise ValueError(
-                f"transport: loong-train drives type 'shm' (trainer and engines on one host) and 'tcp' "
-                f"without delta (across hosts), got type {self.transport.type!r}, delta = {self.transport.delta}"
-            )
-        engine, agent = self.rollout.engine, self.agent
-        if isinstance(engine, EmbeddedEngineConfig) and agent.type != "whitebox":
-            if engine.partial != "off":
-                raise ValueError(
-                    f"rollout.engine.partial = {engine.partial!r} needs agent.type = 'whitebox' "
-                    f"(updates land between a white-box agent's decode steps), got {agent.type!r}"
-                )
-            if engine.concurrent_calls > 1:
-                raise ValueError(
-                    f"rollout.engine.concurrent_calls = {engine.concurrent_calls} needs agent.type = "
-                    f"'whitebox' (concurrent calls share the engine of white-box episodes), got {agent.type!r}"
-                )
-        r = self.rollout
-        budget = min(r.max_model_tokens, r.max_turns * r.max_new_tokens)
-        if self.reward.overlong_buffer >= budget:
-            raise ValueError(
-                f"reward.overlong_buffer = {self.reward.overlong_buffer} must be below the episode budget, "
-                f"min(rollout.max_model_tokens, rollout.max_turns * rollout.max_new_tokens) = {budget}"
-            )
-        if self.reward.group and agent.type != "whitebox":
-            raise ValueError(
-                f"reward.group = true scores the final turns of white-box episodes once per group; "
-                f"agent.type = {agent.type!r} episodes are scored by the agent or reward_fn one by one"
-            )
-        if self.loss.entropy_coef > 0 and self.train.backend.type != "torch":
-            raise ValueError(
-                f"loss.entropy_coef = {self.loss.entropy_coef} is a torch-backend option; "
-                f"train.backend.type = {self.train.backend.type!r} does not compute the entropy bonus"
-            )
-        direct = isinstance(engine, SGLangEngineConfig) and engine.weights == "direct"
-        on_gpu = direct and (
-            engine.update_backend == "nccl"
-            or (engine.launcher == "sglang" and engine.update_backend == "tensor")
-        )
-        if on_gpu and not self.train.backend.gpus:
-            raise ValueError(
-                f'rollout.engine.weights = "direct" with update_backend = "{engine.update_backend}": the trainer '
-                "sends from its GPU, but train.backend.gpus = 0 (use update_backend = 'gloo' on CPU)"
-            )
-        if (
-            direct
-            and engine.update_backend == "tensor"
-            and engine.launcher == "loong"
-            and self.train.backend.gpus
-        ):
-            raise ValueError(
-                'rollout.engine.update_backend = "tensor" from a trainer on a GPU hands over CUDA IPC handles, '
-                "which launcher = 'loong' (a CPU server) cannot open: use launcher = 'sglang' or update_backend = 'gloo'"
-            )
-        teacher_only = self.opd.enabled and self.opd.mode == "teacher_only"
-        if self.rollout.group_size < 2 and not teacher_only:
-            raise ValueError(
-                f"rollout.group_size = {self.rollout.group_size}: the task reward's advantage compares a prompt's "
-                "samples, so a group needs at least 2 (only teacher-only distillation, opd.enabled = true with "
-                "opd.mode = 'teacher_only', trains on one sample per prompt)"
-            )
-        if self.opd.enabled and self.opd.objective != "advantage" and self.train.backend.type != "torch":
-            raise ValueError(
-                f'opd.objective = "{self.opd.objective}" is a torch-backend option; train.backend.type = '
-                f'{self.train.backend.type!r} does not compute the distillation loss (use "advantage")'
-            )
+        for rule in recipe_checks.RULES:  # settings valid alone but not together
+            if problem := rule(self):
+                raise ValueError(problem)
 
 
 _MEGATRON_KEYS = ("tp", "pp", "dp", "micro_batch_rows", "gpus")

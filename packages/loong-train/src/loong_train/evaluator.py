@@ -15,6 +15,7 @@ start at v); older unfinished ones are lost.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from typing import Any
 
 import msgspec
@@ -121,6 +122,7 @@ class Evaluator:
                 log.warning("evaluation of version %d lost: its worker died (%s)", v, type(e).__name__)
                 continue
             trajs = result["trajectories"]
+            _warn_unfinished(v, trajs)
             self.results[v] = sum(t.reward for t in trajs) / len(trajs)
             self.by_domain[v] = _by_domain(trajs)
             out.append(
@@ -142,6 +144,20 @@ class Evaluator:
             by_domain=dict(self.by_domain),
             lost=sorted(self.lost),
             pending=sorted(v for v in self.calls if v not in done),
+        )
+
+
+def _warn_unfinished(version: int, trajs: list[Trajectory]) -> None:
+    """Say so when held-out episodes failed or timed out: they score 0, and a mean that counts them
+    would otherwise read as a policy that answers wrong."""
+    counts = Counter(t.status for t in trajs if not t.status.trainable)
+    if counts:
+        log.warning(
+            "evaluation of version %d: %s of %d episodes, each scored 0 (a timeout is "
+            "rollout.episode_timeout_s, counted from when the evaluation's episodes start together)",
+            version,
+            ", ".join(f"{n} {status}" for status, n in sorted(counts.items())),
+            len(trajs),
         )
 
 

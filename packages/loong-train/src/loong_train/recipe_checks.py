@@ -1,0 +1,162 @@
+"""The recipe's cross-table rules: settings that are valid alone but not together.
+
+Each rule is a function of the whole :class:`~loong_train.config.Recipe` that returns what is
+wrong (naming every key involved and what would be accepted) or None. ``Recipe.__post_init__``
+runs :data:`RULES` in order and refuses the recipe with the first problem found; a rule about one
+table alone belongs in that table's own ``__post_init__``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from loong_train.engines.config import EmbeddedEngineConfig, SGLangEngineConfig
+from loong_train.tasks import task_problem
+
+if TYPE_CHECKING:
+    from loong_train.config import Recipe
+
+__all__ = ["RULES", "problems"]
+
+
+def known_task(recipe: Recipe) -> str | None:
+    """``task`` names a shipped task, an adapter or an importable factory."""
+    return task_problem(recipe.task)
+
+
+def transport_loong_drives(recipe: Recipe) -> str | None:
+    """The controller drives the ``shm`` and ``tcp`` transports, without delta updates."""
+    t = recipe.transport
+    if t.type in ("shm", "tcp") and not t.delta:
+        return None
+    return (
+        f"transport: loong-train drives type 'shm' (trainer and engines on one host) and 'tcp' "
+        f"without delta (across hosts), got type {t.type!r}, delta = {t.delta}"
+    )
+
+
+def embedded_overlap_needs_whitebox(recipe: Recipe) -> str | None:
+    """Partial rollouts and concurrent calls on the embedded engine interleave white-box episodes."""
+    engine, agent = recipe.rollout.engine, recipe.agent
+    if not isinstance(engine, EmbeddedEngineConfig) or agent.type == "whitebox":
+        return None
+    if engine.partial != "off":
+        return (
+            f"rollout.engine.partial = {engine.partial!r} needs agent.type = 'whitebox' "
+            f"(updates land between a white-box agent's decode steps), got {agent.type!r}"
+        )
+    if engine.concurrent_calls > 1:
+        return (
+            f"rollout.engine.concurrent_calls = {engine.concurrent_calls} needs agent.type = "
+            f"'whitebox' (concurrent calls share the engine of white-box episodes), got {agent.type!r}"
+        )
+    return None
+
+
+def overlong_buffer_within_budget(recipe: Recipe) -> str | None:
+    """DAPO's overlong buffer is a tail of the episode's token budget, so it must be shorter."""
+    r = recipe.rollout
+    budget = min(r.max_model_tokens, r.max_turns * r.max_new_tokens)
+    if recipe.reward.overlong_buffer < budget:
+        return None
+    return (
+        f"reward.overlong_buffer = {recipe.reward.overlong_buffer} must be below the episode budget, "
+        f"min(rollout.max_model_tokens, rollout.max_turns * rollout.max_new_tokens) = {budget}"
+    )
+
+
+def group_reward_needs_whitebox(recipe: Recipe) -> str | None:
+    """A group reward scores the final turns the framework holds: white-box episodes only."""
+    if not recipe.reward.group or recipe.agent.type == "whitebox":
+        return None
+    return (
+        f"reward.group = true scores the final turns of white-box episodes once per group; "
+        f"agent.type = {recipe.agent.type!r} episodes are scored by the agent or reward_fn one by one"
+    )
+
+
+def entropy_bonus_needs_torch(recipe: Recipe) -> str | None:
+    """Only the torch backend computes the entropy bonus."""
+    backend = recipe.train.backend.type
+    if recipe.loss.entropy_coef <= 0 or backend == "torch":
+        return None
+    return (
+        f"loss.entropy_coef = {recipe.loss.entropy_coef} is a torch-backend option; "
+        f"train.backend.type = {backend!r} does not compute the entropy bonus"
+    )
+
+
+def gpu_weight_push_needs_trainer_gpu(recipe: Recipe) -> str | None:
+    """Direct pushes over NCCL, or as CUDA tensors into real SGLang, send from the trainer's GPU."""
+    engine = recipe.rollout.engine
+    if not isinstance(engine, SGLangEngineConfig) or engine.weights != "direct":
+        return None
+    on_gpu = engine.update_backend == "nccl" or (
+        engine.launcher == "sglang" and engine.update_backend == "tensor"
+    )
+    if not on_gpu or recipe.train.backend.gpus:
+        return None
+    return (
+        f'rollout.engine.weights = "direct" with update_backend = "{engine.update_backend}": the trainer '
+        "sends from its GPU, but train.backend.gpus = 0 (use update_backend = 'gloo' on CPU)"
+    )
+
+
+def cuda_ipc_needs_real_sglang(recipe: Recipe) -> str | None:
+    """CUDA IPC handles from a GPU trainer open only in a server on a GPU."""
+    engine = recipe.rollout.engine
+    if not (
+        isinstance(engine, SGLangEngineConfig)
+        and engine.weights == "direct"
+        and engine.update_backend == "tensor"
+        and engine.launcher == "loong"
+        and recipe.train.backend.gpus
+    ):
+        return None
+    return (
+        'rollout.engine.update_backend = "tensor" from a trainer on a GPU hands over CUDA IPC handles, '
+        "which launcher = 'loong' (a CPU server) cannot open: use launcher = 'sglang' or update_backend = 'gloo'"
+    )
+
+
+def groups_of_two_for_task_reward(recipe: Recipe) -> str | None:
+    """A group-relative advantage needs two samples a prompt; teacher-only distillation does not."""
+    teacher_only = recipe.opd.enabled and recipe.opd.mode == "teacher_only"
+    if recipe.rollout.group_size >= 2 or teacher_only:
+        return None
+    return (
+        f"rollout.group_size = {recipe.rollout.group_size}: the task reward's advantage compares a prompt's "
+        "samples, so a group needs at least 2 (only teacher-only distillation, opd.enabled = true with "
+        "opd.mode = 'teacher_only', trains on one sample per prompt)"
+    )
+
+
+def dense_distillation_needs_torch(recipe: Recipe) -> str | None:
+    """Only the torch backend computes the dense distillation losses."""
+    opd, backend = recipe.opd, recipe.train.backend.type
+    if not opd.enabled or opd.objective == "advantage" or backend == "torch":
+        return None
+    return (
+        f'opd.objective = "{opd.objective}" is a torch-backend option; train.backend.type = '
+        f'{backend!r} does not compute the distillation loss (use "advantage")'
+    )
+
+
+RULES = (
+    known_task,
+    transport_loong_drives,
+    embedded_overlap_needs_whitebox,
+    overlong_buffer_within_budget,
+    group_reward_needs_whitebox,
+    entropy_bonus_needs_torch,
+    gpu_weight_push_needs_trainer_gpu,
+    cuda_ipc_needs_real_sglang,
+    groups_of_two_for_task_reward,
+    dense_distillation_needs_torch,
+)
+"""Every cross-table rule, in the order a recipe is checked."""
+
+
+def problems(recipe: Recipe) -> list[str]:
+    """What every rule finds wrong with ``recipe`` (empty: it is consistent)."""
+    return [p for rule in RULES if (p := rule(recipe))]
