@@ -39,6 +39,7 @@ import msgspec
 
 from loong_core.config import ConfigError
 from loong_train.config import Recipe, load_recipe
+from loong_train.ray_env import local_ray_workers_share_this_interpreter
 from loong_train.tasks import Task, register
 
 __all__ = ["code_task", "train"]
@@ -70,7 +71,6 @@ def train(
     recipe = code_task(
         recipe, rows=rows, eval_rows=eval_rows, reward=reward, environment=environment, task=task
     )
-    from loong_train.cli import local_ray_workers_share_this_interpreter
     from loong_train.controller import run
 
     if not recipe.ray_address:

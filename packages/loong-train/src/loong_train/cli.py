@@ -15,6 +15,8 @@ import signal
 import sys
 from pathlib import Path
 
+from loong_train.ray_env import local_ray_workers_share_this_interpreter
+
 __all__ = ["main"]
 
 
@@ -66,15 +68,6 @@ def exit_on_sigterm() -> None:
         raise SystemExit(128 + signum)
 
     signal.signal(signal.SIGTERM, handler)
-
-
-def local_ray_workers_share_this_interpreter() -> None:
-    """Ray workers of a local cluster run this interpreter and environment. Under ``uv run`` Ray
-    would otherwise start each worker with ``uv run`` on a packaged copy of the working directory,
-    building a second virtual environment (a page of raylet output and seconds of start-up); the
-    switch must be set before Ray is imported. A cluster joined with ``--address`` keeps Ray's
-    default, which replicates the driver's environment on other nodes."""
-    os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -72,27 +72,7 @@ def run(recipe: Recipe, out: Path, cache: Path, resume: bool = False) -> Path:
     try:
         run_dir.begin()
         evaluator.begin(pipe)
-        bar = tqdm(total=recipe.train.steps, initial=pipe.window.version, desc=recipe.name, unit="step")
-        while pipe.window.version < recipe.train.steps:
-            pipe.admit()
-            for kind, result in pipe.wait():
-                if kind == "rollout":
-                    pipe.on_rollout(*result)
-                    run_dir.on_rollout(result[1])
-                elif kind == "applied":
-                    run_dir.on_applied(result)
-                else:
-                    metrics, manifest = result
-                    pipe.sync_weights(manifest)  # the window advances to the new version
-                    evaluator.after_step(pipe, pipe.window.version)
-                    _collect(evaluator, run_dir, wait=pipe.window.version == recipe.train.steps)
-                    run_dir.on_train_step(pipe, metrics)
-                    checkpoint.maybe_save(pipe, run_dir, evaluator)
-                    bar.update(1)
-                    bar.set_postfix(run_dir.postfix())
-            if (trajs := pipe.start_train_step()) is not None:
-                run_dir.on_batch(pipe, trajs)
-        bar.close()
+        _train(recipe, pipe, run_dir, evaluator)
         pipe.drain()
         _collect(evaluator, run_dir, wait=True)
         pipe.save_final(run_dir.path / "checkpoints" / "final")
@@ -104,6 +84,32 @@ def run(recipe: Recipe, out: Path, cache: Path, resume: bool = False) -> Path:
         if started_ray:
             ray.shutdown()
     return run_dir.path
+
+
+def _train(recipe: Recipe, pipe: Pipeline, run_dir: RunDir, evaluator: Evaluator) -> None:
+    """Steps 1-6 of the loop until the last version is published."""
+    steps = recipe.train.steps
+    bar = tqdm(total=steps, initial=pipe.window.version, desc=recipe.name, unit="step")
+    while pipe.window.version < steps:
+        pipe.admit()
+        for kind, result in pipe.wait():
+            if kind == "rollout":
+                pipe.on_rollout(*result)
+                run_dir.on_rollout(result[1])
+            elif kind == "applied":
+                run_dir.on_applied(result)
+            else:
+                metrics, manifest = result
+                pipe.sync_weights(manifest)  # the window advances to the new version
+                evaluator.after_step(pipe, pipe.window.version)
+                _collect(evaluator, run_dir, wait=pipe.window.version == steps)
+                run_dir.on_train_step(pipe, metrics)
+                checkpoint.maybe_save(pipe, run_dir, evaluator)
+                bar.update(1)
+                bar.set_postfix(run_dir.postfix())
+        if (trajs := pipe.start_train_step()) is not None:
+            run_dir.on_batch(pipe, trajs)
+    bar.close()
 
 
 def _evaluator(recipe: Recipe, held_out: list[Item], ckpt: Checkpoint | None) -> Evaluator:
@@ -210,6 +216,22 @@ def _start(
             logging_level=logging.WARNING,
             log_to_driver=True,
         )
+    engine_path, version = (str(ckpt.path), ckpt.version) if ckpt else (model_path, 0)
+    workers = _start_workers(recipe, engine_path, version, transport, log_dir)
+    trainer = _start_trainer(recipe, model_path, transport, workers)
+    if ckpt:
+        ray.get(trainer.load_checkpoint.remote(str(ckpt.path)))
+    window = StalenessWindow(recipe.train.max_staleness, recipe.train.batch_groups)
+    pipe = Pipeline(recipe, workers, trainer, Scheduler(window, steps=recipe.train.steps), source, model_path)
+    if ckpt:
+        checkpoint.restore(pipe, ckpt)
+    return pipe
+
+
+def _start_workers(
+    recipe: Recipe, engine_path: str, version: int, transport: TransportConfig, log_dir: Path
+) -> list:
+    """``rollout.workers`` rollout worker actors, their engines loading ``engine_path`` at ``version``."""
     r = recipe.rollout
     sampling = {"temperature": r.temperature, "top_p": r.top_p, "max_new_tokens": r.max_new_tokens}
     limits = {
@@ -218,14 +240,13 @@ def _start(
         "timeout_s": r.episode_timeout_s,
     }
     gpus = r.engine.gpus  # an sglang worker's server runs on its GPUs
-    engine_path, version = (str(ckpt.path), ckpt.version) if ckpt else (model_path, 0)
     # "weights": updates apply beside running rollouts (partial rollouts, concurrent calls);
     # "rollout": the calls a worker runs at once
     groups = {"weights": 1, "rollout": r.engine.concurrent_calls}
     worker_actor = ray.remote(
         num_cpus=recipe.threads, num_gpus=gpus, max_restarts=r.max_restarts, concurrency_groups=groups
     )(RolloutWorker)
-    workers = [
+    return [
         worker_actor.remote(
             engine_path,
             version=version,
@@ -247,6 +268,10 @@ def _start(
         )
         for i in range(r.workers)
     ]
+
+
+def _start_trainer(recipe: Recipe, model_path: str, transport: TransportConfig, workers: list):
+    """The trainer actor, from the initial model (which stays the KL reference when resumed)."""
     trainer_actor = ray.remote(num_cpus=recipe.trainer_threads, num_gpus=recipe.train.backend.gpus)(
         TrainerWorker
     )
@@ -254,12 +279,4 @@ def _start(
     if options["servers"] is not None:  # direct weights: to the servers where Ray placed them
         urls = ray.get([w.server_url.remote() for w in workers])
         options["servers"] = msgspec.structs.replace(options["servers"], urls=urls)
-    # from the initial model, which stays the KL reference when resumed
-    trainer = trainer_actor.remote(model_path, transport=transport, **options)
-    if ckpt:
-        ray.get(trainer.load_checkpoint.remote(str(ckpt.path)))
-    window = StalenessWindow(recipe.train.max_staleness, recipe.train.batch_groups)
-    pipe = Pipeline(recipe, workers, trainer, Scheduler(window, steps=recipe.train.steps), source, model_path)
-    if ckpt:
-        checkpoint.restore(pipe, ckpt)
-    return pipe
+    return trainer_actor.remote(model_path, transport=transport, **options)

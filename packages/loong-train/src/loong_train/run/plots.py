@@ -20,43 +20,52 @@ def plot_run(run_dir: Path, evals: dict[int, float]) -> list[Path]:
     import matplotlib.pyplot as plt
 
     rows = read_metrics(run_dir / "metrics.jsonl")
-    steps = [r["step"] for r in rows]
     out = []
-
-    def save(fig, name: str) -> None:
-        path = run_dir / "plots" / name
+    for name, size, draw in (
+        ("reward.png", (7, 4), _reward),
+        ("staleness.png", (7, 3.5), _staleness),
+        ("utilization.png", (7, 3.5), _utilization),
+        ("mismatch.png", (7, 3.5), _mismatch),
+    ):
+        fig, ax = plt.subplots(figsize=size)
+        draw(ax, rows, evals)
+        ax.grid(alpha=0.3)
+        ax.legend()
         fig.tight_layout()
-        fig.savefig(path, dpi=110)
+        fig.savefig(run_dir / "plots" / name, dpi=110)
         plt.close(fig)
-        out.append(path)
+        out.append(run_dir / "plots" / name)
+    return out
 
-    fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot(steps, [r["reward_mean"] for r in rows], label="train reward (batch mean)", alpha=0.7)
+
+def _reward(ax, rows: list[dict], evals: dict[int, float]) -> None:
+    ax.plot(
+        [r["step"] for r in rows],
+        [r["reward_mean"] for r in rows],
+        label="train reward (batch mean)",
+        alpha=0.7,
+    )
     ax.plot(list(evals), list(evals.values()), "o-", label="held-out eval reward", color="C3")
     ax.set(xlabel="train step (policy version)", ylabel="reward", ylim=(-0.02, 1.02), title="Reward")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    save(fig, "reward.png")
 
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+
+def _staleness(ax, rows: list[dict], evals: dict[int, float]) -> None:
+    steps = [r["step"] for r in rows]
     ax.plot(steps, [r["staleness_mean"] for r in rows], label="mean")
     ax.step(steps, [r["staleness_max"] for r in rows], where="mid", label="max")
     ax.set(xlabel="train step", ylabel="staleness (versions)", title="Sample staleness")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    save(fig, "staleness.png")
 
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+
+def _utilization(ax, rows: list[dict], evals: dict[int, float]) -> None:
+    steps = [r["step"] for r in rows]
     ax.plot(steps, [r["trainer_busy_frac"] for r in rows], label="trainer busy")
     ax.plot(steps, [r["rollout_busy_frac"] for r in rows], label="rollout busy")
     if all("engine_busy_frac" in r for r in rows):  # embedded engines count their forwards
         ax.plot(steps, [r["engine_busy_frac"] for r in rows], label="engine busy (forward running)")
     ax.set(xlabel="train step", ylabel="busy fraction", ylim=(0, 1.05), title="Utilization")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    save(fig, "utilization.png")
 
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+
+def _mismatch(ax, rows: list[dict], evals: dict[int, float]) -> None:
     for key, label in (("mismatch_kl", "all tokens"), ("onpolicy_mismatch_kl", "on-policy tokens only")):
         points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
         if points:
@@ -67,10 +76,6 @@ def plot_run(run_dir: Path, evals: dict[int, float]) -> list[Path]:
         title="Train-inference mismatch (k3, before update)",
     )
     ax.set_yscale("symlog", linthresh=1e-8)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    save(fig, "mismatch.png")
-    return out
 
 
 def plot_domains(run_dir: Path, summary: dict[str, Any], baseline: Path | None = None) -> Path:
