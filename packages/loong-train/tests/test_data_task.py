@@ -16,8 +16,9 @@ import pytest
 from loong_core.config import ConfigError
 from loong_train.config import load_recipe
 from loong_train.tasks import TaskTables, build_task
-from loong_train.tasks.data import DataConfig, DataTask
-from loong_train.tasks.reward import RewardConfig, load_reward
+from loong_train.tasks.config import DataConfig, RewardConfig
+from loong_train.tasks.data import DataTask
+from loong_train.tasks.reward import load_reward
 
 ROWS = [{"prompt": f"what is {i}+1?", "answer": str(i + 1), "metadata": {"n": i}} for i in range(20)]
 
@@ -685,7 +686,7 @@ def test_overlong_shaping_is_dapos_soft_punishment():
     """Budget 20, buffer 8: free up to 12 tokens, then -1/8 per token, -1 (times the factor) at 20;
     a black-box episode's rows count together; failed episodes are left alone."""
     from loong_core.records import EpisodeStatus, SpanSource, TokenSpan, Trajectory
-    from loong_train.tasks.reward import overlong_penalty, shape_overlong
+    from loong_train.tasks.shaping import overlong_penalty, shape_overlong
 
     assert [overlong_penalty(n, 20, 8, 1.0) for n in (5, 12, 13, 16, 20)] == [0.0, 0.0, -0.125, -0.5, -1.0]
     assert overlong_penalty(16, 20, 8, 0.5) == -0.25 and overlong_penalty(19, 20, 0, 1.0) == 0.0
@@ -717,7 +718,7 @@ def test_overlong_shaping_reaches_training_rewards_only(tiny_dir, data):
     do not; a buffer as long as the budget is an error naming both keys."""
     from loong_core.records import EpisodeStatus
     from loong_train.pipeline import GroupSource
-    from loong_train.tasks.reward import overlong_penalty
+    from loong_train.tasks.shaping import overlong_penalty
     from loong_train.workers.rollout import RolloutWorker
 
     tables = TaskTables(data=DataConfig(train_files=[str(data)]), reward=RewardConfig(overlong_buffer=30))

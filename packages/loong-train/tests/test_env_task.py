@@ -17,9 +17,7 @@ from loong_agentflow import EpisodeLimits, EpisodeSpec, run_episodes
 from loong_core.config import ConfigError
 from loong_core.protocols import SamplingParams
 from loong_train.tasks import TaskTables, build_task
-from loong_train.tasks.data import DataConfig
-from loong_train.tasks.env import EnvConfig
-from loong_train.tasks.reward import RewardConfig
+from loong_train.tasks.config import DataConfig, EnvConfig, RewardConfig
 
 EXAMPLE = Path(__file__).parents[3] / "examples" / "shop"
 

@@ -13,7 +13,7 @@ import pytest
 
 from loong_agentflow.agent import EpisodeSpec
 from loong_agentflow.proxy import ProxyConfig, ProxyServer
-from loong_agentflow.proxy_render import HFChatRenderer
+from loong_agentflow.proxy.render import HFChatRenderer
 from loong_core.protocols import MIN_TEMPERATURE, SamplingParams
 from loong_core.records import EpisodeStatus, SpanSource, TokenSpan, Trajectory
 from loong_train.engines.embedded.engine import EmbeddedEngine

@@ -329,7 +329,8 @@ def _cloned(weights: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def _one_run(rank: int, tp: int, pp: int, loss: str, rows: int, out: Path) -> None:
-    from loong_train.backends.megatron.backend import MegatronBackend, init_model_parallel
+    from loong_train.backends.megatron.backend import MegatronBackend
+    from loong_train.backends.megatron.driver import init_model_parallel
 
     init_model_parallel(tp, pp, seed=0)
     backend = MegatronBackend.from_pretrained(

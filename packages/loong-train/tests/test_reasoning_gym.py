@@ -13,7 +13,7 @@ from loong_core.config import ConfigError
 from loong_train.config import load_recipe
 from loong_train.controller import run
 from loong_train.tasks import TaskTables, build_task
-from loong_train.tasks.reasoning_gym import ReasoningGymConfig
+from loong_train.tasks.config import ReasoningGymConfig
 
 
 def _task(name="reasoning_gym:leg_counting", **config):

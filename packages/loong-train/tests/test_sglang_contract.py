@@ -20,7 +20,7 @@ import pytest
 from train_testkit import NEEDS_REAL_SGLANG, real_sglang_config, serve_in_thread, tiny_qwen3
 
 from loong_train.engines.embedded.engine import EmbeddedEngine
-from loong_train.engines.embedded.server import build_app
+from loong_train.engines.embedded.http_app import build_app
 from loong_train.models.decoder import CausalLM
 
 PROMPT = [3, 14, 15, 9, 26, 5]

@@ -27,7 +27,7 @@ from train_testkit import serve_in_thread, tiny_config, tiny_qwen3
 from loong_agentflow.sglang_client import SGLangClientConfig, SGLangEngine, SGLangError
 from loong_core.protocols import SamplingParams
 from loong_train.engines.embedded.engine import EmbeddedEngine
-from loong_train.engines.embedded.server import build_app
+from loong_train.engines.embedded.http_app import build_app
 from loong_train.models.decoder import CausalLM
 from loong_transfermesh.sglang import SGLangPusherConfig, SGLangUpdateError, SGLangWeightPusher
 

@@ -29,7 +29,7 @@ from loong_teacher import (
     TeacherServerError,
 )
 from loong_train.engines.embedded.engine import EmbeddedEngine
-from loong_train.engines.embedded.server import build_app
+from loong_train.engines.embedded.http_app import build_app
 from loong_train.models.decoder import CausalLM
 
 CFG = tiny_config()

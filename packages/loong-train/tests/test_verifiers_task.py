@@ -10,7 +10,7 @@ from loong_core.config import ConfigError
 from loong_train.config import load_recipe
 from loong_train.controller import run as run_recipe
 from loong_train.tasks import TaskTables, build_task
-from loong_train.tasks.verifiers import VerifiersConfig
+from loong_train.tasks.config import VerifiersConfig
 
 pytest.importorskip("verifiers.v1")
 

@@ -73,7 +73,7 @@ def exit_on_sigterm() -> None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["serve-sglang"]:
-        from loong_train.engines.embedded.server import main as serve_sglang
+        from loong_train.engines.embedded.http_app import main as serve_sglang
 
         return serve_sglang(argv[1:])
     args = _parser().parse_args(argv)
@@ -93,10 +93,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"loong-train: {e}", file=sys.stderr)
         return 2
     if args.command == "build-tiny":
-        from loong_train.tiny.warmstart import build_tiny, warm_start
+        from loong_train import plugins
 
-        build_tiny(args.out, recipe)
-        print(warm_start(args.out, recipe) if recipe.warmstart.steps else "built (no warm start)")
+        print(plugins.model_builder().build(recipe, args.out))
         return 0
     if args.resume and args.out and args.out.absolute() != args.resume.absolute():
         print("loong-train: --resume DIR continues in DIR; drop --out", file=sys.stderr)

@@ -31,11 +31,14 @@ from loong_train.algo.config import LossConfig, OPDConfig
 from loong_train.backends.config import BackendConfig, TorchBackendConfig
 from loong_train.engines.config import EmbeddedEngineConfig, EngineConfig
 from loong_train.tasks import TaskTables
-from loong_train.tasks.data import DataConfig, get_dotted
-from loong_train.tasks.env import EnvConfig
-from loong_train.tasks.reasoning_gym import ReasoningGymConfig
-from loong_train.tasks.reward import RewardConfig
-from loong_train.tasks.verifiers import VerifiersConfig
+from loong_train.tasks.config import (
+    DataConfig,
+    EnvConfig,
+    ReasoningGymConfig,
+    RewardConfig,
+    VerifiersConfig,
+    get_dotted,
+)
 from loong_train.workers.agent import AgentConfig, WhiteboxAgentConfig
 from loong_transfermesh.config import TransportConfig
 

@@ -26,12 +26,14 @@ from tqdm import tqdm
 from loong_agentflow import EpisodeLimits, Latency
 from loong_core.config import ConfigError
 from loong_core.window import StalenessWindow
-from loong_train.backends.base import BackendOptions
+from loong_train import plugins
+from loong_train.backends.base import BackendOptions, backend_problem
 from loong_train.backends.config import TorchBackendConfig, require_installed
 from loong_train.config import Recipe
 from loong_train.engines.config import SGLangEngineConfig
 from loong_train.evaluator import Evaluator
 from loong_train.models.checkpoint import check_checkpoint
+from loong_train.models.source import resolve
 from loong_train.pipeline import GroupSource, Pipeline
 from loong_train.run import checkpoint
 from loong_train.run.checkpoint import Checkpoint
@@ -39,8 +41,6 @@ from loong_train.run.loggers import require_loggers
 from loong_train.run.writer import RunDir
 from loong_train.scheduler import Scheduler
 from loong_train.tasks import Item, Task, build_task, registered
-from loong_train.tiny.teachers import prepare_teachers
-from loong_train.tiny.warmstart import prepare_model
 from loong_train.workers.agent import BlackboxAgentConfig, agent_program
 from loong_train.workers.rollout import RolloutWorker
 from loong_train.workers.trainer import TrainerWorker
@@ -57,9 +57,10 @@ def run(recipe: Recipe, out: Path, cache: Path, resume: bool = False) -> Path:
     out, cache = out.absolute(), cache.absolute()  # Ray actors may run in another working directory
     task = _preflight(recipe)
     held_out = task.held_out(recipe.eval.num_tasks)
-    model_path = str(prepare_model(recipe, cache))
+    model_path = str(_prepare_model(recipe, cache))
     _check_model(recipe, model_path)  # what the workers would fail on, before Ray starts
-    recipe = prepare_teachers(recipe, cache, Path(model_path))  # OPD recipes: build their teachers
+    if recipe.opd.build:  # OPD recipes: build their teachers
+        recipe = plugins.teacher_builder().prepare(recipe, cache, Path(model_path))
     ckpt = checkpoint.latest(out, recipe) if resume else None
     evaluator = _evaluator(recipe, held_out, ckpt)
     run_dir = RunDir(out, recipe, evaluator, ckpt.state.run_dir if ckpt else None)
@@ -110,6 +111,14 @@ def _train(recipe: Recipe, pipe: Pipeline, run_dir: RunDir, evaluator: Evaluator
         if (trajs := pipe.start_train_step()) is not None:
             run_dir.on_batch(pipe, trajs)
     bar.close()
+
+
+def _prepare_model(recipe: Recipe, cache: Path) -> Path:
+    """The checkpoint RL starts from: ``[model] path`` (a GGUF file converted, :mod:`loong_train.models.source`),
+    or without one, what the installed model builder makes (:mod:`loong_train.plugins`)."""
+    if recipe.model.path:
+        return resolve(recipe.model.path, cache)
+    return plugins.model_builder().prepare(recipe, cache)
 
 
 def _evaluator(recipe: Recipe, held_out: list[Item], ckpt: Checkpoint | None) -> Evaluator:
@@ -168,11 +177,10 @@ def _check_model(recipe: Recipe, model_path: str) -> None:
         )
     import json
 
-    from loong_train.backends.megatron.backend import megatron_problem
     from loong_train.models.decoder import DecoderConfig
 
     config = DecoderConfig.from_hf(json.loads((Path(model_path) / "config.json").read_text()))
-    if problem := megatron_problem(config):
+    if problem := backend_problem(recipe.train.backend, config):
         raise ConfigError(f"train.backend.type = 'megatron' cannot train model.path {model_path}: {problem}")
 
 

@@ -18,7 +18,7 @@ optimizer state lives on many ranks: each rank writes and reads its own files th
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import msgspec
 import torch
@@ -32,7 +32,10 @@ from loong_train.backends.config import (
     require_installed,
 )
 
-__all__ = ["BackendOptions", "TrainBackend", "build_backend"]
+if TYPE_CHECKING:
+    from loong_train.models.decoder import DecoderConfig
+
+__all__ = ["BackendOptions", "TrainBackend", "backend_problem", "build_backend"]
 
 
 class TrainBackend(Protocol):
@@ -107,3 +110,13 @@ def build_backend(model_path: str, options: BackendOptions) -> TrainBackend:
     from loong_train.backends.torch_backend import TorchBackend
 
     return TorchBackend.from_pretrained(model_path, trust_remote_code=options.trust_remote_code, **common)
+
+
+def backend_problem(config: BackendConfig, model: DecoderConfig) -> str:
+    """Why the backend ``config`` names cannot train a decoder-family model of config ``model``
+    ('' when it can), asked without building the backend or importing megatron-core."""
+    if isinstance(config, MegatronBackendConfig):
+        from loong_train.backends.megatron.model import megatron_problem
+
+        return megatron_problem(model)
+    return ""

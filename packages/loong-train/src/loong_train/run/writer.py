@@ -38,13 +38,13 @@ import msgspec
 from loong_core.config import dump_toml
 from loong_core.records import EpisodeStatus, Trajectory
 from loong_core.telemetry import MetricsWriter, TraceWriter
+from loong_train import plugins
 from loong_train.config import Recipe
 from loong_train.engines.embedded.host import crossed_update
 from loong_train.evaluator import EvalResult, Evaluator
 from loong_train.pipeline import Pipeline
 from loong_train.run.loggers import open_loggers
 from loong_train.run.plots import plot_domains, plot_run
-from loong_train.tiny.teachers import teacher_success
 
 __all__ = ["RunDir", "RunDirState"]
 
@@ -337,7 +337,7 @@ class RunDir:
         domains = sorted({d for by in by_version.values() for d in by})
         o = self.recipe.opd
         routes = {tag: t.name for t in (o.teachers.teachers if o.teachers else []) for tag in t.tags}
-        levels = teacher_success(self.recipe)
+        levels = plugins.teacher_builder().held_out_success(self.recipe) if o.build else {}
         return {
             "label": "on-policy distillation" if o.enabled else "RL only (task reward)",
             "eval_reward_by_domain": {

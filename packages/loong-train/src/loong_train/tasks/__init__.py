@@ -17,8 +17,9 @@ of the tiny recipes (:mod:`loong_train.tiny.calc`, :mod:`loong_train.tiny.calc_d
 - ``verifiers``: a single-turn verifiers v1 taskset (``[verifiers]``), scored by its own rewards:
   :mod:`loong_train.tasks.verifiers`.
 
-Tasks built from recipe tables get them as :class:`TaskTables`. A task made in code (the Python
-API, :func:`loong_train.api.train`) is registered under ``"python:<label>"`` with :func:`register`:
+Tasks built from recipe tables get them as :class:`TaskTables` (the tables:
+:mod:`loong_train.tasks.config`). A task made in code (the Python API,
+:func:`loong_train.api.train`) is registered under ``"python:<label>"`` with :func:`register`:
 the driver builds it from the registry, and the rollout workers get its factory itself.
 
 Choosing a task imports nothing: the module is imported when the task is built.
@@ -32,11 +33,8 @@ from collections.abc import Callable
 import msgspec
 
 from loong_train.tasks.base import AgentCommand, Item, Task
-from loong_train.tasks.data import DataConfig
-from loong_train.tasks.env import EnvConfig
-from loong_train.tasks.reasoning_gym import PREFIX, ReasoningGymConfig
-from loong_train.tasks.reward import RewardConfig
-from loong_train.tasks.verifiers import VerifiersConfig
+from loong_train.tasks.config import DataConfig, EnvConfig, ReasoningGymConfig, RewardConfig, VerifiersConfig
+from loong_train.tasks.reasoning_gym import PREFIX
 
 __all__ = [
     "SHIPPED",

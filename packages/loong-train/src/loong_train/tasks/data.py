@@ -31,188 +31,34 @@ order, reshuffled each pass over the data. Every file is read and checked when t
 (in the controller's preflight, before any work): a missing or empty file, a row that is not an
 object, lacks the prompt key or whose prompt is neither text nor messages is an error naming the
 file and line. Relative paths are taken from the directory ``loong-train run`` starts in.
+
+The table is :class:`~loong_train.tasks.config.DataConfig`; files and datasets are read by
+:mod:`loong_train.tasks.readers`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
-import json
 import random
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 from loong_agentflow import ToolRegistry
 from loong_core.config import ConfigError
 from loong_train.tasks.base import AgentCommand, Item, answer_demonstration
-from loong_train.tasks.reward import RewardConfig, RewardFn, load_reward
+from loong_train.tasks.config import DataConfig, RewardConfig, get_dotted
+from loong_train.tasks.readers import dataset_rows, iter_rows, read_rows
+from loong_train.tasks.reward import RewardFn, load_reward
 
 __all__ = ["DataConfig", "DataTask", "dataset_rows", "get_dotted", "read_rows"]
-
-
-DATA_SUFFIXES = (".jsonl", ".json", ".parquet")
-
-
-class DataConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The ``[data]`` table (see the module docstring)."""
-
-    train_files: list[str] = []
-    eval_files: list[str] = []
-    eval_fraction: float = 0.1
-    split_seed: int = 0
-    prompt_key: str = "prompt"
-    answer_key: str = "answer"
-    metadata_key: str = "metadata"
-    tags_key: str = "tags"
-    system_prompt: str = ""
-    dataset: str = ""
-    dataset_config: str = ""
-    train_split: str = "train"
-    eval_split: str = ""
-    shuffle_buffer: int = 0
-
-    def __post_init__(self) -> None:
-        if self.shuffle_buffer < 0:
-            raise ValueError(
-                f"shuffle_buffer must be >= 0 (0: read every row into memory), got {self.shuffle_buffer}"
-            )
-        if self.shuffle_buffer and (self.dataset or any(f.endswith(".json") for f in self.train_files)):
-            what = "data.dataset" if self.dataset else "a .json file (one JSON list, read whole)"
-            raise ValueError(f"shuffle_buffer streams .jsonl and .parquet train_files, not {what}")
-        if self.dataset and (self.train_files or self.eval_files):
-            raise ValueError(
-                f"data.dataset ({self.dataset!r}) and data.train_files / eval_files are two sources of "
-                "rows: set one (a dataset's held-out rows come from eval_split)"
-            )
-        if self.eval_split and not self.dataset:
-            raise ValueError(
-                f"data.eval_split = {self.eval_split!r} names a split of data.dataset, which is unset"
-            )
-        if not 0 < self.eval_fraction < 1:
-            raise ValueError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
-        for name in ("train_files", "eval_files"):
-            if bad := [f for f in getattr(self, name) if not f.endswith(DATA_SUFFIXES)]:
-                raise ValueError(f"{name}: {bad} are not {', '.join(DATA_SUFFIXES)} files")
-
-
-def read_rows(path: Path) -> list[tuple[str, dict[str, Any]]]:
-    """The rows of a ``.jsonl``, ``.json`` or ``.parquet`` file, each with its id
-    ``"<file name>:<line or index>"`` (lines count from 1, list and table rows from 0)."""
-    if not path.is_file():
-        raise ConfigError(f"data file {path} does not exist")
-    if path.suffix == ".parquet":
-        out = [(f"{path.name}:{i}", row) for i, row in enumerate(_parquet_rows(path))]
-        if not out:
-            raise ConfigError(f"data file {path} has no rows")
-        return out
-    text = path.read_text()
-    if path.suffix == ".json":
-        try:
-            rows = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise ConfigError(f"{path}: not valid JSON ({e})") from e
-        if not isinstance(rows, list):
-            raise ConfigError(f"{path}: expected a top-level list of rows, got {type(rows).__name__}")
-        out = [(f"{path.name}:{i}", row) for i, row in enumerate(rows)]
-    else:
-        out = []
-        for n, line in enumerate(text.splitlines(), start=1):
-            if not line.strip():
-                continue
-            try:
-                out.append((f"{path.name}:{n}", json.loads(line)))
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}, line {n}: not valid JSON ({e})") from e
-    if not out:
-        raise ConfigError(f"data file {path} has no rows")
-    return out
-
-
-def iter_rows(path: Path) -> Iterator[tuple[str, dict[str, Any]]]:
-    """The rows of a ``.jsonl`` or ``.parquet`` file one at a time, with the ids :func:`read_rows` gives."""
-    if not path.is_file():
-        raise ConfigError(f"data file {path} does not exist")
-    if path.suffix == ".parquet":
-        import pyarrow.parquet as pq
-
-        i = 0
-        for batch in pq.ParquetFile(path).iter_batches(batch_size=1024):
-            for row in batch.to_pylist():
-                yield f"{path.name}:{i}", row
-                i += 1
-        return
-    with path.open() as f:
-        for n, line in enumerate(f, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield f"{path.name}:{n}", json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{path}, line {n}: not valid JSON ({e})") from e
 
 
 def hashed_out(rid: str, fraction: float, seed: int) -> bool:
     """Whether row ``rid`` is held out: a seeded hash of its id falls in the first ``fraction``."""
     digest = hashlib.blake2b(f"{seed}:{rid}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") < fraction * 2**64
-
-
-def dataset_rows(config: DataConfig, split: str) -> list[tuple[str, dict[str, Any]]]:
-    """The rows of split ``split`` of ``config.dataset``, each with its id ``"<split>:<index>"``."""
-    try:
-        import datasets
-    except ImportError as e:
-        raise ConfigError(
-            "data.dataset needs the datasets package: pip install 'loong-train[datasets]'"
-        ) from e
-    name, where = config.dataset, Path(config.dataset)
-    saved = where.is_dir() and any((where / f).is_file() for f in ("dataset_dict.json", "dataset_info.json"))
-    try:
-        if saved:
-            ds = datasets.load_from_disk(str(where))
-            if isinstance(ds, datasets.DatasetDict):
-                if split not in ds:
-                    raise ConfigError(f"data.dataset {name}: no split {split!r} (it has {', '.join(ds)})")
-                ds = ds[split]
-        else:
-            ds = datasets.load_dataset(name, config.dataset_config or None, split=split)
-    except ConfigError:
-        raise
-    except Exception as e:  # datasets raises many kinds: not found, offline, bad split, bad config
-        raise ConfigError(
-            f"data.dataset {name!r} (split {split!r}) does not load: {type(e).__name__}: {e} "
-            "(offline, a hub dataset must already be in the local Hugging Face cache)"
-        ) from e
-    rows = [(f"{split}:{i}", dict(row)) for i, row in enumerate(ds)]
-    if not rows:
-        raise ConfigError(f"data.dataset {name!r}: split {split!r} has no rows")
-    return rows
-
-
-def _parquet_rows(path: Path) -> list[dict[str, Any]]:
-    try:
-        import pyarrow.parquet as pq
-    except ImportError as e:
-        raise ConfigError(
-            f"{path}: reading .parquet needs pyarrow: pip install 'loong-train[parquet]'"
-        ) from e
-    try:
-        return pq.read_table(path).to_pylist()
-    except Exception as e:  # pyarrow's errors for a file that is not parquet, or a damaged one
-        raise ConfigError(f"{path}: not a readable parquet file ({type(e).__name__}: {e})") from e
-
-
-def get_dotted(row: dict[str, Any], dotted: str) -> Any:
-    """``row[a][b]`` for ``"a.b"``; None when any part is missing."""
-    value: Any = row
-    for part in dotted.split("."):
-        if not isinstance(value, dict) or part not in value:
-            return None
-        value = value[part]
-    return value
 
 
 def split_held_out(items: list[Item], fraction: float, seed: int, what: str) -> tuple[list[Item], list[Item]]:

@@ -35,28 +35,18 @@ import asyncio
 import inspect
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 
 from loong_agentflow import ChatML, EnvAgent, GymTextEnv, ScriptedEpisode, SkyRLTextEnv
 from loong_core.config import ConfigError
 from loong_train.tasks.base import Item
-from loong_train.tasks.data import DataConfig, DataTask
+from loong_train.tasks.config import DataConfig, EnvConfig, RewardConfig
+from loong_train.tasks.data import DataTask
 from loong_train.tasks.objects import load_object
-from loong_train.tasks.reward import RewardConfig
 
 __all__ = ["EnvConfig", "EnvTask"]
-
-
-class EnvConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The ``[environment]`` table (see the module docstring)."""
-
-    cls: str = ""
-    kwargs: dict[str, Any] = {}
-    api: Literal["loong", "gym", "skyrl"] = "loong"
-    system: str = ""
-    demonstration_key: str = "demonstration"
 
 
 class EnvTask(DataTask):

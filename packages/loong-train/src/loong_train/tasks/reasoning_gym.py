@@ -30,37 +30,16 @@ import logging
 import math
 import random
 from collections.abc import Iterator, Sequence
-from typing import Any, Literal
-
-import msgspec
 
 from loong_agentflow import ToolRegistry
 from loong_core.config import ConfigError
 from loong_train.tasks.base import AgentCommand, Item, answer_demonstration
+from loong_train.tasks.config import ReasoningGymConfig
 
 __all__ = ["PREFIX", "ReasoningGymConfig", "ReasoningGymTask"]
 
 PREFIX = "reasoning_gym"
 log = logging.getLogger("loong.reasoning_gym")
-
-
-class ReasoningGymConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The ``[reasoning_gym]`` table (see the module docstring)."""
-
-    datasets: dict[str, float] = {}
-    config: dict[str, dict[str, Any]] = {}
-    seed: int = 0
-    eval_size: int = 128
-    train_size: int = 10_000
-    answer_format: Literal["tags", "plain"] = "tags"
-    scoring: Literal["strict", "dataset"] = "strict"
-    system_prompt: str = ""
-
-    def __post_init__(self) -> None:
-        if self.eval_size < 1 or self.train_size < 1:
-            raise ValueError("eval_size and train_size must be >= 1")
-        if bad := {k: w for k, w in self.datasets.items() if not w > 0}:
-            raise ValueError(f"dataset weights must be > 0, got {bad}")
 
 
 class ReasoningGymTask:

@@ -52,30 +52,30 @@ Which reward wins: a black-box agent that posts its own reward (``/v1/sessions/r
 :mod:`loong_agentflow.blackbox`) overrides ``fn`` for that episode, and the metric
 ``reward/from_agent`` is the share of a step's black-box episodes scored that way (0: ``fn``
 scored them all); ``task = "env"`` takes rewards from its environment only and refuses an ``fn``.
+
+The table is :class:`~loong_train.tasks.config.RewardConfig`; the service client is
+:mod:`loong_train.tasks.reward_service`, the overlong shaping :mod:`loong_train.tasks.shaping`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import inspect
-import json
 import math
-import os
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import msgspec
 
 from loong_agentflow import Reward
 from loong_core.config import ConfigError
 from loong_core.records import EpisodeStatus, Trajectory
+from loong_train.tasks.config import RewardConfig
 from loong_train.tasks.objects import load_object
+from loong_train.tasks.reward_service import RewardService
 
 __all__ = [
     "PARAMETERS",
@@ -84,56 +84,10 @@ __all__ = [
     "RewardService",
     "final_turn",
     "load_reward",
-    "overlong_penalty",
     "score_groups",
-    "shape_overlong",
 ]
 
 PARAMETERS = ("completion", "prompt", "messages", "answer", "metadata", "row")
-
-
-class RewardConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """``fn``: ``"pkg.module:name"`` or ``"file.py:name"`` (empty: exact match on the answer);
-    ``style``: how it is called (``loong``, ``verl``, ``trl``); ``timeout_s``: how long one call may run.
-    ``url``, ``api_key_env``, ``retries``: a reward service instead (see the module docstring)."""
-
-    fn: str = ""
-    style: Literal["loong", "verl", "trl"] = "loong"
-    timeout_s: float = 30.0
-    url: str = ""
-    api_key_env: str = ""
-    retries: int = 2
-    group: bool = False
-    overlong_buffer: int = 0
-    overlong_penalty: float = 1.0
-
-    def __post_init__(self) -> None:
-        if self.fn and (self.fn.count(":") < 1 or not all(self.fn.rsplit(":", 1))):
-            raise ValueError(f"fn must be 'pkg.module:name' or 'path/to/file.py:name', got {self.fn!r}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
-        if self.url and self.fn:
-            raise ValueError(f"set fn ({self.fn!r}) or url ({self.url!r}), not both: one source of reward")
-        if self.url and not self.url.startswith(("http://", "https://")):
-            raise ValueError(f"url must start with http:// or https://, got {self.url!r}")
-        if self.url and self.style != "loong":
-            raise ValueError(f"style {self.style!r} is for functions; a url gets every parameter as JSON")
-        if self.retries < 0:
-            raise ValueError(f"retries must be >= 0, got {self.retries}")
-        if self.overlong_buffer < 0 or self.overlong_penalty < 0:
-            raise ValueError(
-                f"overlong_buffer ({self.overlong_buffer}) and overlong_penalty ({self.overlong_penalty}) "
-                "must be >= 0 (0 tokens: no overlong shaping)"
-            )
-        if self.group and (self.url or self.style == "verl"):
-            what = "a url" if self.url else "style 'verl' (one sample per call)"
-            raise ValueError(
-                f"group = true calls a function once per group with lists; {what} cannot take that"
-            )
-        if self.group and not self.fn:
-            raise ValueError(
-                "group = true calls a function once per group: set fn (exact match scores one episode)"
-            )
 
 
 def exact_match(completion: str, answer: Any) -> float:
@@ -289,33 +243,6 @@ class RewardFn:
         return asyncio.run(out) if inspect.iscoroutine(out) else out
 
 
-def overlong_penalty(tokens: int, budget: int, buffer: int, factor: float) -> float:
-    """DAPO's soft overlong punishment (Yu et al., 2025) of an episode with ``tokens`` model
-    tokens, ``budget`` the most it may have and ``buffer`` the last tokens of it that cost:
-
-        0                                            tokens <= budget - buffer
-        -factor * (tokens - (budget - buffer)) / buffer   up to -factor at the budget
-    """
-    start = budget - buffer
-    if buffer <= 0 or tokens <= start:
-        return 0.0
-    return -factor * min(1.0, (tokens - start) / buffer)
-
-
-def shape_overlong(trajs: list[Trajectory], budget: int, buffer: int, factor: float) -> None:
-    """Add :func:`overlong_penalty` to the reward of every finished or truncated episode (in place;
-    a black-box episode's rows count together), and log it as ``reward/overlong_penalty``."""
-    tokens: dict[str, int] = {}
-    for t in trajs:
-        key = t.info.get("episode", t.sample_id)
-        tokens[key] = tokens.get(key, 0) + t.num_model_tokens
-    for t in trajs:
-        if t.status in (EpisodeStatus.OK, EpisodeStatus.TRUNCATED):
-            penalty = overlong_penalty(tokens[t.info.get("episode", t.sample_id)], budget, buffer, factor)
-            t.reward += penalty
-            t.metrics = {**t.metrics, "overlong_penalty": penalty}
-
-
 def final_turn(t: Trajectory, decode: Callable[[list[int]], str], strip_end: Callable[[str], str]) -> str:
     """The text of a white-box episode's last model turn, as its agent gives it to a reward."""
     span = next(s for s in reversed(t.spans) if s.is_model)
@@ -369,42 +296,3 @@ def _trl_columns(items: list[dict[str, Any]], completions: list[str]) -> dict[st
             if k not in ("prompt", "prompts", "completions"):
                 columns.setdefault(k, []).append(v)
     return {"prompts": prompts, "completions": done, **columns}
-
-
-class RewardService:
-    """``[reward] url``: one JSON ``POST`` per episode, retried on connection errors, timeouts
-    and 5xx answers (see the module docstring). Called like a reward function, by keyword."""
-
-    def __init__(self, config: RewardConfig) -> None:
-        self.url, self.timeout_s, self.retries = config.url, config.timeout_s, config.retries
-        self.headers = {"Content-Type": "application/json"}
-        if config.api_key_env:
-            key = os.environ.get(config.api_key_env)
-            if not key:
-                raise ConfigError(
-                    f"reward.api_key_env names {config.api_key_env!r}, which is not set in the environment"
-                )
-            self.headers["Authorization"] = f"Bearer {key}"
-
-    def __call__(self, **arguments: Any) -> Any:
-        body = json.dumps(arguments, default=str).encode()
-        for attempt in range(self.retries + 1):
-            request = urllib.request.Request(self.url, data=body, headers=self.headers, method="POST")
-            try:
-                with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-                    text = response.read()
-                break
-            except urllib.error.HTTPError as e:
-                detail = e.read()[:300].decode(errors="replace")
-                if e.code < 500 or attempt == self.retries:
-                    raise RuntimeError(f"reward service {self.url} answered {e.code}: {detail}") from None
-            except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
-                if attempt == self.retries:
-                    raise RuntimeError(
-                        f"reward service {self.url} failed {self.retries + 1} times, last: {e}"
-                    ) from None
-            time.sleep(0.5 * 2**attempt)
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError:
-            raise ValueError(f"reward service {self.url} answered {text[:200]!r}, not JSON") from None

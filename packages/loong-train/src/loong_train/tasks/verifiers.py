@@ -26,32 +26,15 @@ import inspect
 from pathlib import Path
 from typing import Any
 
-import msgspec
-
 from loong_agentflow import Reward
 from loong_core.config import ConfigError
 from loong_train.tasks.base import Item
+from loong_train.tasks.config import VerifiersConfig
 from loong_train.tasks.data import RowsTask, split_held_out
 from loong_train.tasks.objects import load_object
 from loong_train.tasks.reward import RewardFn
 
 __all__ = ["VerifiersConfig", "VerifiersTask"]
-
-
-class VerifiersConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """The ``[verifiers]`` table (see the module docstring)."""
-
-    taskset: str = ""
-    config: dict[str, Any] = {}
-    eval_fraction: float = 0.1
-    split_seed: int = 0
-    timeout_s: float = 30.0
-
-    def __post_init__(self) -> None:
-        if not 0 < self.eval_fraction < 1:
-            raise ValueError(f"eval_fraction must be in (0, 1), got {self.eval_fraction}")
-        if self.timeout_s <= 0:
-            raise ValueError(f"timeout_s must be > 0, got {self.timeout_s}")
 
 
 def _import_verifiers() -> Any:

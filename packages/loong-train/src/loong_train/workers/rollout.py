@@ -35,7 +35,8 @@ from loong_train.engines.base import build_engine, build_host
 from loong_train.engines.config import EmbeddedEngineConfig, EngineConfig
 from loong_train.models.tokenizer import HFCodec, end_of_turn_ids, load_tokenizer, pad_token_id
 from loong_train.tasks import Task, TaskTables, build_task
-from loong_train.tasks.reward import final_turn, score_groups, shape_overlong
+from loong_train.tasks.reward import final_turn, score_groups
+from loong_train.tasks.shaping import shape_overlong
 from loong_train.workers.agent import AgentConfig, BlackboxAgentConfig, BlackBoxHost
 from loong_transfermesh import TransportConfig, catch_up, open_receiver
 

@@ -8,11 +8,9 @@ Face naming. It is SPMD: each of the ``tp * pp`` ranks of an initialised ``torch
 world builds one ``MegatronBackend`` and makes the same calls in the same order; results
 (logprobs, metrics, weights) are returned on every rank.
 
-Model. A Hugging Face config of a fast decoder family (Qwen3, Qwen2, Llama, Mistral) becomes a
-``TransformerConfig`` + ``GPTModel`` with the local (torch-native) layer spec: RMSNorm, SwiGLU,
-rotary embedding (rotate-half, ``rope_theta``, ``linear`` or Llama 3.1's ``llama3`` scaling),
-tied or untied embeddings; per-head RMSNorm on queries and keys for Qwen3, q/k/v biases for
-Qwen2 (:func:`megatron_problem` names what it cannot build). Weights are loaded
+Model. :func:`~loong_train.backends.megatron.model.gpt_model` builds a Hugging Face config of a
+fast decoder family as a megatron-core ``GPTModel`` (:mod:`~loong_train.backends.megatron.model`
+says which configs it covers). Weights are loaded
 with :func:`~loong_train.backends.megatron.weights.hf_to_megatron` and exported by gathering the
 tensor-parallel shards, converting them with :func:`loong_transfermesh.megatron_to_hf`, and
 broadcasting each pipeline stage's tensors to the other stages.
@@ -36,14 +34,13 @@ whole-batch L and g, and the gradients are summed over the data-parallel group. 
 norm counts each parameter once (no TP duplicates, no shared embedding copy) and is summed over
 the model-parallel group.
 
-megatron-core is imported lazily in this module only; on a CPU host every call into it runs
+megatron-core is imported lazily, inside the functions that use it; on a CPU host every call into it runs
 inside :func:`~loong_train.backends.megatron.cpu.cpu_compat` (a no-op with CUDA).
 """
 
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -51,104 +48,19 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.nn.utils.rnn import pad_sequence
 
 from loong_core.records import TrainBatch
 from loong_train.algo.config import LossConfig
 from loong_train.algo.losses import policy_loss
+from loong_train.backends.megatron.batch import batch_tensors
 from loong_train.backends.megatron.cpu import cpu_compat
+from loong_train.backends.megatron.model import gpt_model, megatron_problem
 from loong_train.backends.megatron.weights import gather_hf_weights, hf_to_megatron
-from loong_train.backends.torch_backend import mismatch_stats
+from loong_train.backends.metrics import mismatch_stats
 from loong_train.models.decoder import DecoderConfig
 from loong_transfermesh import MegatronLayout
 
-__all__ = ["MegatronBackend", "init_model_parallel", "megatron_problem"]
-
-
-def init_model_parallel(tp: int, pp: int, seed: int = 0) -> None:
-    """megatron-core's parallel state over the initialised world (``world / (tp * pp)``-way data
-    parallel) and its model-parallel RNG streams."""
-    from megatron.core import parallel_state, tensor_parallel
-
-    world = dist.get_world_size()
-    if world % (tp * pp):
-        raise ValueError(f"world size {world} is not a multiple of tp * pp = {tp * pp}")
-    parallel_state.initialize_model_parallel(tp, pp, create_gloo_process_groups=False)
-    with cpu_compat():
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
-
-
-_LLAMA3_FIXED = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-
-
-def megatron_problem(cfg: DecoderConfig) -> str:
-    """Why the megatron backend cannot train a model of this config ('' when it can).
-
-    It covers the fast decoder families: Qwen3 (QK-norm), Qwen2 (q/k/v biases), Llama and Mistral,
-    with rope scaling ``linear`` or ``llama3`` as megatron-core implements it (its llama3 form
-    fixes ``low_freq_factor`` 1, ``high_freq_factor`` 4 and ``original_max_position_embeddings``
-    8192, the values of Llama 3.1 and 3.2). Other biases have no place in its layer spec here.
-    """
-    if cfg.mlp_bias or (cfg.attention_bias and cfg.model_type != "qwen2"):
-        return (
-            f"{cfg.model_type} with mlp_bias / attention_bias: the local layer spec here has q/k/v "
-            "biases only (Qwen2's)"
-        )
-    scaling = cfg.rope_scaling or {}
-    odd = {k: scaling.get(k) for k, v in _LLAMA3_FIXED.items() if scaling.get(k) != v}
-    if scaling.get("rope_type", scaling.get("type")) == "llama3" and odd:
-        return f"llama3 rope scaling with {odd}: megatron-core's fixes {_LLAMA3_FIXED}"
-    return ""
-
-
-def _rope_args(cfg: DecoderConfig) -> dict:
-    """GPTModel's rope keywords for the config's rope scaling (see :func:`megatron_problem`)."""
-    scaling = cfg.rope_scaling or {}
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind == "llama3":
-        return {"rope_scaling": True, "rope_scaling_factor": float(scaling["factor"])}
-    if kind == "linear":  # positions divided by the factor: the same as every frequency
-        return {"seq_len_interpolation_factor": float(scaling["factor"])}
-    return {}
-
-
-def transformer_config(cfg: DecoderConfig, tp: int, pp: int):
-    """The megatron-core ``TransformerConfig`` of a decoder-family model, fused CUDA kernels off."""
-    from megatron.core.transformer import TransformerConfig
-
-    if cfg.num_hidden_layers % pp:
-        raise ValueError(f"{cfg.num_hidden_layers} layers do not split evenly into {pp} pipeline stages")
-    return TransformerConfig(
-        num_layers=cfg.num_hidden_layers,
-        hidden_size=cfg.hidden_size,
-        ffn_hidden_size=cfg.intermediate_size,
-        num_attention_heads=cfg.num_attention_heads,
-        num_query_groups=cfg.num_key_value_heads,
-        kv_channels=cfg.head_dim,
-        normalization="RMSNorm",
-        layernorm_epsilon=cfg.rms_norm_eps,
-        qk_layernorm=cfg.qk_norm,
-        add_qkv_bias=cfg.attention_bias,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        tensor_model_parallel_size=tp,
-        pipeline_model_parallel_size=pp,
-        pipeline_dtype=torch.float32,
-        params_dtype=torch.float32,
-        use_cpu_initialization=not torch.cuda.is_available(),
-        # Overwritten by the HF weights, but megatron-core marks tensor-parallel parameters
-        # (``tensor_model_parallel``, ``partition_dim``) only while initialising them.
-        perform_initialization=True,
-        masked_softmax_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        batch_p2p_sync=False,
-    )
+__all__ = ["MegatronBackend"]
 
 
 class MegatronBackend:
@@ -214,25 +126,14 @@ class MegatronBackend:
         return cls(config, load_hf_weights(path), **kwargs)
 
     def _build(self, hf_weights: Mapping[str, torch.Tensor]):
-        from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-        c = self.cfg
-        with cpu_compat():
-            model = GPTModel(
-                config=transformer_config(c, self.tp, self.pp),
-                transformer_layer_spec=get_gpt_layer_local_spec(
-                    qk_layernorm=c.qk_norm, normalization="RMSNorm"
-                ),
-                vocab_size=self.padded_vocab,
-                max_sequence_length=c.max_position_embeddings,
-                pre_process=self.ps.is_pipeline_first_stage(),
-                post_process=self.is_last,
-                share_embeddings_and_output_weights=c.tie_word_embeddings,
-                position_embedding_type="rope",
-                rotary_base=c.rope_theta,
-                **_rope_args(c),
-            )
+        model = gpt_model(
+            self.cfg,
+            self.tp,
+            self.pp,
+            vocab_size=self.padded_vocab,
+            pre_process=self.ps.is_pipeline_first_stage(),
+            post_process=self.is_last,
+        )
         # megatron-core allocates its parallel layers on the GPU, but the local spec's norms are
         # plain torch modules built on the CPU (Megatron's own trainer moves the model, too)
         model = model.to(self.device)
@@ -324,13 +225,13 @@ class MegatronBackend:
 
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         """[rows, max_len] logprobs of the batch's tokens under the current weights (column 0 is 0)."""
-        return self._forward_logprobs(self.model, _tensors(batch, self.device)["ids"])
+        return self._forward_logprobs(self.model, batch_tensors(batch, self.device)["ids"])
 
     # -- train -----------------------------------------------------------------------------
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step on ``batch``; returns loss and train-inference mismatch stats."""
-        t = _tensors(batch, self.device)
+        t = batch_tensors(batch, self.device)
         extra = {}
         whole = self.dp == 1 and len(self._split(t["ids"])) == 1
         if self.loss_cfg.decoupled or not whole:
@@ -489,20 +390,3 @@ class MegatronBackend:
             group=self.ps.get_pipeline_model_parallel_group(),
         )
         return box[0]
-
-
-def _tensors(batch: TrainBatch, device: torch.device) -> dict[str, torch.Tensor]:
-    """The batch's per-token lists as right-padded [rows, max_len] tensors."""
-
-    def rows(values: list, fill, dtype) -> torch.Tensor:
-        bounds = itertools.pairwise(itertools.accumulate(batch.row_lens, initial=0))
-        parts = [torch.tensor(values[a:b], dtype=dtype) for a, b in bounds]
-        return pad_sequence(parts, batch_first=True, padding_value=fill).to(device)
-
-    return {
-        "ids": rows(batch.token_ids, 0, torch.long),
-        "mask": rows(batch.loss_mask, 0, torch.float32),
-        "adv": rows(batch.advantages, 0.0, torch.float32),
-        "behaviour": rows(batch.behaviour_logprobs, 0.0, torch.float32),
-        "versions": rows(batch.versions, -1, torch.long),
-    }

@@ -24,9 +24,10 @@ import torch
 import torch.distributed as dist
 
 from loong_core.records import TrainBatch
-from loong_train.backends.megatron.backend import MegatronBackend, init_model_parallel
+from loong_train.backends.megatron.backend import MegatronBackend
+from loong_train.backends.megatron.cpu import cpu_compat
 
-__all__ = ["MegatronDriver"]
+__all__ = ["MegatronDriver", "init_model_parallel"]
 
 
 class MegatronDriver:
@@ -91,6 +92,19 @@ def _open_rank(
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     init_model_parallel(tp, pp)
     return MegatronBackend.from_pretrained(model_path, **kwargs)
+
+
+def init_model_parallel(tp: int, pp: int, seed: int = 0) -> None:
+    """megatron-core's parallel state over the initialised world (``world / (tp * pp)``-way data
+    parallel) and its model-parallel RNG streams."""
+    from megatron.core import parallel_state, tensor_parallel
+
+    world = dist.get_world_size()
+    if world % (tp * pp):
+        raise ValueError(f"world size {world} is not a multiple of tp * pp = {tp * pp}")
+    parallel_state.initialize_model_parallel(tp, pp, create_gloo_process_groups=False)
+    with cpu_compat():
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
 
 
 def _close_rank() -> None:

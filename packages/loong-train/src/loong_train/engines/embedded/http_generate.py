@@ -1,0 +1,237 @@
+"""SGLang's ``POST /generate``, served by the embedded engine.
+
+``POST /generate {input_ids, sampling_params, return_logprob, logprob_start_len,
+top_logprobs_num, rid}``: ``input_ids`` is one prompt or a batch (list of prompts). ``meta_info``:
+``id``, ``finish_reason`` (``{"type": "length", "length": n}`` or ``{"type": "stop", "matched":
+id}``), ``prompt_tokens``, ``completion_tokens``, ``cached_tokens``, ``weight_version``,
+``e2e_latency``, and with ``return_logprob``: ``output_token_logprobs`` and
+``input_token_logprobs`` as ``[logprob, token_id, None]`` triples. Input entries cover
+``input_ids[start:]`` (``start = logprob_start_len``, ``-1`` means the last prompt token); entry
+0 is always ``None`` and entry ``i`` is ``log p(x[start+i] | x[:start+i])`` at T = 1. With
+``top_logprobs_num = k`` too, ``input_top_logprobs`` holds, per input entry (``None`` first), the
+``k`` most likely ``[logprob, token_id, None]`` at that position, most likely first (prefill
+requests only: there are no ``output_top_logprobs``, so a ``top_logprobs_num`` with
+``max_new_tokens > 0`` is a 400). ``max_new_tokens = 0`` is prefill only (how teachers score).
+Output logprobs are ``log_softmax(logits / T)`` of the sampled tokens; a matched stop token is in
+``output_ids``. ``stream: true`` answers server-sent events, each the answer so far
+(``finish_reason`` on the last), then ``data: [DONE]``; a client that hangs up cancels the request.
+
+Differences from SGLang: no ``text`` input, ``stream`` for one prompt at a time (cumulative
+events, as SGLang streams by default), greedy (``temperature = 0``) and the sampling options
+other than ``max_new_tokens``, ``temperature``, ``top_p``, ``stop_token_ids`` are refused (400)
+unless left at SGLang's defaults, and so is any other SGLang field this server does not implement.
+Requests that arrive during a client's pause wait for ``/continue_generation``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import NamedTuple
+
+import msgspec
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+
+from loong_core.protocols import SamplingParams
+from loong_core.sglang_api import FinishReason, GenerateRequest, GenerateResponse, MetaInfo
+from loong_train.engines.embedded.engine import RequestAborted
+from loong_train.engines.embedded.http_control import SGLangServer
+from loong_train.engines.embedded.wire import (
+    BadRequest,
+    decode_body,
+    json_response,
+    sampling_params,
+    token_ids,
+)
+
+__all__ = ["GenerateRoutes"]
+
+
+def _refuse_unknown(raw: bytes, kind: type) -> None:
+    """A 400 naming the first field of SGLang's that this server does not implement and the
+    request set (``token_ids_logprob``, ``return_text_in_logprobs``, ``custom_logit_processor``,
+    ``lora_path``, ...): never ignored in silence. Left at an empty value, such a field is fine."""
+    try:
+        fields = msgspec.json.decode(raw or b"{}")
+    except msgspec.DecodeError:
+        return  # decode_body already answered that
+    if not isinstance(fields, dict):
+        return
+    for key, value in fields.items():
+        if key not in kind.__struct_fields__ and value not in (None, False, [], {}, ""):
+            raise BadRequest(key, "is not supported by the embedded server (SGLang's default only)")
+
+
+def _request_ids(rid: str | list[str] | None, batch: bool, n: int) -> list[str]:
+    """One id per prompt, as SGLang's ``_normalize_rid``: a list as given (one per prompt), a
+    batch under one id as ``<rid>_<i>``, a fresh uuid where none is given."""
+    if not batch and isinstance(rid, list):
+        raise BadRequest("rid", "must be a string for a single prompt")
+    if isinstance(rid, list) and len(rid) != n:
+        raise BadRequest("rid", f"a list needs one id per prompt: {n} prompts, {len(rid)} ids")
+    if isinstance(rid, list):
+        return list(rid)
+    if batch:
+        return [f"{rid}_{i}" if rid else uuid.uuid4().hex for i in range(n)]
+    return [rid or uuid.uuid4().hex]
+
+
+class _Job(NamedTuple):
+    """One prompt of a ``/generate`` request, checked: ``start`` is the first position of
+    ``input_token_logprobs`` (``logprob_start_len`` resolved), ``top_k`` is ``top_logprobs_num``."""
+
+    prompt: list[int]
+    sampling: SamplingParams
+    max_new: int
+    logprob: bool
+    start: int
+    rid: str
+    top_k: int
+
+
+class GenerateRoutes:
+    """``/generate`` over the engine of ``server``."""
+
+    def __init__(self, server: SGLangServer) -> None:
+        self._server, self.engine = server, server.engine
+
+    @property
+    def vocab(self) -> int:
+        return self.engine.model.config.vocab_size
+
+    async def generate(self, request: Request) -> Response:
+        body = await decode_body(request, GenerateRequest)
+        _refuse_unknown(await request.body(), GenerateRequest)
+        if body.text is not None:
+            raise BadRequest("text", "this server takes input_ids only (it has no tokenizer)")
+        ids = body.input_ids
+        batch = bool(ids) and isinstance(ids[0], list)
+        prompts = ids if batch else [ids]
+        raw = body.sampling_params
+        raws = raw if isinstance(raw, list) else [raw] * len(prompts)
+        if len(raws) != len(prompts):
+            raise BadRequest("sampling_params", "a list must have one entry per prompt")
+        rids = _request_ids(body.rid, batch, len(prompts))
+        jobs = []
+        for i, (prompt, sp) in enumerate(zip(prompts, raws, strict=True)):
+            suffix = f"[{i}]" if batch else ""
+            sp_field = "sampling_params" + (suffix if isinstance(raw, list) else "")
+            jobs.append(self._job(body, prompt, "input_ids" + suffix, sp, sp_field, rids[i]))
+        await self._server.wait_resumed()
+        if body.stream:
+            if batch:
+                raise BadRequest("stream", "streams one prompt at a time here (send a batch unstreamed)")
+            return StreamingResponse(self._stream(*jobs[0]), media_type="text/event-stream")
+        results = await asyncio.gather(*(self._one(*job) for job in jobs))
+        return json_response(results if batch else results[0])
+
+    def _job(self, body: GenerateRequest, prompt, field: str, sp, sp_field: str, rid: str) -> _Job:
+        """Check one prompt (``field`` names it) and its sampling parameters (``sp_field``)."""
+        prompt = token_ids(prompt, field, self.vocab)
+        sampling, max_new = sampling_params(sp, sp_field)
+        positions = self.engine.model.config.max_position_embeddings
+        if positions and len(prompt) + max_new > positions:  # SGLang's check, SGLang's 400
+            raise BadRequest(
+                field,
+                f"the prompt has {len(prompt)} tokens and max_new_tokens is {max_new}: together more "
+                f"than the model's context length of {positions}",
+            )
+        top_k = body.top_logprobs_num or 0
+        if top_k and max_new > 0:
+            raise BadRequest(
+                "top_logprobs_num",
+                "gives input_top_logprobs only here (prefill, max_new_tokens = 0): output_top_logprobs "
+                "are not implemented",
+            )
+        start = body.logprob_start_len
+        first = len(prompt) - 1 if start in (None, -1) else start
+        if not 0 <= first < len(prompt):
+            raise BadRequest("logprob_start_len", f"must be -1 or in [0, {len(prompt)})")
+        return _Job(prompt, sampling, max_new, bool(body.return_logprob), first, rid, top_k)
+
+    async def _prompt_logprobs(self, prompt, logprob: bool, start: int, top_k: int) -> tuple[dict, int]:
+        """The ``input_*`` logprob fields asked for, and the weight version that scored them."""
+        logprobs: dict = {}
+        version = self.engine.weight_version
+        if logprob:
+            scores: list[float] = []
+            if start < len(prompt) - 1 and top_k:
+                scores, top, version = await self.engine.score_top(prompt, top_k)
+                logprobs["input_top_logprobs"] = [None] + [
+                    [(lp, t, None) for lp, t in top[j - 1]] for j in range(start + 1, len(prompt))
+                ]
+            elif start < len(prompt) - 1:
+                scores, version = await self.engine.score(prompt)
+            if top_k and "input_top_logprobs" not in logprobs:  # only the first entry: SGLang's [None]
+                logprobs["input_top_logprobs"] = [None]
+            logprobs["input_token_logprobs"] = [(None, prompt[start], None)] + [
+                (scores[j - 1], prompt[j], None) for j in range(start + 1, len(prompt))
+            ]
+        return logprobs, version
+
+    def _answer(self, prompt, rid, out, lps, version, logprobs, finish, t0) -> GenerateResponse:
+        if "input_token_logprobs" in logprobs:
+            logprobs = logprobs | {
+                "output_token_logprobs": [(lp, t, None) for lp, t in zip(lps, out, strict=True)]
+            }
+        meta = MetaInfo(
+            id=rid, finish_reason=finish, prompt_tokens=len(prompt), completion_tokens=len(out),
+            cached_tokens=0, weight_version=self._server.label_of(version),
+            e2e_latency=time.perf_counter() - t0, **logprobs,
+        )  # fmt: skip
+        return GenerateResponse(output_ids=list(out), meta_info=meta)
+
+    @staticmethod
+    def _finish(out: list[int], sampling: SamplingParams, max_new: int, aborted: bool) -> FinishReason:
+        if aborted:
+            return FinishReason(type="abort", message="Aborted by pause_generation (mode abort).")
+        if out and out[-1] in sampling.stop_token_ids:
+            return FinishReason(type="stop", matched=out[-1])
+        return FinishReason(type="length", length=max_new)
+
+    async def _one(
+        self, prompt, sampling: SamplingParams, max_new: int, logprob: bool, start: int, rid, top_k: int
+    ) -> GenerateResponse:
+        t0 = time.perf_counter()
+        logprobs, version = await self._prompt_logprobs(prompt, logprob, start, top_k)
+        out: list[int] = []
+        lps: list[float] = []
+        aborted = False
+        if max_new > 0:
+            try:
+                span = await self.engine.generate(prompt, sampling)
+            except RequestAborted as e:
+                span, aborted = e.span, True
+            out, lps, version = span.token_ids, span.logprobs, span.weight_version
+        finish = self._finish(out, sampling, max_new, aborted)
+        return self._answer(prompt, rid, out, lps, version, logprobs, finish, t0)
+
+    async def _stream(
+        self, prompt, sampling: SamplingParams, max_new: int, logprob: bool, start: int, rid, top_k: int
+    ) -> AsyncIterator[bytes]:
+        """SGLang's streamed ``/generate``: one event per batch of new tokens, each carrying the
+        whole answer so far (``output_ids`` and logprobs cumulative, SGLang's default without
+        ``--incremental-streaming-output``), ``finish_reason`` only on the last; then ``[DONE]``.
+        A client that hangs up cancels the request."""
+        t0 = time.perf_counter()
+        logprobs, version = await self._prompt_logprobs(prompt, logprob, start, top_k)
+        out: list[int] = []
+        lps: list[float] = []
+        aborted = False
+        if max_new > 0:
+            try:
+                async with contextlib.aclosing(self.engine.stream(prompt, sampling)) as deltas:
+                    async for delta in deltas:
+                        out, lps, version = out + delta.token_ids, lps + delta.logprobs, delta.weight_version
+                        answer = self._answer(prompt, rid, out, lps, version, logprobs, None, t0)
+                        yield b"data: " + msgspec.json.encode(answer) + b"\n\n"
+            except RequestAborted as e:
+                out, lps, version, aborted = e.span.token_ids, e.span.logprobs, e.span.weight_version, True
+        finish = self._finish(out, sampling, max_new, aborted)
+        answer = self._answer(prompt, rid, out, lps, version, logprobs, finish, t0)
+        yield b"data: " + msgspec.json.encode(answer) + b"\n\n"
+        yield b"data: [DONE]\n\n"
