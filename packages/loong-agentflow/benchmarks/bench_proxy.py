@@ -32,7 +32,7 @@ import pytest
 
 from loong_agentflow.agent import EpisodeSpec
 from loong_agentflow.proxy import ProxyServer
-from loong_agentflow.proxy_render import ChatMLRenderer
+from loong_agentflow.proxy.render import ChatMLRenderer
 from loong_core.protocols import SamplingParams
 from loong_core.records import EpisodeStatus, SpanSource, TokenSpan
 

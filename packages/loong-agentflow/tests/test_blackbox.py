@@ -22,7 +22,7 @@ from agentflow_testkit import CODEC, BigramEngine, ScriptedBigramPolicy, referen
 from loong_agentflow.agent import EpisodeSpec
 from loong_agentflow.blackbox import AgentProgram, BlackBoxRunner
 from loong_agentflow.proxy import ProxyServer
-from loong_agentflow.proxy_render import ChatMLRenderer
+from loong_agentflow.proxy.render import ChatMLRenderer
 from loong_core.records import EpisodeStatus, SpanSource
 
 pytestmark = pytest.mark.integration

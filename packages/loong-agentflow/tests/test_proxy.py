@@ -18,7 +18,7 @@ from agentflow_testkit import CODEC, BigramEngine, ScriptedBigramPolicy, WholeBi
 
 from loong_agentflow.agent import EpisodeSpec
 from loong_agentflow.proxy import ProxyConfig, ProxyServer
-from loong_agentflow.proxy_render import ChatMLRenderer
+from loong_agentflow.proxy.render import ChatMLRenderer
 from loong_core.protocols import SamplingParams
 from loong_core.records import EpisodeStatus, SpanSource, TokenSpan
 

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from loong_agentflow.agent import EpisodeSpec
 from loong_agentflow.proxy import ProxyConfig, ProxyServer
-from loong_agentflow.proxy_render import ChatMLRenderer
+from loong_agentflow.proxy.render import ChatMLRenderer
 from loong_core.records import EpisodeStatus
 
 pytestmark = pytest.mark.integration
@@ -185,7 +185,7 @@ def test_live_text_shows_exactly_the_finished_answer(parts, stops, sizes, chat, 
     """Whatever the chunking, the text a live stream shows, then its rest, is the finished
     choice's content (chat) or text, and the tokens it sent, then the rest, are the kept ones;
     the finished choice equals the one cut from the whole completion."""
-    from loong_agentflow.proxy_chat import LiveText, finish_choice
+    from loong_agentflow.proxy.choices import LiveText, finish_choice
     from loong_core.records import SpanSource, TokenSpan
 
     def span(ids: list[int]) -> TokenSpan:

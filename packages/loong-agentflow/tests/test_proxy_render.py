@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from agentflow_testkit import CODEC, SPECIALS, VOCAB
 
-from loong_agentflow.proxy_render import ChatMLRenderer, HFChatRenderer, split_completion
+from loong_agentflow.proxy.render import ChatMLRenderer, HFChatRenderer, split_completion
 from loong_agentflow.tools import ToolCall
 
 TEMPLATE = (

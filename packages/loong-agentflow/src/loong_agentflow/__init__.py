@@ -15,8 +15,8 @@ from loong_agentflow.blackbox import AgentProgram, BlackBoxRunner
 from loong_agentflow.chat_template import TemplateChat, chat_format
 from loong_agentflow.env import EnvAgent, Environment, GymTextEnv, SkyRLTextEnv, StepResult
 from loong_agentflow.proxy import ProxyConfig, ProxyServer
-from loong_agentflow.proxy_render import ChatMLRenderer, ChatRenderer, HFChatRenderer
-from loong_agentflow.proxy_session import ProxySession
+from loong_agentflow.proxy.render import ChatMLRenderer, ChatRenderer, HFChatRenderer
+from loong_agentflow.proxy.session import ProxySession
 from loong_agentflow.sglang_client import SGLangClientConfig, SGLangEngine, SGLangError
 from loong_agentflow.tokens import TextCodec, TokenBuffer
 from loong_agentflow.tools import (

@@ -41,7 +41,7 @@ from typing import Any
 from loong_agentflow.agent import EpisodeSpec
 from loong_agentflow.forkserver import ForkedProcess, ForkServer
 from loong_agentflow.proxy import ProxyServer
-from loong_agentflow.proxy_session import ProxySession
+from loong_agentflow.proxy.session import ProxySession
 from loong_core.records import EpisodeStatus, Trajectory
 
 __all__ = ["AgentProgram", "BlackBoxRunner"]
@@ -99,7 +99,7 @@ class BlackBoxRunner:
         return list(await asyncio.gather(*(self.run(s) for s in specs)))
 
     async def run(self, spec: EpisodeSpec) -> list[Trajectory]:
-        """One episode: its trajectory rows (see :class:`~loong_agentflow.proxy_session.ProxySession`)."""
+        """One episode: its trajectory rows (see :class:`~loong_agentflow.proxy.session.ProxySession`)."""
         async with self._slots:
             session = self.proxy.open_session(spec)
             try:

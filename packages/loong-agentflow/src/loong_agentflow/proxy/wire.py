@@ -116,6 +116,14 @@ class _Common(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     user: str | None = None
     return_token_ids: bool = False  # vLLM's extension: prompt_token_ids and choices[].token_ids
 
+    def stop_strings(self) -> list[str]:
+        """``stop`` as a list (one string, several, or none)."""
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or ())
+
+    def streams_usage(self) -> bool:
+        """Whether a streamed answer ends with a usage chunk (``stream_options.include_usage``)."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
 
 class ChatRequest(_Common, kw_only=True, forbid_unknown_fields=True):
     messages: list[Message]

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import msgspec
 
-from loong_agentflow.proxy_wire import ApiError, Message
+from loong_agentflow.proxy.wire import ApiError, Message
 from loong_core.records import EpisodeStatus, SpanSource, TokenSpan, Trajectory
 
 if TYPE_CHECKING:
@@ -140,6 +140,21 @@ class ProxySession:
                     ids = span.token_ids[:-1] if closed else span.token_ids
                     return call.prompt_ids + ids, rest[len(shown) :]
         return None
+
+    def capped(self, max_new: int) -> int:
+        """``max_new`` capped to what is left of the episode's model-token budget (0: unlimited).
+
+        A call once the budget is used up is a 400 ``context_length_exceeded``, and the episode
+        counts as truncated."""
+        if not self.max_model_tokens:
+            return max_new
+        left = self.max_model_tokens - self.model_tokens
+        if left <= 0:
+            self.budget_exhausted = True
+            raise ApiError(
+                400, "The episode's model-token budget is used up.", code="context_length_exceeded"
+            )
+        return min(max_new, left)
 
     def record(self, call: CallRecord) -> None:
         self.calls.append(call)

@@ -20,14 +20,15 @@ and the model's tokens are never re-tokenized. Two renderers ship:
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
 from loong_agentflow.chat_template import TemplateChat
+from loong_agentflow.proxy.wire import ApiError
 from loong_agentflow.tokens import Piece, TextCodec, encode_pieces, joined
 from loong_agentflow.tools import ToolCall, parse_tool_calls
 
-__all__ = ["ChatMLRenderer", "ChatRenderer", "HFChatRenderer", "split_completion"]
+__all__ = ["ChatMLRenderer", "ChatRenderer", "HFChatRenderer", "split_completion", "tokenized"]
 
 Messages = Sequence[dict[str, Any]]
 
@@ -70,6 +71,16 @@ def split_completion(text: str) -> tuple[str | None, list[ToolCall]]:
         return text, []
     content = text[:start]
     return (content if content.strip() else None), calls
+
+
+def tokenized(render: Callable[..., list[int]], *args: Any, param: str = "messages") -> list[int]:
+    """``render(*args)``; text the tokenizer or chat template cannot take is the request's 400."""
+    try:
+        return render(*args)
+    except (KeyError, ValueError, TypeError, UnicodeError) as e:
+        raise ApiError(
+            400, f"Invalid '{param}': it cannot be tokenized ({type(e).__name__}: {e}).", param=param
+        ) from None
 
 
 def _tool_call_text(call: dict[str, Any]) -> str:
