@@ -193,7 +193,7 @@ def _preflight(recipe: Recipe) -> Task:
     r, blackbox = recipe.rollout, isinstance(recipe.agent, BlackboxAgentConfig)
     if blackbox:
         agent_program(recipe.agent, task, EpisodeLimits(r.max_turns, r.max_model_tokens, r.episode_timeout_s))
-    if r.tool_latency_ms and (blackbox or callable(getattr(task, "agent", None))):
+    if r.tool_latency_ms and (blackbox or task.runs_own_agent):
         owner = "agent.type = 'blackbox'" if blackbox else f"task {recipe.task!r} (an environment)"
         raise ConfigError(
             f"rollout.tool_latency_ms = {r.tool_latency_ms} delays the tools Loong runs for white-box "

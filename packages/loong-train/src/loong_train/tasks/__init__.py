@@ -128,5 +128,7 @@ def build_task(name: str | Callable[[], Task], tables: TaskTables | None = None)
 
 def _checked(task: object, what: str) -> Task:
     if not isinstance(task, Task):
-        raise ValueError(f"task {what} returned {type(task).__name__}, which is not a Task")
+        raise ValueError(
+            f"task {what} returned {type(task).__name__}, which is not a Task: subclass loong_train.tasks.Task"
+        )
     return task

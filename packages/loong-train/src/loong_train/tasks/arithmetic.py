@@ -18,7 +18,7 @@ import re
 from collections.abc import Iterator, Sequence
 
 from loong_agentflow import ToolRegistry
-from loong_train.tasks.base import Item, answer_demonstration
+from loong_train.tasks.base import Item, Task, answer_demonstration
 
 __all__ = ["ArithmeticTask", "last_integer"]
 
@@ -46,7 +46,7 @@ def _questions() -> list[Item]:
     ]
 
 
-class ArithmeticTask:
+class ArithmeticTask(Task):
     """The ``arithmetic`` task (see the module docstring)."""
 
     def __init__(self) -> None:

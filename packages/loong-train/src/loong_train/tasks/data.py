@@ -47,7 +47,7 @@ from typing import Any
 
 from loong_agentflow import ToolRegistry
 from loong_core.config import ConfigError
-from loong_train.tasks.base import AgentCommand, Item, answer_demonstration
+from loong_train.tasks.base import AgentCommand, Item, Task, answer_demonstration
 from loong_train.tasks.config import DataConfig, RewardConfig, get_dotted
 from loong_train.tasks.readers import dataset_rows, iter_rows, read_rows
 from loong_train.tasks.reward import RewardFn, load_reward
@@ -85,7 +85,7 @@ def shuffled_cycle(items: list[Item], seed: int, held_out: Sequence[Item]) -> It
         yield from (rows[i] for i in order)
 
 
-class RowsTask:
+class RowsTask(Task):
     """What a task over a list of items shares: ``self.train`` and ``self.eval`` (held out), an
     endless seeded stream of the training items, no tools, no agent program of its own."""
 

@@ -33,7 +33,7 @@ from collections.abc import Iterator, Sequence
 
 from loong_agentflow import ToolRegistry
 from loong_core.config import ConfigError
-from loong_train.tasks.base import AgentCommand, Item, answer_demonstration
+from loong_train.tasks.base import AgentCommand, Item, Task, answer_demonstration
 from loong_train.tasks.config import ReasoningGymConfig
 
 __all__ = ["PREFIX", "ReasoningGymConfig", "ReasoningGymTask"]
@@ -42,7 +42,7 @@ PREFIX = "reasoning_gym"
 log = logging.getLogger("loong.reasoning_gym")
 
 
-class ReasoningGymTask:
+class ReasoningGymTask(Task):
     """A :class:`~loong_train.tasks.Task` over reasoning-gym datasets (no tools)."""
 
     def __init__(self, config: ReasoningGymConfig, dataset: str = "") -> None:

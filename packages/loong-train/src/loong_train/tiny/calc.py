@@ -18,7 +18,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from loong_agentflow import ChatML, Tool, ToolRegistry, ToolResult
-from loong_train.tasks.base import AgentCommand
+from loong_train.tasks.base import AgentCommand, Task
 
 __all__ = [
     "EVAL_SEED",
@@ -110,14 +110,14 @@ def calc_agent_command() -> AgentCommand:
     )
 
 
-class CalcTask:
+class CalcTask(Task):
     """The ``calc`` task as a :class:`~loong_train.tasks.Task`, plus what the tiny warm start uses:
     ``probe`` sets (other seeds than the held-out one) and expert ``demonstration`` episodes."""
 
     def held_out(self, n: int) -> list[dict[str, Any]]:
         return eval_tasks(n, EVAL_SEED)
 
-    def probe(self, n: int, seed: int) -> list[dict[str, Any]]:
+    def probe(self, n: int, seed: int, held_out: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
         return eval_tasks(n, seed)
 
     def train_stream(self, seed: int, held_out: Sequence[dict[str, Any]]) -> Iterator[dict[str, Any]]:

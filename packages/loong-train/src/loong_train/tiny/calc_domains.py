@@ -62,7 +62,7 @@ class CalcDomainsTask(calc.CalcTask):
     def held_out(self, n: int) -> list[dict[str, Any]]:
         return eval_tasks(n, EVAL_SEED, self.domains)
 
-    def probe(self, n: int, seed: int) -> list[dict[str, Any]]:
+    def probe(self, n: int, seed: int, held_out: Sequence[dict[str, Any]] = ()) -> list[dict[str, Any]]:
         return eval_tasks(n, seed, self.domains)
 
     def train_stream(self, seed: int, held_out: Sequence[dict[str, Any]]) -> Iterator[dict[str, Any]]:

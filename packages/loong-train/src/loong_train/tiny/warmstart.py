@@ -57,7 +57,7 @@ def tokenizer_corpus(recipe: Recipe, n: int = 2000) -> list[str]:
     the model will see them (the demonstration's transcript; the prompt for a task without one)."""
     task = build_task(recipe.task, recipe.task_tables)
     items = itertools.islice(task.train_stream(recipe.seed + 3, task.held_out(recipe.eval.num_tasks)), n)
-    if hasattr(task, "demonstration"):
+    if task.demonstrates:
         return ["".join(text for text, _ in task.demonstration(item)) for item in items]
     return [ChatML.prompt(item["messages"]) for item in items]
 
@@ -94,10 +94,10 @@ def probe_episodes(
     specs = [EpisodeSpec(f"probe-{i}", f"probe-{i}", t) for i, t in enumerate(tasks)]
     limits = EpisodeLimits(max_turns=r.max_turns, max_model_tokens=r.max_model_tokens)
     task = task or build_task(recipe.task, recipe.task_tables)
-    agent = task.agent() if hasattr(task, "agent") else ToolAgent(task.tools(), task.reward)
+    agent = task.agent() or ToolAgent(task.tools(), task.reward)
     codec = HFCodec(tokenizer)
     trajs = asyncio.run(run_episodes(agent, specs, engine, codec, sampling, limits))
-    if (group := getattr(task, "group_reward", None)) is not None:  # each probe episode is a group of one
+    if (group := task.group_reward) is not None:  # each probe episode is a group of one
         text = functools.partial(final_turn, decode=codec.decode, strip_end=ChatML.strip_end)
         score_groups(group, trajs, {s.sample_id: s.task for s in specs}, text)
     model.train()
@@ -142,10 +142,7 @@ def warm_start(path: Path, recipe: Recipe) -> dict:
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, w.warmup_steps)))
     task = _demonstrated(recipe)
     held_out = task.held_out(recipe.eval.num_tasks)
-    if hasattr(task, "probe"):
-        probe = task.probe(w.eval_tasks, seed=recipe.seed + 7)  # a probe set, not the held-out eval
-    else:
-        probe = list(itertools.islice(task.train_stream(recipe.seed + 7, held_out), w.eval_tasks))
+    probe = task.probe(w.eval_tasks, recipe.seed + 7, held_out)  # a probe set, not the held-out eval
     stream = task.train_stream(recipe.seed + 1, held_out)
     success, domains, step = 0.0, {}, 0
     bar = tqdm(range(1, w.steps + 1), desc="warm start", unit="step", leave=False)
@@ -185,7 +182,7 @@ def warm_start(path: Path, recipe: Recipe) -> dict:
 def _demonstrated(recipe: Recipe) -> Task:
     """The recipe's task when the warm start can train on it (it has demonstrations)."""
     task = build_task(recipe.task, recipe.task_tables)
-    if not hasattr(task, "demonstration"):
+    if not task.demonstrates:
         raise ValueError(
             f"the tiny warm start trains on a task's demonstrations; task {recipe.task!r} has none "
             "(a task defines demonstration(item), see loong_train.tasks.base): "

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import inspect
 import logging
 import os
 import threading
@@ -44,6 +43,13 @@ __all__ = ["RolloutWorker"]
 
 
 log = logging.getLogger("loong.rollout")
+
+
+def _tool_agent(task: Task, chat, latency: Latency | None, seed: int) -> ToolAgent:
+    """The agent of a task that runs no agent of its own: its tools (delayed by ``latency``, as a
+    sandbox or web API would) and its reward."""
+    tools = task.tools().with_latency(latency, seed) if latency else task.tools()
+    return ToolAgent(tools, task.reward, chat)
 
 
 class RolloutWorker:
@@ -100,28 +106,27 @@ class RolloutWorker:
         self.chat = chat = chat_format(tokenizer)  # the model's own layout, unless it renders as ChatML does
         if chat is not ChatML:
             log.info("white-box episodes use %s's own chat template (it differs from ChatML)", model_path)
-        own = getattr(self.task, "agent", None)  # a task that drives its episodes (environments)
-        if callable(own):
-            self.agent = own(chat=chat) if "chat" in inspect.signature(own).parameters else own()
-        else:
-            tools = self.task.tools().with_latency(tool_latency, seed) if tool_latency else self.task.tools()
-            self.agent = ToolAgent(tools, self.task.reward, chat)
-        self.blackbox = (
-            BlackBoxHost(self.engine, tokenizer, agent, self.sampling, self.limits, self.task)
-            if isinstance(agent, BlackboxAgentConfig)
-            else None
-        )
-        self.host = (  # white-box episodes: updates may land mid-call (partial rollouts)
-            build_host(self.engine) if self.blackbox is None else None
-        )
+        self.agent = self.task.agent(chat) or _tool_agent(self.task, chat, tool_latency, seed)
+        self.blackbox, self.host = self._episode_runner(agent, tokenizer)
         self.between_calls = (engine or EmbeddedEngineConfig()).partial == "off"
-        if version:  # resumed: ``model_path`` is a checkpoint of this version
-            self.engine.set_version(version)
         self._calls_lock, self._calls, self._calls_since, self.busy_s = threading.Lock(), 0, 0.0, 0.0
-        # an engine without a host copy is updated by the trainer itself (weights = "direct")
+        self._open_weights(transport or TransportConfig(), version)
+
+    def _episode_runner(self, agent: AgentConfig | None, tokenizer) -> tuple[BlackBoxHost | None, Any]:
+        """Black-box episodes run through a :class:`BlackBoxHost`; white-box ones through the
+        engine's host, where updates may land mid-call (partial rollouts)."""
+        if isinstance(agent, BlackboxAgentConfig):
+            return BlackBoxHost(self.engine, tokenizer, agent, self.sampling, self.limits, self.task), None
+        return None, build_host(self.engine)
+
+    def _open_weights(self, transport: TransportConfig, version: int) -> None:
+        """Start at ``version`` (resumed: the engine loaded that checkpoint) and take the trainer's
+        updates from ``transport``; an engine without a host copy is updated by the trainer itself
+        (``weights = "direct"``) and has no receiver."""
+        if version:
+            self.engine.set_version(version)
         self.receiver = None
         if self.engine.model is not None:
-            transport = transport or TransportConfig()
             self.receiver = open_receiver(transport, background=True)  # pushes never wait for our apply
             self._catch_up(transport)
 
@@ -160,7 +165,7 @@ class RolloutWorker:
         finally:
             self._call_ended()
         self.engine.check()  # a server given up on fails the call, not just its episodes
-        if (group := getattr(self.task, "group_reward", None)) is not None:
+        if (group := self.task.group_reward) is not None:
             score_groups(group, out, {s.sample_id: s.task for s in specs}, self._final_turn)
         if self.overlong[0] and not evaluation:
             shape_overlong(out, self.budget, *self.overlong)
