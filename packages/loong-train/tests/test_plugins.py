@@ -32,7 +32,8 @@ def test_a_model_builder_registered_in_code_is_the_one_used(monkeypatch, tmp_pat
         def build(self, recipe, out: Path) -> str:
             return f"built {recipe.name} into {out}"
 
-    monkeypatch.setattr(plugins, "_models", list(plugins._models))
+    monkeypatch.setattr(plugins, "_models", list(plugins._models))  # the registry is restored after
+    monkeypatch.setattr(plugins, "_loaded", plugins._loaded)
     plugins.register_models(Fixed())
     from loong_train.config import load_recipe
     from loong_train.controller import _prepare_model
