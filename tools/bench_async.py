@@ -103,8 +103,8 @@ def engine_costs(
             out = worker.rollout([s for _ in range(groups) for s in source.specs(source.next_group())])
             points.append([stats.steps - before[0], stats.tokens - before[1], stats.busy_s - before[2]])
             if groups == 1:
-                times.append(out["end"] - out["start"])
-                turns += [sum(1 for span in t.spans if span.is_model) for t in out["trajectories"]]
+                times.append(out.end - out.start)
+                turns += [sum(1 for span in t.spans if span.is_model) for t in out.trajectories]
     finally:
         worker.close()
     logs = [math.log(t) for t in times]
@@ -127,7 +127,7 @@ def _calibration_recipe(recipe_name: str, sets: dict):
 def _calibration_worker(recipe, cache: Path, threads: int, name: str):
     """An in-process rollout worker on the recipe's warm-started model, and a source of its
     training groups."""
-    from loong_train.pipeline import GroupSource
+    from loong_train.source import GroupSource
     from loong_train.tasks import build_task
     from loong_train.tiny.warmstart import prepare_model
     from loong_train.workers.rollout import RolloutWorker
@@ -194,7 +194,7 @@ def shared_core_costs(
     recipe = _calibration_recipe(recipe_name, sets)
     worker, source = _calibration_worker(recipe, cache, engine_threads, "bench-shared")
     try:
-        trajectories = worker.rollout(_call(recipe, source))["trajectories"]  # warm-up, and a batch
+        trajectories = worker.rollout(_call(recipe, source)).trajectories  # warm-up, and a batch
         # The cost of a step does not depend on the advantages' values.
         batch = pack_batch(trajectories, [(-1.0) ** i for i in range(len(trajectories))], policy_version=0)
 
@@ -338,10 +338,9 @@ def predict(
     configuration's overrides), from the engine's and the trainer's measured costs, in units of
     the solo group time ``engine["group_s"]``, and how much they slow each other down where they
     overlap (``shared``, :func:`shared_core_costs`; none: not at all)."""
-    from loong_train.config import load_recipe
+    import simulate  # tools/simulate.py: tools/ is on the path of this script and of the tests
 
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    import simulate  # tools/simulate.py, beside this script
+    from loong_train.config import load_recipe
 
     recipe = load_recipe(recipe_name, [f"{k}={v}" for k, v in sets.items()])
     r, t, u = recipe.rollout, recipe.train, engine["group_s"]

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 import threading
 import time
 
@@ -22,6 +21,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from loong_agentflow.sglang_client import SGLangClientConfig, SGLangEngine, SGLangError
+from loong_core.net import free_port
 from loong_core.protocols import RolloutEngine, SamplingParams
 
 
@@ -104,9 +104,7 @@ def test_client_errors_are_not_retried_and_carry_the_message():
 
 
 def test_unreachable_server_fails_after_the_retries():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]  # nothing listens once the socket closes
+    port = free_port()  # nothing listens there
     with pytest.raises(SGLangError, match="unreachable after 3 tries"):
         _generate(f"http://127.0.0.1:{port}", retries=2)
 

@@ -40,6 +40,7 @@ def test_exports_are_pinned():
         "decode",
         "dump_toml",
         "encode",
+        "free_port",
         "load_config",
         "read_metrics",
     ]

@@ -1,5 +1,4 @@
-"""Records: msgpack/JSON round trips, derived Trajectory views against hand-built examples, and one
-``validate()`` failure per stated invariant."""
+"""Records: msgpack/JSON round trips and derived Trajectory views against hand-built examples."""
 
 from __future__ import annotations
 
@@ -7,6 +6,7 @@ import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from records_testkit import E, M, P, T, distilled_batch, example_batch, example_manifest, example_trajectory
 
 import loong_core.records as records_module
 from loong_core.records import (
@@ -14,71 +14,11 @@ from loong_core.records import (
     SpanSource,
     TensorEntry,
     TokenSpan,
-    TrainBatch,
     Trajectory,
     WeightManifest,
     decode,
     encode,
 )
-
-M, P, T, E = SpanSource.MODEL, SpanSource.PROMPT, SpanSource.TOOL, SpanSource.ENV
-
-
-def _example_trajectory() -> Trajectory:
-    """prompt(3) model(2, v=4) tool(1) model(3, per-token versions 5,5,6) env(2)."""
-    return Trajectory(
-        sample_id="s-1",
-        group_id="g-1",
-        spans=[
-            TokenSpan([10, 11, 12], P),
-            TokenSpan([20, 21], M, logprobs=[-0.5, -0.25], weight_version=4),
-            TokenSpan([30], T),
-            TokenSpan([40, 41, 42], M, logprobs=[-1.0, -2.0, -3.0], weight_version=5, versions=[5, 5, 6]),
-            TokenSpan([50, 51], E),
-        ],
-        reward=0.75,
-        status=EpisodeStatus.TRUNCATED,
-        turn_rewards=[0.5, 0.25],
-        tags={"task": "calc"},
-        info={"wall_s": "1.5"},
-    )
-
-
-def _example_batch() -> TrainBatch:
-    return TrainBatch(
-        token_ids=[1, 2, 3, 4, 5],
-        loss_mask=[0, 1, 1, 0, 1],
-        advantages=[0.0, 0.5, 0.5, 0.0, -1.0],
-        behaviour_logprobs=[0.0, -0.1, -0.2, 0.0, -0.3],
-        versions=[-1, 3, 3, -1, 2],
-        row_lens=[3, 2],
-        sample_ids=["a", "b"],
-        policy_version=4,
-        row_tags=[{"domain": "add"}, {"domain": "mul"}],
-    )
-
-
-def _distilled_batch() -> TrainBatch:
-    """The example batch with dense distillation targets, k = 2."""
-    return msgspec.structs.replace(
-        _example_batch(),
-        teacher_topk_ids=[7, 8, 2, 9, 3, 1, 4, 6, 5, 0],
-        teacher_topk_logprobs=[-0.1, -2.5, -0.2, -1.9, -0.3, -1.4, -0.4, -1.2, -0.5, -1.0],
-        distill_coef=[0.0, 1.0, 1.0, 0.0, 0.5],
-    )
-
-
-def _example_manifest() -> WeightManifest:
-    return WeightManifest(
-        version=7,
-        tensors=[
-            TensorEntry("w", [2, 3], "float32", bucket=0, offset=0, nbytes=24),
-            TensorEntry("b", [3], "bfloat16", bucket=0, offset=64, nbytes=6),
-            TensorEntry("big", [40], "int64", bucket=1, offset=0, nbytes=320),
-        ],
-        bucket_sizes=[128, 320],
-        checksums=[123, 456],
-    )
 
 
 def test_exports() -> None:
@@ -103,10 +43,10 @@ def test_exports() -> None:
 @pytest.mark.parametrize(
     "record",
     [
-        _example_trajectory(),
-        _example_batch(),
-        _distilled_batch(),
-        _example_manifest(),
+        example_trajectory(),
+        example_batch(),
+        distilled_batch(),
+        example_manifest(),
         TensorEntry("x", [], "int64", 0, 0, 8),
         TokenSpan([1, 2], M, logprobs=[-0.5, -1.5], weight_version=0),
     ],
@@ -120,16 +60,16 @@ def test_msgpack_and_json_round_trip(record: msgspec.Struct) -> None:
 
 
 def test_round_trip_restores_enums_not_strings() -> None:
-    back = decode(encode(_example_trajectory()), Trajectory)
+    back = decode(encode(example_trajectory()), Trajectory)
     assert back.status is EpisodeStatus.TRUNCATED
     assert [s.source for s in back.spans] == [P, M, T, M, E]
     assert all(type(s.source) is SpanSource for s in back.spans)
     # derived views depend on enum identity, so they must survive the wire
-    assert back.loss_mask == _example_trajectory().loss_mask
+    assert back.loss_mask == example_trajectory().loss_mask
 
 
 def test_wire_format_uses_enum_values() -> None:
-    as_json = msgspec.json.decode(msgspec.json.encode(_example_trajectory()))
+    as_json = msgspec.json.decode(msgspec.json.encode(example_trajectory()))
     assert as_json["status"] == "truncated"
     assert [s["source"] for s in as_json["spans"]] == ["prompt", "model", "tool", "model", "env"]
 
@@ -164,7 +104,7 @@ def test_decode_rejects_malformed_payloads(payload: dict, kind: type) -> None:
 
 def test_decode_rejects_the_wrong_record_kind() -> None:
     with pytest.raises(msgspec.ValidationError):
-        decode(encode(_example_batch()), Trajectory)
+        decode(encode(example_batch()), Trajectory)
 
 
 _finite = st.floats(allow_nan=False, allow_infinity=False, width=64)
@@ -230,7 +170,7 @@ def test_trajectory_round_trip_property(traj: Trajectory) -> None:
 
 
 def test_trajectory_derived_views_hand_built() -> None:
-    t = _example_trajectory()
+    t = example_trajectory()
     t.validate()
     assert t.token_ids == [10, 11, 12, 20, 21, 30, 40, 41, 42, 50, 51]
     assert t.loss_mask == [0, 0, 0, 1, 1, 0, 1, 1, 1, 0, 0]
@@ -284,14 +224,14 @@ def test_token_span_versions() -> None:
 
 
 def test_train_batch_rows() -> None:
-    b = _example_batch()
+    b = example_batch()
     b.validate()
     assert b.num_tokens == 5
     assert list(b.rows()) == [(0, 3), (3, 5)]
 
 
 def test_manifest_total_bytes() -> None:
-    m = _example_manifest()
+    m = example_manifest()
     m.validate()
     assert m.total_bytes == 448
 
@@ -307,138 +247,3 @@ def test_manifest_total_bytes() -> None:
 )
 def test_episode_status_trainable(status: EpisodeStatus, trainable: bool) -> None:
     assert status.trainable is trainable
-
-
-# ---- validate(): one failure per stated invariant -------------------------------------------------
-
-
-@pytest.mark.parametrize(
-    ("span", "message"),
-    [
-        (TokenSpan([1, 2], M, logprobs=[-1.0], weight_version=0), "2 tokens but 1 logprobs"),
-        (TokenSpan([1], M, logprobs=[-1.0], weight_version=-1), "weight_version >= 0"),
-        (
-            TokenSpan([1, 2], M, logprobs=[-1.0, -1.0], weight_version=0, versions=[0]),
-            "2 tokens but 1 versions",
-        ),
-        (TokenSpan([1], P, logprobs=[-1.0]), "must not carry"),
-        (TokenSpan([1], T, versions=[3]), "must not carry"),
-        (TokenSpan([1], E, weight_version=0), "must not carry"),
-    ],
-    ids=[
-        "model-logprobs",
-        "model-version",
-        "model-versions",
-        "prompt-logprobs",
-        "tool-versions",
-        "env-version",
-    ],
-)
-def test_token_span_validate_rejects(span: TokenSpan, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        span.validate()
-
-
-def test_token_span_validate_accepts_valid_spans() -> None:
-    TokenSpan([], M, [], weight_version=0).validate()
-    TokenSpan([1, 2], M, [-1.0, -2.0], weight_version=0, versions=[0, 1]).validate()
-    TokenSpan([1, 2], T).validate()
-
-
-@pytest.mark.parametrize(
-    "spans",
-    [[], [TokenSpan([1], M, [-1.0], 0)]],
-    ids=["empty", "starts-with-model"],
-)
-def test_trajectory_validate_needs_a_leading_prompt_span(spans: list[TokenSpan]) -> None:
-    with pytest.raises(ValueError, match="must start with a prompt span"):
-        Trajectory("s-9", "g", spans).validate()
-
-
-def test_trajectory_validate_checks_every_span() -> None:
-    bad = Trajectory("s", "g", [TokenSpan([1], P), TokenSpan([2, 3], M, [-1.0], 0)])
-    with pytest.raises(ValueError, match="2 tokens but 1 logprobs"):
-        bad.validate()
-
-
-@pytest.mark.parametrize(
-    ("field", "value", "message"),
-    [
-        ("loss_mask", [0, 1], "loss_mask has 2 entries, expected 5"),
-        ("advantages", [0.0] * 6, "advantages has 6 entries"),
-        ("behaviour_logprobs", [], "behaviour_logprobs has 0 entries"),
-        ("versions", [1], "versions has 1 entries"),
-        ("row_lens", [3, 1], "row_lens sum to 4, expected 5"),
-        ("sample_ids", ["a"], "one sample_id per row"),
-        ("row_tags", [{"domain": "add"}], "row_tags must be empty or hold one dict per row"),
-    ],
-)
-def test_train_batch_validate_rejects(field: str, value: list, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        msgspec.structs.replace(_example_batch(), **{field: value}).validate()
-
-
-def test_distillation_targets_are_k_per_token() -> None:
-    batch = _distilled_batch()
-    batch.validate()
-    assert batch.teacher_top_k == 2 and _example_batch().teacher_top_k == 0
-
-
-@pytest.mark.parametrize(
-    ("field", "value", "message"),
-    [
-        ("teacher_topk_ids", [1] * 7, "teacher_topk_ids has 7 entries, expected k \\* 5 tokens"),
-        ("teacher_topk_logprobs", [0.0] * 5, "teacher_topk_logprobs has 5 entries and distill_coef 5"),
-        ("distill_coef", [], "distill_coef 0, expected 10 and 5"),
-        ("distill_beta", -0.5, r"distill_beta must be in \[0, 1\], got -0.5"),
-    ],
-)
-def test_distillation_targets_validate_rejects(field: str, value: list | float, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        msgspec.structs.replace(_distilled_batch(), **{field: value}).validate()
-
-
-def _manifest_with(
-    *tensors: TensorEntry, sizes: list[int], checksums: list[int] | None = None
-) -> WeightManifest:
-    return WeightManifest(version=1, tensors=list(tensors), bucket_sizes=sizes, checksums=checksums or [])
-
-
-@pytest.mark.parametrize(
-    ("manifest", "message"),
-    [
-        (
-            _manifest_with(
-                TensorEntry("a", [1], "int64", 0, 0, 8), TensorEntry("a", [1], "int64", 0, 64, 8), sizes=[128]
-            ),
-            "duplicate tensor names",
-        ),
-        (_manifest_with(TensorEntry("a", [1], "int64", 1, 0, 8), sizes=[64]), "bucket 1 does not exist"),
-        (_manifest_with(TensorEntry("a", [1], "int64", -1, 0, 8), sizes=[64]), "bucket -1 does not exist"),
-        (_manifest_with(TensorEntry("a", [16], "int64", 0, 0, 128), sizes=[64]), r"\[0, 128\) outside"),
-        (_manifest_with(TensorEntry("a", [1], "int64", 0, 60, 8), sizes=[64]), r"\[60, 68\) outside"),
-        (_manifest_with(TensorEntry("a", [1], "int64", 0, -8, 8), sizes=[64]), "outside its bucket"),
-        (
-            _manifest_with(TensorEntry("a", [1], "int64", 0, 0, 8), sizes=[64, 64], checksums=[1]),
-            "one checksum per bucket",
-        ),
-    ],
-    ids=["dup-name", "no-bucket", "negative-bucket", "too-big", "past-end", "negative-offset", "checksums"],
-)
-def test_manifest_validate_rejects(manifest: WeightManifest, message: str) -> None:
-    with pytest.raises(ValueError, match=message):
-        manifest.validate()
-
-
-def test_manifest_validate_rejects_overlapping_tensors() -> None:
-    overlapping = _manifest_with(
-        TensorEntry("a", [4], "int64", 0, 0, 32), TensorEntry("b", [4], "int64", 0, 16, 32), sizes=[64]
-    )
-    with pytest.raises(ValueError):
-        overlapping.validate()
-
-
-def test_manifest_validate_accepts_adjacent_tensors_and_no_checksums() -> None:
-    _manifest_with(
-        TensorEntry("a", [4], "int64", 0, 0, 32), TensorEntry("b", [4], "int64", 0, 32, 32), sizes=[64]
-    ).validate()

@@ -3,27 +3,14 @@ hand-computed timelines, and the window's guarantees checked from the run's own 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import simulate as sim
 
-_PATH = Path(__file__).resolve().parents[3] / "tools" / "simulate.py"
-
-
-def _load():
-    spec = importlib.util.spec_from_file_location("loong_tools_simulate", _PATH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while building classes
-    spec.loader.exec_module(module)
-    return module
-
-
-sim = _load()
 LONG_TAIL = sim.SimConfig(engines=8, steps=30, dist="lognormal", sigma=1.0, record=True)
 
 

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -40,6 +39,7 @@ import httpx
 import pytest
 import torch
 
+from loong_core.net import free_port
 from loong_train.models.decoder import CausalLM, DecoderConfig
 from loong_train.tiny.tokenizer import build_tokenizer
 from loong_transfermesh import (
@@ -58,12 +58,6 @@ SMALL = {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 2}
 
 def _smoke(config: pytest.Config) -> bool:
     return config.getoption("benchmark_disable") and not config.getoption("benchmark_enable")
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +85,7 @@ def trainer_weights(model_dir) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def server(model_dir) -> Iterator[str]:
     """``loong-train serve-sglang`` in its own process, once healthy."""
-    port = _port()
+    port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "loong_train.cli", "serve-sglang", str(model_dir), "--port", str(port)]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
@@ -163,7 +157,7 @@ def test_via_worker(benchmark, trainer_weights, server) -> None:
     host_copy = {
         k: torch.nn.Parameter(torch.zeros_like(v), requires_grad=False) for k, v in trainer_weights.items()
     }
-    pusher = SGLangWeightPusher(SGLangPusherConfig(urls=[server], master_port=_port()))
+    pusher = SGLangWeightPusher(SGLangPusherConfig(urls=[server], master_port=free_port()))
     pusher.connect()
 
     def update(version: int) -> None:
@@ -213,7 +207,7 @@ def test_worker_rss(benchmark, model_dir, trainer_weights, weights: str) -> None
     from loong_train.workers.rollout import RolloutWorker
     from loong_transfermesh import TransportConfig
 
-    config = SGLangEngineConfig(port_base=_port(), weights=weights)
+    config = SGLangEngineConfig(port_base=free_port(), weights=weights)
     transport = TransportConfig(name=f"bench-rss-{uuid.uuid4().hex[:8]}")
     sender = ShmSender(transport.name) if weights == "worker" else None  # the trainer's side
     ray.init(num_cpus=2, include_dashboard=False, ignore_reinit_error=True)

@@ -1,17 +1,20 @@
-"""Shared fixtures (one tiny model + tokenizer directory per session, a shared warm-start cache);
-makes the shared helpers (``train_testkit``) importable under pytest's importlib mode."""
+"""Shared fixtures: one tiny model + tokenizer directory per session, a shared warm-start cache,
+a tiny Qwen3 checkpoint per module (the server tests'), the rows of the data-task tests.
+
+The test kits (``train_testkit``, ...) import by name through the root ``pyproject.toml``'s
+``pythonpath``. Ray workers do not get it (Ray adds only the driver's working directory to their
+path), so nothing a test sends them may need a test kit."""
 
 from __future__ import annotations
 
 import os
-import sys
 from pathlib import Path
 
-os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")
-sys.path.insert(0, str(Path(__file__).parent))  # as loong-train run: workers share this venv
+os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")  # as loong-train run: workers share this venv
 
 import pytest
 import torch
+from train_testkit import DATA_ROWS, tiny_qwen3, write_jsonl
 
 from loong_train.config import load_recipe
 from loong_train.tiny.warmstart import build_tiny
@@ -49,3 +52,17 @@ def tiny_cache(tmp_path_factory):
     if path := os.environ.get("LOONG_TEST_CACHE"):
         return Path(path)
     return tmp_path_factory.mktemp("cache")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    """``train_testkit.tiny_qwen3(0)`` in Hugging Face layout (no tokenizer: token ids in and out)."""
+    path = tmp_path_factory.mktemp("tiny-qwen3")
+    tiny_qwen3(0).save_pretrained(path)
+    return path
+
+
+@pytest.fixture
+def data(tmp_path):
+    """``data.jsonl`` holding ``train_testkit.DATA_ROWS``, for a ``task = "data"`` test."""
+    return write_jsonl(tmp_path / "data.jsonl", DATA_ROWS)

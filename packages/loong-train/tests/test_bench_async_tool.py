@@ -3,15 +3,10 @@ synchronous configuration of each workload (a hand-made set of run rows; no trai
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 
+import bench_async as bench
 import pytest
-
-_PATH = Path(__file__).parents[3] / "tools" / "bench_async.py"
-_spec = importlib.util.spec_from_file_location("loong_tools_bench_async", _PATH)
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
 
 
 def test_a_workload_spec_names_its_overrides():

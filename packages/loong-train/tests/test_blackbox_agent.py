@@ -104,7 +104,7 @@ def _worker(tiny_dir: Path, command: list[str], max_new_tokens: int = 12) -> Rol
 def _rollout(worker: RolloutWorker, specs: list[EpisodeSpec]) -> list[Trajectory]:
     worker.engine.set_version(7)
     try:
-        return worker.rollout(specs)["trajectories"]
+        return worker.rollout(specs).trajectories
     finally:
         worker.close()
 

@@ -4,15 +4,8 @@ baseline ends, the table and the plot."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
+import compare_opd
 import pytest
-
-_PATH = Path(__file__).parents[3] / "tools" / "compare_opd.py"
-_spec = importlib.util.spec_from_file_location("loong_tools_compare_opd", _PATH)
-compare_opd = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(compare_opd)
 
 TEACHERS = {
     "add": {"teacher": "add-teacher", "held_out_success": 0.9},

@@ -3,21 +3,15 @@ the tool on a tiny student and teacher."""
 
 from __future__ import annotations
 
-import importlib.util
 import math
-from pathlib import Path
 
+import diagnose_opd
 import msgspec
 import pytest
 import torch
 
 from loong_train.config import load_recipe
 from loong_train.tiny.warmstart import build_tiny
-
-_PATH = Path(__file__).parents[3] / "tools" / "diagnose_opd.py"
-_spec = importlib.util.spec_from_file_location("loong_tools_diagnose_opd", _PATH)
-diagnose_opd = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(diagnose_opd)
 
 
 def test_token_stats_by_hand():

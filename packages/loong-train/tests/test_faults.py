@@ -32,7 +32,7 @@ def _kill_after_step_one(pipes: list, metrics, worker: int, killed: dict, stop: 
     """Once the run has trained a step, SIGKILL rollout worker ``worker``'s process."""
     while not stop.is_set():
         if pipes and metrics.exists() and any(r["step"] >= 1 for r in read_metrics(metrics)):
-            killed["pid"] = pipes[0].pids[worker]
+            killed["pid"] = pipes[0].pool.pids[worker]
             os.kill(killed["pid"], signal.SIGKILL)
             return
         time.sleep(0.02)
@@ -59,7 +59,7 @@ def test_killed_rollout_worker_is_restarted_and_no_sample_is_lost(tmp_path, monk
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]
     assert all(r["staleness_max"] <= recipe.train.max_staleness for r in rows)
-    assert pipes[0].pids[0] != killed["pid"]  # the worker answered again, from a new process
+    assert pipes[0].pool.pids[0] != killed["pid"]  # the worker answered again, from a new process
 
     ledger = [json.loads(line) for line in (out / "ledger.jsonl").read_text().splitlines()]
     assert [e["step"] for e in ledger] == [1, 2, 3, 4, 5, 6]

@@ -9,7 +9,7 @@ import pytest
 
 from loong_train.algo.losses import grpo_advantages, pack_batch
 from loong_train.controller import trainer_options
-from loong_train.pipeline import GroupSource
+from loong_train.source import GroupSource
 from loong_train.tiny import calc
 from loong_train.workers.rollout import RolloutWorker
 from loong_train.workers.trainer import TrainerWorker
@@ -26,7 +26,7 @@ def _rollout(tiny_dir, groups=4, transport=None):
     )
     source = GroupSource(calc.train_tasks(0, []), group_size=4)
     specs = [s for _ in range(groups) for s in source.specs(source.next_group())]
-    return worker, worker.rollout(specs)["trajectories"]
+    return worker, worker.rollout(specs).trajectories
 
 
 def test_trainer_logprobs_equal_engine_logprobs_on_first_step(tiny_dir, recipe):
@@ -44,9 +44,10 @@ def test_trainer_logprobs_equal_engine_logprobs_on_first_step(tiny_dir, recipe):
         ]
         assert len(gaps) > 100
         assert max(gaps) <= 2e-6
-        metrics, manifest = trainer.publish(trainer.train_step(batch))
+        published = trainer.publish(trainer.train_step(batch))
+        metrics = published.step.metrics
         assert metrics["mismatch_kl"] <= 1e-12 and metrics["onpolicy_mismatch_kl"] <= 1e-12
-        assert manifest.version == 1
+        assert published.manifest.version == 1
     finally:
         trainer.close()
 
@@ -57,18 +58,18 @@ def test_weights_reach_the_engine_through_transfermesh(tiny_dir, recipe, mode):
     worker, trajs = _rollout(tiny_dir, groups=2, transport=transport)
     trainer = TrainerWorker(str(tiny_dir), transport=transport, **trainer_options(recipe))
     try:
-        _, manifest = trainer.publish(
+        manifest = trainer.publish(
             trainer.train_step(pack_batch(trajs, [1.0] * len(trajs), policy_version=0))
-        )
+        ).manifest
         info = worker.apply_weights(manifest)
-        assert info["version"] == worker.weight_version() == 1
+        assert info.version == worker.weight_version() == 1
         sent = trainer.backend.named_weights()
         slot = worker.receiver.read(1)
         for name, p in worker.engine.model.named_parameters():
             assert p.equal(sent[name]), name
             assert (p.data_ptr() == slot[name].data_ptr()) == (mode == "zero_copy"), name
         source = GroupSource(calc.train_tasks(5, []), group_size=2)
-        after = worker.rollout(source.specs(source.next_group()))["trajectories"]
+        after = worker.rollout(source.specs(source.next_group())).trajectories
         assert {t.oldest_version for t in after} == {1}
     finally:
         trainer.close()

@@ -25,10 +25,9 @@ from loong_core.window import StalenessWindow
 from loong_train import controller
 from loong_train.config import load_recipe
 from loong_train.engines.config import EmbeddedEngineConfig
-from loong_train.engines.embedded.host import crossed_update
 from loong_train.models.decoder import CausalLM
-from loong_train.pipeline import GroupSource
 from loong_train.scheduler import Scheduler
+from loong_train.source import GroupSource
 from loong_train.tiny import calc
 from loong_train.workers.rollout import RolloutWorker
 from loong_transfermesh import ShmSender, TransportConfig, remove_slots
@@ -74,13 +73,13 @@ def _rollout_across_update(
     source = GroupSource(calc.train_tasks(3, []), group_size=4, seed=7)
     specs = [s for _ in range(2) for s in source.specs(source.next_group())]
     out: dict = {}
-    thread = threading.Thread(target=lambda: out.update(worker.rollout(specs, 0, evaluation)))
+    thread = threading.Thread(target=lambda: out.update(result=worker.rollout(specs, 0, evaluation)))
     thread.start()
     while worker.engine.stats.tokens < 10 * len(specs):
         time.sleep(0.001)
     applied = worker.apply_weights(manifest, restart_below)
     thread.join()
-    return out["trajectories"], applied
+    return out["result"].trajectories, applied
 
 
 def _check_logprobs(trajs: list[Trajectory], models: dict[int, CausalLM]) -> None:
@@ -104,11 +103,11 @@ def _check_logprobs(trajs: list[Trajectory], models: dict[int, CausalLM]) -> Non
 def test_continue_keeps_generating_under_the_new_version(setup):
     worker, models, manifest = setup
     trajs, applied = _rollout_across_update(worker, manifest)
-    assert applied["restarted"] == 0 and worker.weight_version() == 1
+    assert applied.restarted == 0 and worker.weight_version() == 1
     slot = worker.receiver.read(1)  # zero_copy: the engine reads only the new slot from the apply on
     for name, p in worker.engine.model.named_parameters():
         assert (p.data_ptr() == slot[name].data_ptr()) == (worker.receiver.mode == "zero_copy"), name
-    crossed = [t for t in trajs if crossed_update(t)]
+    crossed = [t for t in trajs if t.mixed_versions]
     assert len(crossed) == len(trajs)  # every episode was mid-generation when the update came
     for t in crossed:
         versions = t.token_versions[t.prompt_len :]
@@ -126,9 +125,9 @@ def test_continue_keeps_generating_under_the_new_version(setup):
 def test_restart_reruns_episodes_that_started_below_the_floor(setup):
     worker, models, manifest = setup
     trajs, applied = _rollout_across_update(worker, manifest, restart_below=1)
-    assert applied["restarted"] == len(trajs)
+    assert applied.restarted == len(trajs)
     # nothing of the version-0 generations survives: all tokens are from the new weights
-    assert all(t.oldest_version == 1 and not crossed_update(t) for t in trajs)
+    assert all(t.oldest_version == 1 and not t.mixed_versions for t in trajs)
     assert all(t.num_model_tokens == TOKENS for t in trajs)
     _check_logprobs(trajs, models)
 
@@ -137,8 +136,8 @@ def test_restart_reruns_episodes_that_started_below_the_floor(setup):
 def test_an_update_waits_for_a_running_evaluation(setup):
     worker, models, manifest = setup
     trajs, applied = _rollout_across_update(worker, manifest, restart_below=1, evaluation=True)
-    assert applied["restarted"] == 0 and worker.weight_version() == 1
-    assert all(t.oldest_version == 0 and not crossed_update(t) for t in trajs)
+    assert applied.restarted == 0 and worker.weight_version() == 1
+    assert all(t.oldest_version == 0 and not t.mixed_versions for t in trajs)
     _check_logprobs(trajs, models)
 
 
@@ -166,9 +165,9 @@ def _in_threads(*calls) -> list:
 def test_concurrent_calls_share_the_running_batch_and_sample_what_each_would_alone(setup):
     worker, _, _ = setup
     a, b = _specs(1, seed=3), _specs(1, seed=4)
-    alone = [worker.rollout(a)["trajectories"], worker.rollout(b)["trajectories"]]
+    alone = [worker.rollout(a).trajectories, worker.rollout(b).trajectories]
     worker.engine.stats.steps = worker.engine.stats.tokens = 0
-    together = [r["trajectories"] for r in _in_threads((worker.rollout, a), (worker.rollout, b))]
+    together = [r.trajectories for r in _in_threads((worker.rollout, a), (worker.rollout, b))]
     assert worker.engine.stats.mean_occupancy > len(a)  # rows of both calls in one decode step
     for solo, shared in zip(alone, together, strict=True):
         assert [t.sample_id for t in solo] == [t.sample_id for t in shared]
@@ -199,12 +198,12 @@ def test_with_partial_off_an_update_waits_for_the_running_calls_and_holds_new_on
         apply.join()
 
     results = _in_threads((worker.rollout, first), (worker.rollout, second), (update_then_call,))
-    assert out["applied"]["version"] == 1 and worker.weight_version() == 1
-    running = [t for r in results[:2] for t in r["trajectories"]]
+    assert out["applied"].version == 1 and worker.weight_version() == 1
+    running = [t for r in results[:2] for t in r.trajectories]
     assert all(t.num_model_tokens == TOKENS for t in running)  # still generating when it came
     assert {v for t in running for v in t.token_versions[t.prompt_len :]} == {0}
-    assert {v for t in out["later"]["trajectories"] for v in t.token_versions[t.prompt_len :]} == {1}
-    _check_logprobs([*running, *out["later"]["trajectories"]], models)
+    assert {v for t in out["later"].trajectories for v in t.token_versions[t.prompt_len :]} == {1}
+    _check_logprobs([*running, *out["later"].trajectories], models)
 
 
 @pytest.mark.slow  # ~6 s of training; Ray's start dominates (26 to 84 s in all on the shared 2 cores)

@@ -60,7 +60,8 @@ def test_resume_keeps_the_staleness_bound(tmp_path, cluster):
     for late in ("step_4", "final"):
         shutil.rmtree(out / "checkpoints" / late)
     state = checkpoint.latest(out, _recipe("train.max_staleness=1", "train.steps=5")).state
-    assert state.version == 2 and state.window["in_flight"] | state.window["buffered"]
+    window = state.states["scheduler"]["window"]
+    assert state.version == 2 and window["in_flight"] | window["buffered"]
     run(_recipe("train.max_staleness=1", "train.steps=5"), out, cache, resume=True)
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
@@ -69,7 +70,7 @@ def test_resume_keeps_the_staleness_bound(tmp_path, cluster):
     assert [e["step"] for e in entries] == [1, 2, 3, 4, 5]
     groups = [g for e in entries for g in e["groups"]]
     assert len(groups) == len(set(groups)) == 5 * 2  # no group trained twice across the resume
-    assert set(state.window["in_flight"]) | set(state.window["buffered"]) <= set(groups[4:])
+    assert set(window["in_flight"]) | set(window["buffered"]) <= set(groups[4:])
 
     # a crash while writing leaves a temporary directory (or one without its state): not a checkpoint
     (out / "checkpoints" / ".step_9.tmp").mkdir()

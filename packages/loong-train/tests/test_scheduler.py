@@ -3,12 +3,10 @@ pipeline run whose recorded scheduling a fresh scheduler replays call for call."
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
+import simulate
 
 from loong_core.window import StalenessWindow
 from loong_train import scheduler as scheduler_module
@@ -64,17 +62,8 @@ def test_no_take_past_the_last_step_and_state_round_trip():
     assert again.admit(5, new) == ["g1"]
 
 
-def _simulator():
-    path = Path(__file__).resolve().parents[3] / "tools" / "simulate.py"
-    spec = importlib.util.spec_from_file_location("loong_tools_simulate_check", path)
-    sim = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = sim
-    spec.loader.exec_module(sim)
-    return sim
-
-
 def test_the_simulator_drives_this_scheduler():
-    assert _simulator().Scheduler is scheduler_module.Scheduler
+    assert simulate.Scheduler is scheduler_module.Scheduler
 
 
 @pytest.mark.integration
@@ -101,7 +90,7 @@ def test_a_pipeline_run_replays_call_for_call(tmp_path):
         json.loads(line)["groups"] for line in (out / "ledger.jsonl").read_text().splitlines()
     ]
     assert replay(journal, StalenessWindow(1, 2), steps=4) == journal
-    assert _simulator().replay_run(out)  # the simulator fed the same events decides the same
+    assert simulate.replay_run(out)  # the simulator fed the same events decides the same
     next(e for e in journal if e["call"] == "take" and e["out"])["out"] = ["g999"]
     (out / "scheduler.jsonl").write_text("".join(json.dumps(e) + "\n" for e in journal))
-    assert not _simulator().replay_run(out)  # and a decision the scheduler would not make is caught
+    assert not simulate.replay_run(out)  # and a decision the scheduler would not make is caught

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import socket
 import time
 
 import pytest
@@ -23,6 +22,7 @@ import torch
 from train_testkit import NEEDS_REAL_SGLANG, real_sglang_config
 
 from loong_agentflow.sglang_client import SGLangClientConfig, SGLangEngine
+from loong_core.net import free_port
 from loong_core.protocols import SamplingParams
 from loong_train.engines.sglang.supervisor import SGLangSupervisor
 from loong_train.models.decoder import CausalLM, DecoderConfig
@@ -48,12 +48,6 @@ def _model(seed: int) -> CausalLM:
     return model.eval()
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _gap(model: CausalLM, ids: list[int], logprobs: list[float]) -> float:
     """Largest |server logprob - float64 reference| over the completion (temperature 1)."""
     with torch.no_grad():
@@ -68,7 +62,7 @@ def test_real_sglang_generates_pauses_and_takes_pushed_weights(tmp_path):
     log = tmp_path / "sglang.log"
     sup = SGLangSupervisor(real_sglang_config(tmp_path / "model", log))
     sup.start()
-    pusher = SGLangWeightPusher(SGLangPusherConfig(urls=[sup.url], master_port=_port(), timeout_s=120))
+    pusher = SGLangWeightPusher(SGLangPusherConfig(urls=[sup.url], master_port=free_port(), timeout_s=120))
     try:
 
         async def generate():

@@ -13,13 +13,13 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import time
 
 import httpx
 import pytest
 import torch
 
+from loong_core.net import free_port
 from loong_core.protocols import SamplingParams
 from loong_train.algo.losses import grpo_advantages, pack_batch
 from loong_train.backends.config import MegatronBackendConfig
@@ -27,19 +27,13 @@ from loong_train.config import load_recipe, recipe_names
 from loong_train.controller import trainer_options
 from loong_train.engines.config import SGLangEngineConfig
 from loong_train.engines.sglang.supervisor import SGLangServerError
-from loong_train.pipeline import GroupSource
+from loong_train.source import GroupSource
 from loong_train.tiny import calc
 from loong_train.workers.rollout import RolloutWorker
 from loong_train.workers.trainer import TrainerWorker
 from loong_transfermesh import TransportConfig
 
 PROBE = "model.layers.0.mlp.up_proj.weight"
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _served(url: str, name: str) -> torch.Tensor:
@@ -58,13 +52,13 @@ async def _streamed(engine, prompt: list[int]) -> list:
 def _rollout(worker: RolloutWorker, seed: int, groups: int = 1):
     source = GroupSource(calc.train_tasks(seed, []), group_size=4)
     specs = [s for _ in range(groups) for s in source.specs(source.next_group())]
-    return worker.rollout(specs)["trajectories"]
+    return worker.rollout(specs).trajectories
 
 
 @pytest.mark.integration
 def test_worker_generates_takes_weights_and_survives_a_server_restart(tiny_dir, recipe, tmp_path):
     transport = TransportConfig(name=f"sglang-rollout-{os.getpid()}")
-    config = SGLangEngineConfig(launcher="loong", port_base=_port(), health_interval_s=0.3)
+    config = SGLangEngineConfig(launcher="loong", port_base=free_port(), health_interval_s=0.3)
     worker = RolloutWorker(
         str(tiny_dir),
         seed=0,
@@ -91,7 +85,7 @@ def test_worker_generates_takes_weights_and_survives_a_server_restart(tiny_dir, 
         ]
         assert len(gaps) > 50 and max(gaps) <= 1e-5
 
-        _, manifest = trainer.publish(trainer.train_step(batch))
+        manifest = trainer.publish(trainer.train_step(batch)).manifest
         worker.apply_weights(manifest)
         sent = trainer.backend.named_weights()
         assert _version(url) == "1" and worker.weight_version() == 1
@@ -123,7 +117,7 @@ def test_direct_weights_reach_both_servers_and_a_restarted_one_is_caught_up(tiny
     each version into both (bit for bit, every tensor) and the workers only confirm it. One
     server is killed: relaunched from the checkpoint (version 0), the trainer's watcher catches it
     up to the newest version, and the worker's next rollout runs on it."""
-    config = SGLangEngineConfig(port_base=_port(), health_interval_s=0.2, weights="direct")
+    config = SGLangEngineConfig(port_base=free_port(), health_interval_s=0.2, weights="direct")
     workers = [
         RolloutWorker(
             str(tiny_dir),
@@ -149,9 +143,9 @@ def test_direct_weights_reach_both_servers_and_a_restarted_one_is_caught_up(tiny
         for version in (1, 2):
             trajs = [t for i, w in enumerate(workers) for t in _rollout(w, seed=10 * version + i)]
             assert {t.oldest_version for t in trajs} == {version - 1}
-            _, manifest = trainer.publish(
+            manifest = trainer.publish(
                 trainer.train_step(pack_batch(trajs, grpo_advantages(trajs), version - 1))
-            )
+            ).manifest
             assert manifest.version == version
             sent = trainer.backend.named_weights()
             assert [_version(u) for u in urls] == [str(version)] * 2
@@ -176,7 +170,7 @@ def test_direct_weights_reach_both_servers_and_a_restarted_one_is_caught_up(tiny
 
 @pytest.mark.integration
 def test_a_server_the_supervisor_gave_up_on_fails_the_rollout_call(tiny_dir, tmp_path):
-    config = SGLangEngineConfig(port_base=_port(), health_interval_s=0.2, max_restarts=0)
+    config = SGLangEngineConfig(port_base=free_port(), health_interval_s=0.2, max_restarts=0)
     worker = RolloutWorker(
         str(tiny_dir),
         seed=0,
@@ -270,7 +264,7 @@ def test_a_ray_run_with_an_sglang_engine_trains_and_logs_the_server(tiny_dir, tm
     from loong_train.controller import run
 
     sets = [f"model.path={tiny_dir}", "rollout.engine.type=sglang",
-            f"rollout.engine.port_base={_port()}", "train.steps=3", "train.batch_groups=2",
+            f"rollout.engine.port_base={free_port()}", "train.steps=3", "train.batch_groups=2",
             "rollout.group_size=4", "rollout.max_new_tokens=16", "rollout.max_model_tokens=32",
             "eval.every=100", "eval.num_tasks=4"]  # fmt: skip
     out = run(load_recipe("tiny-calc-agent", sets), tmp_path / "run", tmp_path / "cache")
@@ -292,7 +286,7 @@ def test_a_ray_run_with_direct_weights_into_two_servers(tiny_dir, tmp_path):
     from loong_train.controller import run
 
     sets = [f"model.path={tiny_dir}", "rollout.engine.type=sglang", "rollout.engine.weights=direct",
-            f"rollout.engine.port_base={_port()}", "rollout.workers=2", "train.max_staleness=0",
+            f"rollout.engine.port_base={free_port()}", "rollout.workers=2", "train.max_staleness=0",
             "train.steps=3", "train.batch_groups=2", "rollout.group_size=4", "rollout.max_new_tokens=16",
             "rollout.max_model_tokens=32", "eval.every=100", "eval.num_tasks=4"]  # fmt: skip
     out = run(load_recipe("tiny-calc-agent", sets), tmp_path / "run", tmp_path / "cache")

@@ -10,16 +10,16 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import socket
 import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from train_testkit import tiny_config, tiny_qwen3
+from train_testkit import tiny_config
 
 from loong_agentflow.sglang_client import SGLangClientConfig, SGLangEngine
+from loong_core.net import free_port
 from loong_core.protocols import SamplingParams
 from loong_train.engines.sglang.supervisor import SGLangServerConfig, SGLangServerError, SGLangSupervisor
 from loong_train.models.decoder import CausalLM
@@ -28,20 +28,6 @@ CFG = tiny_config()
 PROMPT = [3, 14, 15, 9, 26, 5]
 SERVE = [sys.executable, "-m", "loong_train.cli", "serve-sglang"]
 FAST = {"health_interval_s": 0.2, "health_timeout_s": 2.0, "restart_backoff_s": 0.05, "stop_grace_s": 5.0}
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("supervised-tiny")
-    model = tiny_qwen3(0)
-    model.save_pretrained(path)
-    return path
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _group_alive(pgid: int) -> bool:
@@ -93,7 +79,12 @@ def test_serves_restarts_after_sigkill_and_stops_the_whole_group(model_dir, tmp_
     # SGLang's scheduler processes would be: stop() must end both.
     wrapper = ["sh", "-c", 'sleep 300 & exec "$@"', "sh", *SERVE]
     config = SGLangServerConfig(
-        model_path=str(model_dir), command=wrapper, port=_port(), log_path=str(log), max_restarts=2, **FAST
+        model_path=str(model_dir),
+        command=wrapper,
+        port=free_port(),
+        log_path=str(log),
+        max_restarts=2,
+        **FAST,
     )
     restarted = []
     sup = SGLangSupervisor(config, on_restart=lambda: restarted.append(sup.pid))
@@ -125,7 +116,7 @@ def test_a_launcher_that_exits_at_once_fails_after_the_restart_limit_naming_the_
     log = tmp_path / "sglang.log"
     crash = [sys.executable, "-c", "import sys; print('CUDA error: no device found'); sys.exit(3)"]
     config = SGLangServerConfig(
-        model_path="/models/none", command=crash, port=_port(), log_path=str(log),
+        model_path="/models/none", command=crash, port=free_port(), log_path=str(log),
         api_key="s3cret", max_restarts=2, **FAST,
     )  # fmt: skip
     sup = SGLangSupervisor(config)
@@ -149,7 +140,7 @@ def test_a_server_that_never_gets_healthy_is_killed_after_the_startup_timeout(tm
     hang = [sys.executable, "-c", "import os, time; print('loading weights', flush=True);"
             "open(os.environ['PIDFILE'], 'w').write(str(os.getpid())); time.sleep(600)"]  # fmt: skip
     config = SGLangServerConfig(
-        model_path="/models/none", command=hang, port=_port(), log_path=str(log),
+        model_path="/models/none", command=hang, port=free_port(), log_path=str(log),
         env={"PIDFILE": str(pidfile)}, startup_timeout_s=1.0, max_restarts=0, **FAST,
     )  # fmt: skip
     with pytest.raises(SGLangServerError, match=r"did not become healthy within 1\.0 s") as failure:
@@ -181,7 +172,7 @@ http.server.HTTPServer(("127.0.0.1", port), Health).serve_forever()
 def test_a_live_server_failing_health_checks_is_restarted(tmp_path):
     flag, log = tmp_path / "unhealthy", tmp_path / "sglang.log"
     config = SGLangServerConfig(
-        model_path="/models/none", command=[sys.executable, "-c", HEALTH_SERVER], port=_port(),
+        model_path="/models/none", command=[sys.executable, "-c", HEALTH_SERVER], port=free_port(),
         log_path=str(log), env={"UNHEALTHY_FLAG": str(flag)}, health_failures=3, **FAST,
     )  # fmt: skip
     hook_calls = []

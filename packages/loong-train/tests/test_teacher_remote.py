@@ -10,15 +10,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
-import socket
 import threading
 import time
 
 import pytest
 import torch
 import uvicorn
-from train_testkit import tiny_config, tiny_qwen3
+from train_testkit import tiny_config
 
+from loong_core.net import free_port
 from loong_teacher import (
     LocalTeacherConfig,
     ScoreRequest,
@@ -33,14 +33,6 @@ from loong_train.engines.embedded.http_app import build_app
 from loong_train.models.decoder import CausalLM
 
 CFG = tiny_config()
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("teacher-remote")
-    model = tiny_qwen3(0)
-    model.save_pretrained(path)
-    return path
 
 
 @contextlib.contextmanager
@@ -58,12 +50,6 @@ def _serve(app, port: int = 0, delay_s: float = 0.0):
     finally:
         server.should_exit = True
         thread.join(10)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _samples(n: int, seed: int = 0) -> list[ScoreRequest]:
@@ -113,7 +99,7 @@ def test_remote_scores_equal_forward_pass_and_local_backend(model_dir):
 
 
 def test_connection_refused_is_retried_until_the_server_is_up(model_dir):
-    port = _free_port()
+    port = free_port()
     samples = _samples(2)
     config = SGLangTeacherConfig(name="remote", url=f"http://127.0.0.1:{port}", retries=6, backoff_s=0.1)
     teacher = SGLangTeacher(config)

@@ -11,7 +11,11 @@
   tokens' logprobs) makes every step depend on what was sampled, so a run that sampled or
   trained anything differently shows it.
 - ``tensorboard_scalars`` and ``wandb_history``: what the loggers wrote, read back with each
-  tool's own reader."""
+  tool's own reader.
+- ``serve_engine`` (an embedded engine behind its SGLang-compatible app, on loopback),
+  ``PROMPT_IDS`` and ``forward_logprobs``, the float64 reference of the server tests.
+- ``DATA_ROWS`` and ``write_jsonl``: the rows of the ``task = "data"`` tests (conftest's ``data``
+  fixture writes them to ``data.jsonl``)."""
 
 from __future__ import annotations
 
@@ -20,31 +24,39 @@ import glob
 import importlib.util
 import json
 import os
-import socket
 import struct
 import sys
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
 import uvicorn
 from safetensors.torch import load_file
 
+from loong_core.net import free_port
 from loong_train.models.decoder import CausalLM, DecoderConfig
+
+if TYPE_CHECKING:
+    from loong_train.engines.embedded.engine import EmbeddedEngine
 
 __all__ = [
     "COMPARED",
+    "DATA_ROWS",
+    "PROMPT_IDS",
     "SMALL_RUN",
     "assert_same_run",
+    "forward_logprobs",
     "ledger",
+    "serve_engine",
     "tensorboard_scalars",
     "tiny_config",
     "tiny_qwen3",
     "wandb_history",
+    "write_jsonl",
 ]
 
 SMALL_RUN = [
@@ -134,9 +146,7 @@ def real_sglang_config(model_path: Path, log_path: Path):
         "0.2",
         "--disable-cuda-graph",
     ]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     return SGLangServerConfig(
         model_path=str(model_path), command=sglang_launch_command(sglang_python()), port=port, args=args,
         log_path=str(log_path), startup_timeout_s=300, health_interval_s=2.0,
@@ -159,6 +169,27 @@ def serve_in_thread(app) -> Iterator[str]:
         thread.join(10)
 
 
+PROMPT_IDS = [3, 14, 15, 9, 26, 5]
+
+
+@contextlib.contextmanager
+def serve_engine(engine: EmbeddedEngine, **kwargs) -> Iterator[tuple[str, Any]]:
+    """The engine's SGLang-compatible app (``build_app(engine, **kwargs)``) on a uvicorn server in a
+    thread; yields (base url, server state)."""
+    from loong_train.engines.embedded.http_app import build_app
+
+    app = build_app(engine, **kwargs)
+    with serve_in_thread(app) as url:
+        yield url, getattr(app, "app", app).state.sglang
+
+
+def forward_logprobs(model: CausalLM, ids: list[int], temperature: float = 1.0) -> torch.Tensor:
+    """log p(ids[i] | ids[:i]) for i >= 1 in float64 ([len(ids) - 1])."""
+    with torch.no_grad():
+        logits = model(torch.tensor([ids])).double()[0, :-1] / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids[1:])[:, None]).squeeze(-1)
+
+
 def tiny_config(**fields: Any) -> DecoderConfig:
     return DecoderConfig(**{**_SHAPE, **fields})
 
@@ -167,6 +198,14 @@ def tiny_qwen3(seed: int = 0, std: float = 0.3, **fields: Any) -> CausalLM:
     model = CausalLM(tiny_config(**fields))
     model.init_weights(seed, std=std)
     return model
+
+
+DATA_ROWS = [{"prompt": f"what is {i}+1?", "answer": str(i + 1), "metadata": {"n": i}} for i in range(20)]
+
+
+def write_jsonl(path: Path, rows) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
 
 
 def tensorboard_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
@@ -217,6 +256,9 @@ HF_FAMILIES = {  # tiny transformers configs: two fast families with their confi
                           "num_attention_heads": 4, "partial_rotary_factor": 0.5}),
 }  # fmt: skip
 GENERIC = ("gpt2", "phi")  # families only the generic path runs
+DECODER_SHAPE = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)  # fmt: skip
+"""The transformers config fields of the decoder-family tests (a family adds its own)."""
 
 
 def tiny_hf_checkpoint(

@@ -23,7 +23,6 @@ receiver, as a smoke test of the harness.
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 import uuid
@@ -33,6 +32,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from loong_core.net import free_port
 from loong_transfermesh import ShmSender, TcpSender
 
 torch.set_num_threads(1)
@@ -68,12 +68,6 @@ def qwen_like(total_bytes: int) -> dict[str, torch.Tensor]:
             out[f"model.layers.{i}.{name}"] = torch.randn(shape, generator=g).to(torch.bfloat16)
     out["model.norm.weight"] = torch.ones(hidden, dtype=torch.bfloat16)
     return out
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Peers:
@@ -203,7 +197,7 @@ def test_tcp(benchmark, payload, receivers: int, mode: str) -> None:
 def test_gloo(benchmark, payload, receivers: int, case: str) -> None:
     """Rank 0 (the sender) is a peer process too; every rank starts on ``go``."""
     state, spec = payload
-    port, world = _free_port(), receivers + 1
+    port, world = free_port(), receivers + 1
     peers = Peers(spec, case, [[str(rank), str(world), str(port)] for rank in range(world)])
 
     def step(version: int) -> None:

@@ -4,7 +4,6 @@ across two GPUs. Marked ``gpu``: skipped without CUDA (and without cupy or a sec
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 import textwrap
@@ -12,15 +11,11 @@ import textwrap
 import pytest
 import torch
 
+from loong_core.net import free_port
+
 pytestmark = pytest.mark.gpu
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-
-
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _state(version: int, device: str = "cuda:0") -> dict[str, torch.Tensor]:
@@ -65,7 +60,7 @@ def _digest(state: dict[str, torch.Tensor]) -> str:
 
 
 def _run(kind: str, sender_factory, mode: str, receiver_device: int) -> None:
-    address = f"127.0.0.1:{_port()}"
+    address = f"127.0.0.1:{free_port()}"
     child = subprocess.Popen(  # first: creating an NCCL sender waits for its receivers
         [sys.executable, "-c", _RECEIVER, kind, address, mode, str(receiver_device)],
         stdout=subprocess.PIPE,

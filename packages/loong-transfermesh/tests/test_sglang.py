@@ -10,12 +10,12 @@ from __future__ import annotations
 import contextlib
 import http.server
 import json
-import socket
 import threading
 
 import pytest
 import torch
 
+from loong_core.net import free_port
 from loong_transfermesh.sglang import (
     SGLangPusherConfig,
     bucket_dtype,
@@ -96,9 +96,7 @@ def test_behind_names_servers_answering_another_version_and_skips_silent_ones():
     that does not answer is left for later (not pushed, so no rendezvous waits on it)."""
     from loong_transfermesh import SGLangServers
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        silent = f"http://127.0.0.1:{s.getsockname()[1]}"  # nothing listens once closed
+    silent = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     with _reporting("default") as fresh, _reporting("3") as at_3:
         servers = SGLangServers(
             SGLangPusherConfig(urls=[fresh, at_3, silent], timeout_s=5), initial_version=3

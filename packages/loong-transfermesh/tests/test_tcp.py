@@ -11,6 +11,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from loong_core.net import free_port
 from loong_transfermesh import ManifestMismatch, TcpReceiver, TcpSender, TransferFailed
 
 torch.set_num_threads(1)
@@ -251,9 +252,7 @@ def test_a_background_receiver_reports_a_corrupted_update_and_takes_the_next(sen
 
 
 def test_a_background_receiver_connects_to_a_sender_that_starts_later_and_times_out_clearly() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{s.getsockname()[1]}"
+    address = f"127.0.0.1:{free_port()}"
     receiver = TcpReceiver(address, timeout_s=0.3, background=True)
     with pytest.raises(TransferFailed, match=r"no update >= 0 from 127\.0\.0\.1:\d+ within 0\.3 s"):
         receiver.apply(_zeros(_state(0)))
@@ -270,9 +269,7 @@ def test_a_background_receiver_connects_to_a_sender_that_starts_later_and_times_
 
 
 def test_a_push_waits_for_the_receivers_the_owner_expects() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        address = f"127.0.0.1:{s.getsockname()[1]}"
+    address = f"127.0.0.1:{free_port()}"
     sender = TcpSender(address, receivers=1, wait_s=10)
     pushed = threading.Event()
     thread = threading.Thread(target=lambda: (sender.push(_state(1), version=1), pushed.set()))

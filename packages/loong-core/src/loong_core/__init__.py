@@ -1,8 +1,9 @@
-"""Loong core: the records, protocols, config loading, staleness window, telemetry and SGLang HTTP
-API bodies shared by every Loong package. Pure Python plus msgspec: importing it never pulls in
-torch or ray."""
+"""Loong core: the records, protocols, config loading, staleness window, telemetry, SGLang HTTP
+API bodies and free-port helper shared by every Loong package. Pure Python plus msgspec:
+importing it never pulls in torch or ray."""
 
 from loong_core.config import ConfigError, dump_toml, load_config
+from loong_core.net import free_port
 from loong_core.protocols import RolloutEngine, SamplingParams
 from loong_core.records import (
     EpisodeStatus,
@@ -56,6 +57,8 @@ __all__ = [
     "ConfigError",
     "dump_toml",
     "load_config",
+    # network
+    "free_port",
     # staleness window
     "StalenessWindow",
     "WindowStats",

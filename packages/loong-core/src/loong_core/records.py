@@ -152,6 +152,12 @@ class Trajectory(msgspec.Struct):
         versions = [v for s in self.spans if s.is_model for v in s.token_versions()]
         return min(versions) if versions else -1
 
+    @property
+    def mixed_versions(self) -> bool:
+        """Whether the model tokens come from more than one weight version (a partial rollout
+        whose episode an update crossed)."""
+        return len({v for s in self.spans if s.is_model for v in s.token_versions()}) > 1
+
     def validate(self, vocab_size: int = 0) -> None:
         """Raises ValueError naming the first broken invariant: the span layout, an id outside the
         vocabulary, a non-finite logprob, reward, turn reward or metric."""

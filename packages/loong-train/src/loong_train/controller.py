@@ -32,15 +32,17 @@ from loong_train.backends.config import TorchBackendConfig, require_installed
 from loong_train.config import Recipe
 from loong_train.engines.config import SGLangEngineConfig
 from loong_train.evaluator import Evaluator
+from loong_train.messages import ApplyResult, Published, RolloutDone
 from loong_train.models.checkpoint import check_checkpoint
 from loong_train.models.source import resolve
-from loong_train.pipeline import GroupSource, Pipeline
+from loong_train.pipeline import Pipeline
 from loong_train.run import checkpoint
-from loong_train.run.checkpoint import Checkpoint
+from loong_train.run.checkpoint import Checkpoint, Stateful
 from loong_train.run.loggers import require_loggers
 from loong_train.run.writer import RunDir
 from loong_train.scheduler import Scheduler
-from loong_train.tasks import Item, Task, build_task, registered
+from loong_train.source import GroupSource
+from loong_train.tasks import Task, build_task, registered
 from loong_train.workers.agent import BlackboxAgentConfig, agent_program
 from loong_train.workers.rollout import RolloutWorker
 from loong_train.workers.trainer import TrainerWorker
@@ -62,8 +64,9 @@ def run(recipe: Recipe, out: Path, cache: Path, resume: bool = False) -> Path:
     if recipe.opd.build:  # OPD recipes: build their teachers
         recipe = plugins.teacher_builder().prepare(recipe, cache, Path(model_path))
     ckpt = checkpoint.latest(out, recipe) if resume else None
-    evaluator = _evaluator(recipe, held_out, ckpt)
-    run_dir = RunDir(out, recipe, evaluator, ckpt.state.run_dir if ckpt else None)
+    e = recipe.eval
+    evaluator = Evaluator(held_out, seed=recipe.seed, every=e.every, last=recipe.train.steps)
+    run_dir = RunDir(out, recipe, recipe.rollout.workers)
     started_ray = not ray.is_initialized()
     transport = msgspec.structs.replace(recipe.transport, name=run_dir.name).with_free_port()
     source = GroupSource(  # the warm start used seed + 1
@@ -71,13 +74,22 @@ def run(recipe: Recipe, out: Path, cache: Path, resume: bool = False) -> Path:
     )
     pipe = _start(recipe, model_path, transport, run_dir.path / "logs", ckpt, source)
     try:
+        if ckpt:
+            checkpoint.restore(_components(pipe, run_dir, evaluator), ckpt)
+            log.info(
+                "resumed from %s: step %d, %d groups to issue again",
+                ckpt.path,
+                ckpt.version,
+                len(pipe.window.reissue),
+            )
         run_dir.begin()
         evaluator.begin(pipe)
-        _train(recipe, pipe, run_dir, evaluator)
+        _train(recipe, pipe, run_dir, evaluator, ckpt.version if ckpt else None)
         pipe.drain()
         _collect(evaluator, run_dir, wait=True)
         pipe.save_final(run_dir.path / "checkpoints" / "final")
-        run_dir.finish(pipe)
+        run_dir.on_scheduling(pipe.scheduler.take_journal())
+        run_dir.finish(pipe.window.version, pipe.counters, evaluator.lost)
     finally:
         run_dir.close()
         pipe.shutdown()
@@ -87,30 +99,60 @@ def run(recipe: Recipe, out: Path, cache: Path, resume: bool = False) -> Path:
     return run_dir.path
 
 
-def _train(recipe: Recipe, pipe: Pipeline, run_dir: RunDir, evaluator: Evaluator) -> None:
+def _train(
+    recipe: Recipe, pipe: Pipeline, run_dir: RunDir, evaluator: Evaluator, resumed_from: int | None
+) -> None:
     """Steps 1-6 of the loop until the last version is published."""
     steps = recipe.train.steps
     bar = tqdm(total=steps, initial=pipe.window.version, desc=recipe.name, unit="step")
     while pipe.window.version < steps:
         pipe.admit()
-        for kind, result in pipe.wait():
-            if kind == "rollout":
-                pipe.on_rollout(*result)
-                run_dir.on_rollout(result[1])
-            elif kind == "applied":
-                run_dir.on_applied(result)
-            else:
-                metrics, manifest = result
-                pipe.sync_weights(manifest)  # the window advances to the new version
-                evaluator.after_step(pipe, pipe.window.version)
-                _collect(evaluator, run_dir, wait=pipe.window.version == steps)
-                run_dir.on_train_step(pipe, metrics)
-                checkpoint.maybe_save(pipe, run_dir, evaluator)
-                bar.update(1)
-                bar.set_postfix(run_dir.postfix())
+        for event in pipe.wait():
+            match event:
+                case RolloutDone():
+                    pipe.on_rollout(event)
+                    run_dir.on_rollout(event.result)
+                case ApplyResult():
+                    run_dir.on_applied(event)
+                case Published():
+                    _published(recipe, pipe, run_dir, evaluator, event, resumed_from)
+                    bar.update(1)
+                    bar.set_postfix(run_dir.postfix())
         if (trajs := pipe.start_train_step()) is not None:
-            run_dir.on_batch(pipe, trajs)
+            run_dir.on_batch(trajs, pipe.window.last_batch_staleness, pipe.take_dropped())
     bar.close()
+
+
+def _published(
+    recipe: Recipe,
+    pipe: Pipeline,
+    run_dir: RunDir,
+    evaluator: Evaluator,
+    p: Published,
+    resumed_from: int | None,
+) -> None:
+    """A train step's weights were pushed: the engines get them, the version is evaluated when
+    due, the step's lines are written, and a checkpoint when due."""
+    pipe.sync_weights(p.manifest)  # the window advances to the new version
+    v = pipe.window.version
+    evaluator.after_step(pipe, v)
+    _collect(evaluator, run_dir, wait=v == recipe.train.steps)
+    run_dir.on_train_step(v, p, pipe.counters)
+    run_dir.on_scheduling(pipe.scheduler.take_journal())
+    if checkpoint.due(recipe.train, v):
+        components = _components(pipe, run_dir, evaluator)
+        checkpoint.save(run_dir.path, v, recipe, components, pipe.save_checkpoint, protect=resumed_from)
+
+
+def _components(pipe: Pipeline, run_dir: RunDir, evaluator: Evaluator) -> dict[str, Stateful]:
+    """What a checkpoint keeps of the controller's side, by name (:mod:`loong_train.run.checkpoint`)."""
+    return {
+        "source": pipe.source,
+        "scheduler": pipe.scheduler,
+        "pipeline": pipe,
+        "evaluator": evaluator,
+        "run_dir": run_dir,
+    }
 
 
 def _prepare_model(recipe: Recipe, cache: Path) -> Path:
@@ -119,17 +161,6 @@ def _prepare_model(recipe: Recipe, cache: Path) -> Path:
     if recipe.model.path:
         return resolve(recipe.model.path, cache)
     return plugins.model_builder().prepare(recipe, cache)
-
-
-def _evaluator(recipe: Recipe, held_out: list[Item], ckpt: Checkpoint | None) -> Evaluator:
-    return Evaluator(
-        held_out,
-        seed=recipe.seed,
-        every=recipe.eval.every,
-        last=recipe.train.steps,
-        resume=ckpt.state.evaluator if ckpt else None,
-        resumed_at=ckpt.version if ckpt else 0,
-    )
 
 
 def _collect(evaluator: Evaluator, run_dir: RunDir, wait: bool) -> None:
@@ -230,10 +261,7 @@ def _start(
     if ckpt:
         ray.get(trainer.load_checkpoint.remote(str(ckpt.path)))
     window = StalenessWindow(recipe.train.max_staleness, recipe.train.batch_groups)
-    pipe = Pipeline(recipe, workers, trainer, Scheduler(window, steps=recipe.train.steps), source, model_path)
-    if ckpt:
-        checkpoint.restore(pipe, ckpt)
-    return pipe
+    return Pipeline(recipe, workers, trainer, Scheduler(window, steps=recipe.train.steps), source, model_path)
 
 
 def _start_workers(

@@ -18,82 +18,61 @@ import logging
 from collections import Counter
 from typing import Any
 
-import msgspec
 import ray
 
 from loong_agentflow import EpisodeSpec
 from loong_core.records import Trajectory
-from loong_train.pipeline import Pipeline, episode_seed
+from loong_train.messages import EvalResult, RolloutResult
+from loong_train.pipeline import Pipeline
+from loong_train.source import episode_seed
 from loong_train.tasks import Item
 
-__all__ = ["EvalResult", "Evaluator", "EvaluatorState"]
+__all__ = ["Evaluator"]
 
 log = logging.getLogger("loong.evaluator")
-
-
-class EvaluatorState(msgspec.Struct, kw_only=True):
-    """What a checkpoint keeps of the evaluations (see :mod:`loong_train.run.checkpoint`)."""
-
-    results: dict[int, float]
-    by_domain: dict[int, dict[str, float]]
-    lost: list[int]
-    pending: list[int]  # queued, not finished at the checkpoint
-
-
-class EvalResult(msgspec.Struct, frozen=True, kw_only=True):
-    """One finished evaluation: mean reward over the held-out items, per ``domain`` tag (empty
-    when no item carries one), and the rollout call's worker and wall-clock span."""
-
-    version: int
-    reward: float
-    by_domain: dict[str, float]
-    worker: int
-    start: float
-    end: float
 
 
 class Evaluator:
     """Queues evaluations on the pipeline and collects them as they finish.
 
-    Lifecycle: ``begin(pipe)`` once (version 0, or the resumed checkpoint's pending one);
-    ``after_step(pipe, v)`` after every published version; ``collect(wait)`` whenever results may
-    have finished (``wait``: block until all queued ones did); ``state()`` for a checkpoint.
+    Lifecycle: ``load_state_dict`` when resumed; ``begin(pipe)`` once (version 0, or the resumed
+    checkpoint's pending one); ``after_step(pipe, v)`` after every published version;
+    ``collect(wait)`` whenever results may have finished (``wait``: block until all queued ones
+    did); ``state_dict()`` for a checkpoint. Results go to whoever collects them (the run
+    directory keeps them); ``lost`` names the versions whose evaluation was lost.
     """
 
-    def __init__(
-        self,
-        held_out: list[Item],
-        *,
-        seed: int,
-        every: int,
-        last: int,
-        resume: EvaluatorState | None = None,
-        resumed_at: int = 0,
-    ) -> None:
+    def __init__(self, held_out: list[Item], *, seed: int, every: int, last: int) -> None:
         self.held_out, self.seed, self.every, self.last = held_out, seed, every, last
-        self.calls: dict[int, Any] = {}
-        self.results: dict[int, float] = dict(resume.results) if resume else {}
-        self.by_domain: dict[int, dict[str, float]] = dict(resume.by_domain) if resume else {}
-        self.lost: set[int] = set(resume.lost) if resume else set()
-        self._resume, self._resumed_at = resume, resumed_at
+        self.calls: dict[int, Any] = {}  # version -> rollout call, until collected
+        self.lost: set[int] = set()
+        self.version = 0  # the newest version published
+        self._resumed: list[int] | None = None  # pending at the checkpoint resumed from
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps (see :mod:`loong_train.run.checkpoint`): the versions lost, and
+        those queued and not finished."""
+        return {"version": self.version, "lost": sorted(self.lost), "pending": sorted(self.calls)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.version, self.lost, self._resumed = state["version"], set(state["lost"]), state["pending"]
 
     def begin(self, pipe: Pipeline) -> None:
-        if self._resume is None:
+        if self._resumed is None:
             self.queue(pipe, 0)
             return
-        for v in self._resume.pending:
-            if v == self._resumed_at:
+        for v in self._resumed:
+            if v == self.version:
                 self.queue(pipe, v)
             else:
                 self.lost.add(v)
                 log.warning(
-                    "evaluation of version %d lost: unfinished at the checkpoint of step %d",
-                    v,
-                    self._resumed_at,
+                    "evaluation of version %d lost: unfinished at the checkpoint of step %d", v, self.version
                 )
 
     def after_step(self, pipe: Pipeline, version: int) -> None:
         """Queue the evaluation of ``version`` when it is due."""
+        self.version = version
         if version % self.every == 0 or version == self.last:
             self.queue(pipe, version)
 
@@ -108,43 +87,33 @@ class Evaluator:
 
     def collect(self, wait: bool = False) -> list[EvalResult]:
         """Evaluations that finished since the last call, oldest version first."""
-        pending = {v: ref for v, ref in self.calls.items() if v not in self.results and v not in self.lost}
-        refs = list(pending.values())
+        refs = list(self.calls.values())
         ready = set(ray.wait(refs, num_returns=len(refs), timeout=None if wait else 0)[0]) if refs else set()
         out = []
-        for v, ref in sorted(pending.items()):
+        for v, ref in sorted(self.calls.items()):
             if ref not in ready:
                 continue
+            del self.calls[v]
             try:
-                result = ray.get(ref)
+                result: RolloutResult = ray.get(ref)
             except ray.exceptions.RayActorError as e:
                 self.lost.add(v)
                 log.warning("evaluation of version %d lost: its worker died (%s)", v, type(e).__name__)
                 continue
-            trajs = result["trajectories"]
+            trajs = result.trajectories
             _warn_unfinished(v, trajs)
-            self.results[v] = sum(t.reward for t in trajs) / len(trajs)
-            self.by_domain[v] = _by_domain(trajs)
+            reward = sum(t.reward for t in trajs) / len(trajs)
             out.append(
                 EvalResult(
                     version=v,
-                    reward=self.results[v],
-                    by_domain=self.by_domain[v],
-                    worker=result["worker"],
-                    start=result["start"],
-                    end=result["end"],
+                    reward=reward,
+                    by_domain=_by_domain(trajs),
+                    worker=result.worker,
+                    start=result.start,
+                    end=result.end,
                 )
             )
         return out
-
-    def state(self) -> EvaluatorState:
-        done = self.results.keys() | self.lost
-        return EvaluatorState(
-            results=dict(self.results),
-            by_domain=dict(self.by_domain),
-            lost=sorted(self.lost),
-            pending=sorted(v for v in self.calls if v not in done),
-        )
 
 
 def _warn_unfinished(version: int, trajs: list[Trajectory]) -> None:

@@ -109,13 +109,24 @@ class Scheduler:
     def state_dict(self) -> dict[str, Any]:
         return {"window": self.window.state_dict(), "queued_version": self.queued_version}
 
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue ``state_dict()`` (with no step training: checkpoints are written between
+        steps); the journal goes on from here."""
+        self.window = StalenessWindow.from_state(state["window"])
+        self.queued_version, self.training = state["queued_version"], False
+
     @classmethod
     def from_state(cls, state: dict[str, Any], *, steps: int) -> Scheduler:
         """A scheduler continuing ``state_dict()`` (with no step training: checkpoints are
         written between steps)."""
         scheduler = cls(StalenessWindow.from_state(state["window"]), steps=steps)
-        scheduler.queued_version = state["queued_version"]
+        scheduler.load_state_dict(state)
         return scheduler
+
+    def take_journal(self) -> list[dict[str, Any]]:
+        """The journal's entries since the last call (the run directory appends them)."""
+        entries, self.journal = self.journal, []
+        return entries
 
     def _log(self, call: str, **fields: Any) -> None:
         self.journal.append({"call": call, **fields})

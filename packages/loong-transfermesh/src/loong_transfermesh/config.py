@@ -3,10 +3,11 @@ SGLang pusher reaches its servers. Pure msgspec: importing it loads no torch."""
 
 from __future__ import annotations
 
-import socket
 from typing import Literal
 
 import msgspec
+
+from loong_core.net import free_port
 
 __all__ = ["SGLangPusherConfig", "TransportConfig"]
 
@@ -65,9 +66,7 @@ class TransportConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
         host, _, port = self.address.rpartition(":")
         if self.type != "tcp" or port != "0":
             return self
-        with socket.socket() as s:
-            s.bind((host, 0))
-            return msgspec.structs.replace(self, address=f"{host}:{s.getsockname()[1]}")
+        return msgspec.structs.replace(self, address=f"{host}:{free_port(host)}")
 
     @property
     def bucket_bytes(self) -> int:

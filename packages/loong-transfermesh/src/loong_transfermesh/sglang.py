@@ -62,7 +62,6 @@ import functools
 import io
 import itertools
 import math
-import socket
 import threading
 import uuid
 from collections.abc import Iterator, Mapping, Sequence
@@ -74,6 +73,7 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from loong_core.net import free_port
 from loong_core.sglang_api import (
     ContinueGenerationRequest,
     DestroyWeightsUpdateGroupRequest,
@@ -473,7 +473,7 @@ class SGLangServers:
 
     def _connect(self, url: str, group: str) -> SGLangWeightPusher:
         c = self.config
-        port = _free_port(c.master_address)
+        port = free_port(c.master_address)
         pusher = SGLangWeightPusher(
             msgspec.structs.replace(c, urls=[url], master_port=port, group_name=group)
         )
@@ -539,12 +539,6 @@ def serialize_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
 
 def _auth(config: SGLangPusherConfig) -> dict[str, str]:
     return {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
-
-
-def _free_port(address: str) -> int:
-    with socket.socket() as s:
-        s.bind((address, 0))
-        return s.getsockname()[1]
 
 
 def _update_answer(content: bytes) -> UpdateWeightsResponse | None:

@@ -8,11 +8,12 @@ one, right after step v's weights were published:
 - the train backend's state (``TrainBackend.save_state``: ``optimizer.pt`` for torch, one
   ``optimizer.tp<r>.pp<s>.pt`` per model-parallel rank for Megatron) and ``trainer_state.pt``
   (torch RNG, the sender's version; :meth:`TrainerWorker.save_checkpoint`);
-- ``controller_state.msgpack`` (:class:`ControllerState`): the recipe, the window
-  (``StalenessWindow.state_dict``), the data position (tasks drawn; the prompts of groups issued
-  but not trained), the finished trajectories not yet trained, the fault counters and the run
-  directory's bookkeeping (:class:`~loong_train.run.writer.RunDirState`) and the evaluations'
-  (:class:`~loong_train.evaluator.EvaluatorState`: results, lost and pending ones).
+- ``controller_state.msgpack`` (:class:`ControllerState`): the recipe and the ``state_dict()``
+  of every component the controller owns, by name (the controller's ``_components``): the data
+  source (tasks drawn; the prompts of groups issued but not trained), the scheduler (the window),
+  the pipeline (finished trajectories not yet trained, fault counters), the evaluator (lost and
+  pending evaluations) and the run directory (its bookkeeping and the evaluations' results,
+  :class:`~loong_train.run.writer.RunDirState`). This module only gathers and restores them.
 
 It is written into ``.step_<v>.tmp`` and renamed when complete, so a crash while writing leaves
 the previous checkpoint whole. The newest ``train.keep_checkpoints`` are kept, and so is the one
@@ -36,26 +37,19 @@ the engines' request counters, which start again at 0: same distribution, other 
 
 from __future__ import annotations
 
-import itertools
 import logging
 import shutil
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
-import ray
 
 from loong_core.config import ConfigError
-from loong_core.records import Trajectory
-from loong_train.config import Recipe
-from loong_train.evaluator import Evaluator, EvaluatorState
-from loong_train.models.tokenizer import copy_model_files
-from loong_train.pipeline import Pipeline
-from loong_train.run.writer import RunDir, RunDirState
-from loong_train.scheduler import Scheduler
+from loong_train.config import Recipe, TrainConfig
 
-__all__ = ["RESUMABLE", "Checkpoint", "ControllerState", "latest", "maybe_save", "restore"]
+__all__ = ["RESUMABLE", "Checkpoint", "ControllerState", "Stateful", "due", "latest", "restore", "save"]
 
 log = logging.getLogger("loong.checkpoint")
 
@@ -78,19 +72,21 @@ RESUMABLE = (
 continuation also needs the same ``rollout.workers`` and ``threads``."""
 
 
+class Stateful(Protocol):
+    """A component whose state a checkpoint keeps: ``state_dict()`` returns what msgpack encodes
+    (builtins and msgspec records); ``load_state_dict`` takes it back decoded as builtins."""
+
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
+
+
 class ControllerState(msgspec.Struct, kw_only=True):
     """``controller_state.msgpack``: everything of a checkpoint that the controller owns."""
 
     version: int
     recipe: dict[str, Any]  # msgspec.to_builtins of the Recipe
-    window: dict[str, Any]
-    tasks_drawn: int
-    issued: dict[str, dict[str, Any]]
-    finished: dict[str, list[Trajectory]]
-    restarts: int
-    reissued: int
-    run_dir: RunDirState
-    evaluator: EvaluatorState
+    states: dict[str, Any]  # each component's state_dict(), by name
 
 
 @dataclass(frozen=True)
@@ -103,43 +99,40 @@ class Checkpoint:
         return self.state.version
 
 
-def maybe_save(pipe: Pipeline, run_dir: RunDir, evaluator: Evaluator) -> Path | None:
-    """Checkpoint after a train step when ``train.checkpoint_every`` divides the version, and
-    after the last step."""
-    t, v = pipe.recipe.train, pipe.window.version
-    if not (v == t.steps or (t.checkpoint_every and v % t.checkpoint_every == 0)):
-        return None
-    return save(pipe, run_dir, evaluator)
+def due(train: TrainConfig, version: int) -> bool:
+    """A checkpoint is written when ``train.checkpoint_every`` divides the version, and after the
+    last step."""
+    return version == train.steps or bool(train.checkpoint_every and version % train.checkpoint_every == 0)
 
 
-def save(pipe: Pipeline, run_dir: RunDir, evaluator: Evaluator) -> Path:
-    """Write ``checkpoints/step_<v>`` atomically (the trainer is idle: no step was started yet)."""
-    v, root = pipe.window.version, run_dir.path / "checkpoints"
-    tmp, final = root / f".step_{v}.tmp", root / f"step_{v}"
+def save(
+    run_path: Path,
+    version: int,
+    recipe: Recipe,
+    components: Mapping[str, Stateful],
+    write_trainer: Callable[[Path], None],
+    protect: int | None = None,
+) -> Path:
+    """Write ``checkpoints/step_<version>`` atomically: the trainer's files (``write_trainer``, the
+    trainer being idle between steps) and the components' states; keep the newest
+    ``train.keep_checkpoints`` and ``protect`` (the one the run resumed from)."""
+    root = run_path / "checkpoints"
+    tmp, final = root / f".step_{version}.tmp", root / f"step_{version}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    ray.get(pipe.trainer.save_checkpoint.remote(str(tmp)))
-    copy_model_files(pipe.model_path, tmp)  # the tokenizer, so the directory loads as a model
+    write_trainer(tmp)
     state = ControllerState(
-        version=v,
-        recipe=msgspec.to_builtins(pipe.recipe),
-        window=pipe.window.state_dict(),
-        tasks_drawn=pipe.source.count,
-        issued=dict(pipe.source.issued),
-        finished=dict(pipe.finished),
-        restarts=pipe.restarts,
-        reissued=pipe.reissued,
-        run_dir=run_dir.state(v),
-        evaluator=evaluator.state(),
+        version=version,
+        recipe=msgspec.to_builtins(recipe),
+        states={name: c.state_dict() for name, c in components.items()},
     )
     (tmp / STATE).write_bytes(msgspec.msgpack.encode(state))
     shutil.rmtree(final, ignore_errors=True)  # from a run that died after writing it
     tmp.rename(final)
-    protect = {run_dir.resumed.step} if run_dir.resumed else set()
-    for old_v, old in _checkpoints(run_dir.path)[: -pipe.recipe.train.keep_checkpoints]:
-        if old_v not in protect:
+    for old_v, old in _checkpoints(run_path)[: -recipe.train.keep_checkpoints]:
+        if old_v != protect:
             shutil.rmtree(old)
-    log.info("checkpoint of step %d written to %s", v, final)
+    log.info("checkpoint of step %d written to %s", version, final)
     return final
 
 
@@ -175,20 +168,14 @@ def latest(run_path: Path, recipe: Recipe) -> Checkpoint:
     return Checkpoint(path, state)
 
 
-def restore(pipe: Pipeline, ckpt: Checkpoint) -> None:
-    """Put the controller's side of ``ckpt`` into a freshly started pipeline: the window, the data
-    position (the task stream advanced past the tasks drawn), the finished trajectories and the
-    counters. (The trainer and the engines load theirs when created, see the controller.)"""
-    s = ckpt.state
-    state = {"window": s.window, "queued_version": s.version}
-    pipe.scheduler = Scheduler.from_state(state, steps=pipe.recipe.train.steps)
-    pipe.source.count, pipe.source.issued = s.tasks_drawn, dict(s.issued)
-    next(itertools.islice(pipe.source.tasks, s.tasks_drawn, s.tasks_drawn), None)  # skip them
-    pipe.finished = dict(s.finished)
-    pipe.restarts, pipe.reissued = s.restarts, s.reissued
-    log.info(
-        "resumed from %s: step %d, %d groups to issue again", ckpt.path, s.version, len(pipe.window.reissue)
-    )
+def restore(components: Mapping[str, Stateful], ckpt: Checkpoint) -> None:
+    """Put each component's state from ``ckpt`` back (freshly made components; the trainer and
+    the engines load theirs when created, see the controller)."""
+    states = ckpt.state.states
+    if missing := sorted(components.keys() - states.keys()):
+        raise ConfigError(f"--resume: {ckpt.path / STATE} holds no state of {', '.join(missing)}")
+    for name, c in components.items():
+        c.load_state_dict(states[name])
 
 
 def _checkpoints(run_path: Path) -> list[tuple[int, Path]]:

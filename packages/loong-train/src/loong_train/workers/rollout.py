@@ -32,6 +32,7 @@ from loong_core.protocols import SamplingParams
 from loong_core.records import Trajectory, WeightManifest
 from loong_train.engines.base import build_engine, build_host
 from loong_train.engines.config import EmbeddedEngineConfig, EngineConfig
+from loong_train.messages import ApplyResult, EngineCounts, RolloutResult
 from loong_train.models.tokenizer import HFCodec, end_of_turn_ids, load_tokenizer, pad_token_id
 from loong_train.tasks import Task, TaskTables, build_task
 from loong_train.tasks.reward import final_turn, score_groups
@@ -140,11 +141,8 @@ class RolloutWorker:
 
     def rollout(
         self, specs: list[EpisodeSpec], min_version: int = 0, evaluation: bool = False
-    ) -> dict[str, Any]:
-        """Run episodes; returns their trajectories (black-box: every row of each episode), the
-        call's wall-clock span, and since the worker started: ``busy_s`` (seconds with at least
-        one call running) and the engine's counters (``engine``: decode steps, rows over those
-        steps, seconds with a forward running; empty for a server). With partial
+    ) -> RolloutResult:
+        """Run episodes (:class:`~loong_train.messages.RolloutResult`). With partial
         rollouts or concurrent calls (:mod:`loong_train.engines.embedded.host`) the episodes
         start once the engine holds ``min_version`` (its update may still be on the way), and an
         ``evaluation`` runs entirely at one version."""
@@ -171,17 +169,16 @@ class RolloutWorker:
             shape_overlong(out, self.budget, *self.overlong)
         end = time.time()
         stats = getattr(self.engine, "stats", None)  # the embedded engine counts its work
-        engine = {} if stats is None else {"steps": stats.steps, "rows": stats.tokens, "busy_s": stats.busy_s}
-        return {
-            "trajectories": out,
-            "start": start,
-            "end": end,
-            "version": self.engine.weight_version,
-            "worker": self.worker_id,
-            "pid": os.getpid(),
-            "busy_s": self.busy_s,
-            "engine": engine,
-        }
+        return RolloutResult(
+            trajectories=out,
+            start=start,
+            end=end,
+            version=self.engine.weight_version,
+            worker=self.worker_id,
+            pid=os.getpid(),
+            busy_s=self.busy_s,
+            engine=None if stats is None else EngineCounts(stats.steps, stats.tokens, stats.busy_s),
+        )
 
     def _call_began(self) -> float:
         with self._calls_lock:
@@ -202,7 +199,7 @@ class RolloutWorker:
         """The text of an episode's last model turn, as the white-box agent gives it to a reward."""
         return final_turn(t, self.codec.decode, self.chat.strip_end)
 
-    def apply_weights(self, manifest: WeightManifest, restart_below: int = -1) -> dict[str, float]:
+    def apply_weights(self, manifest: WeightManifest, restart_below: int = -1) -> ApplyResult:
         """Receive an update through TransferMesh. Called like a rollout, Ray runs it between
         rollout calls: no generation sees mixed weights. Called in the ``weights`` concurrency
         group, it lands mid-call (partial rollouts), or, with ``partial = "off"`` and concurrent
@@ -221,16 +218,14 @@ class RolloutWorker:
             else:
                 copy()
                 self.engine.set_version(manifest.version)
-        end = time.time()
-        return {
-            "restarted": restarted,
-            "apply_s": end - start,
-            "start": start,
-            "end": end,
-            "version": manifest.version,
-            "worker": self.worker_id,
-            "pid": os.getpid(),
-        }
+        return ApplyResult(
+            version=manifest.version,
+            worker=self.worker_id,
+            pid=os.getpid(),
+            start=start,
+            end=time.time(),
+            restarted=restarted,
+        )
 
     def close(self) -> None:
         """Stop the black-box proxy and the SGLang server (a Ray actor's process just ends, and its

@@ -18,6 +18,7 @@ from loong_core.records import TrainBatch, WeightManifest
 from loong_train.algo.config import OPDConfig
 from loong_train.algo.opd import Distiller
 from loong_train.backends.base import BackendOptions, build_backend
+from loong_train.messages import Published, StepResult
 from loong_transfermesh import SGLangPusherConfig, SGLangServers, TransportConfig, open_sender
 
 __all__ = ["TrainerWorker"]
@@ -68,26 +69,24 @@ class TrainerWorker:
             )
             watcher.start()
 
-    def train_step(self, batch: TrainBatch, wait_for: Sequence[ray.ObjectRef] = ()) -> dict[str, float]:
+    def train_step(self, batch: TrainBatch, wait_for: Sequence[ray.ObjectRef] = ()) -> StepResult:
         """One optimizer step; an all-failed (empty) batch skips the step but still advances.
         With ``[opd] enabled`` the teachers first replace the batch's advantages (:mod:`loong_train.algo.opd`).
         ``wait_for``: calls that must end before the weights change (direct weights: evaluations
         running on the servers; refs inside a list, so Ray does not resolve them as arguments)."""
         if wait_for:
             ray.wait(list(wait_for), num_returns=len(wait_for))
-        start = time.time()
+        start, teacher_end = time.time(), None
         opd: dict[str, float] = {}
         if self.distiller is not None and batch.row_lens:
             batch, opd = self.distiller.distill(batch)
-            opd["teacher_end"] = time.time()
+            teacher_end = time.time()
         with self._lock:
             self._unpublished = bool(batch.row_lens)
             metrics = self.backend.train_step(batch) if batch.row_lens else {"skipped": 1.0}
-        return {**metrics, **opd, "train_start": start, "train_end": time.time()}
+        return StepResult(metrics={**metrics, **opd}, start=start, end=time.time(), teacher_end=teacher_end)
 
-    def publish(
-        self, metrics: dict[str, float], readers: Sequence[ray.ObjectRef] = ()
-    ) -> tuple[dict[str, float], WeightManifest]:
+    def publish(self, step: StepResult, readers: Sequence[ray.ObjectRef] = ()) -> Published:
         """Push the weights as version + 1. ``readers`` are the engines' applies of the version
         whose buffer this push reuses (``TransportConfig.must_have_applied``; refs inside a list,
         so Ray does not resolve them as arguments); the push waits until each finished or failed:
@@ -101,8 +100,7 @@ class TrainerWorker:
                 manifest = self.sender.push(self.backend.named_weights(), self.version)
             else:
                 manifest = self._push_to_servers()
-        end = time.time()
-        return {**metrics, "push_s": end - start, "push_start": start, "push_end": end}, manifest
+        return Published(step=step, manifest=manifest, push_start=start, push_end=time.time())
 
     def _push_to_servers(self) -> WeightManifest:
         """Push ``version`` into every server; one that fails is caught up later."""

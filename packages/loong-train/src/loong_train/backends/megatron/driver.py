@@ -17,12 +17,12 @@ One host only (the rendezvous is on 127.0.0.1; gloo on CPU, NCCL with one GPU pe
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from loong_core.net import free_port
 from loong_core.records import TrainBatch
 from loong_train.backends.megatron.backend import MegatronBackend
 from loong_train.backends.megatron.cpu import cpu_compat
@@ -43,7 +43,7 @@ class MegatronDriver:
         threads: int = 1,
         **backend_kwargs,
     ) -> None:
-        world, port = tp * pp * dp, _free_port()
+        world, port = tp * pp * dp, free_port()
         ctx = torch.multiprocessing.get_context("spawn")
         args = (world, port, str(model_path), tp, pp, threads, backend_kwargs)
         self._followers = [ctx.Process(target=_follow, args=(r, *args), daemon=True) for r in range(1, world)]
@@ -125,9 +125,3 @@ def _follow(rank: int, *args) -> None:
             break
         getattr(backend, name)(*call_args)
     _close_rank()
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]

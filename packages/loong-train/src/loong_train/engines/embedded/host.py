@@ -48,14 +48,9 @@ from loong_core.protocols import SamplingParams
 from loong_core.records import Trajectory
 from loong_train.engines.embedded.engine import EmbeddedEngine
 
-__all__ = ["EngineHost", "crossed_update"]
+__all__ = ["EngineHost"]
 
 T = TypeVar("T")
-
-
-def crossed_update(t: Trajectory) -> bool:
-    """Whether ``t``'s model tokens come from more than one weight version."""
-    return len({v for s in t.spans if s.is_model for v in s.token_versions()}) > 1
 
 
 @dataclass

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -53,6 +52,7 @@ from collections.abc import AsyncIterator
 import httpx
 
 from loong_agentflow.sglang_client import SGLangClientConfig, SGLangEngine, SGLangError
+from loong_core.net import free_port
 from loong_core.protocols import SamplingParams
 from loong_core.records import TokenSpan
 from loong_train.engines.config import SGLangEngineConfig
@@ -200,7 +200,7 @@ class SGLangRollout:
             self._pusher = SGLangWeightPusher(
                 SGLangPusherConfig(
                     urls=[self.supervisor.url],
-                    master_port=_free_port(),
+                    master_port=free_port(),
                     backend=self.config.update_backend,
                     ranks_per_engine=self.config.tp_size,
                     bucket_bytes=int(self.config.bucket_mb * (1 << 20)),
@@ -230,9 +230,3 @@ class SGLangRollout:
             self._pusher.close()
         self._pusher.shutdown()
         self._pusher = None
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
