@@ -1,79 +1,7 @@
-"""RL algorithms: GRPO advantages, the batch packer, and the policy loss with its options.
-
-Advantages. GRPO (Shao et al., 2024), per group g of G episodes of one prompt with rewards
-r_1..r_G (failed or timed-out episodes are excluded before the statistics; the rows of a
-black-box episode, which share ``info["episode"]``, count as one episode and share its A):
-
-    A_i = (r_i - mean(r)) / (std(r) + eps)        (``scale_by_std=True``)
-    A_i =  r_i - mean(r)                          (``scale_by_std=False``, Dr. GRPO)
-
-with std the population standard deviation (``std = "population"``, Loong's default:
-sqrt(sum (r - mean)^2 / G)) or the unbiased one (``"unbiased"``: / (G - 1), what verl and TRL
-divide by, ``torch.std``). Every model token of episode i (all its rows) gets A_i. Other
-estimators (``estimator``), over the same episodes:
-
-    RLOO (Ahmadian et al., 2024):  A_i = r_i - (sum_{j != i} r_j) / (G - 1) = G / (G - 1) (r_i - mean(r))
-    REINFORCE++ (Hu, 2025):        A_i = (r_i - mean_T(r)) / sqrt(var_T(r) + 1e-8)
-    REINFORCE++ with baseline:     A_i = (c_i - mean_T(c)) / sqrt(var_T(c) + 1e-8),  c = r - mean(r)
-
-where mean_T and var_T (unbiased) run over every loss token of the step's batch, each token
-carrying its episode's value: a global normalization in which an episode weighs as many tokens
-as it has, as verl and OpenRLHF whiten. A group of one episode gets A = 0 from GRPO and RLOO
-(verl gives it its reward) and c = r from the baseline.
-
-Policy loss (:func:`policy_loss`, options in :class:`~loong_train.config.LossConfig`). Per token
-t of row i, all tensors ``[batch, seq]``: m mask (1 = loss token), A advantage, l the trainer's
-current logprob (with gradient), b the behaviour logprob from the rollout engine, p the proximal
-logprob (the trainer's logprob before this update, no gradient), r the reference policy's logprob.
-
-    w_t   = exp(p_t - b_t)                                   train-inference IS weight
-    m'_t  = m_t * [lo <= w_t <= hi]                          masked IS (MIS), token level
-    m'_it = m_it * [lo <= exp(sum_t m (p - b) / sum_t m) <= hi]   MIS, sequence level
-    q_t   = b_t (coupled PPO, default) or p_t (decoupled PPO, AReaL)
-    rho_t = exp(l_t - q_t)
-    s_t   = min(rho_t * A_t, clip(rho_t, 1 - eps, 1 + eps_high) * A_t)   eps_high = eps unless set (DAPO's clip-higher)
-    s_t   = max(s_t, c * A_t)            if A_t < 0          dual clip (Ye et al., 2020)
-    ell_t = -s_t                          (coupled)
-    ell_t = -min(w_t, C) * s_t            (decoupled; C = inf unless TIS)
-    k_t   = delta, delta^2 / 2, or exp(-delta) - 1 + delta,  delta = l_t - r_t   (k1, k2, k3)
-    L     = agg(ell; m') + beta * agg(k; m')
-
-Other objectives (``policy``), with rho, q, A, m', agg as above and sg() a stop-gradient:
-
-    GSPO (Zheng et al., 2025):  s_i  = exp(sum_t m (l - q) / sum_t m)         per sequence
-                                ell_t = -min(s_i A_t, clip(s_i, 1 - eps, 1 + eps_high) A_t)
-    GSPO-token:                 s_it = sg(s_i) exp(l_t - sg(l_t)), in place of s_i (the same
-                                value; each token's gradient s_i grad l_t)
-    CISPO (MiniMax-M1, 2025):   ell_t = -sg(clip(rho_t, 1 - eps, 1 + eps_high)) A_t l_t
-
-GSPO clips whole sequences (its paper averages them: ``agg_mode = "seq-mean-token-mean"``);
-CISPO clips the IS weight but never the gradient, so a token far off-policy still learns, at
-the clipped rate. The dual clip applies to PPO only.
-
-Coupled PPO clips against the behaviour policy, so its ratio already carries the train-inference
-gap and gets no separate weight. Decoupled PPO (Fu et al., 2025, "AReaL") clips against the
-proximal policy and moves the gap into w; truncating w at C is TIS (Yao et al., 2025). AReaL
-itself masks tokens whose weight exceeds a cap; here that is MIS with ``mis_high``. When no
-proximal logprobs are given, p = l detached: the trainer's policy before this step's update.
-
-Aggregations (verl's ``loss_agg_mode`` names), over rows with at least one kept token (B of them):
-
-    token-mean               sum_it m' x / sum_it m'
-    seq-mean-token-mean      (1/B) sum_i (sum_t m' x / sum_t m')
-    seq-mean-token-sum       (1/B) sum_i  sum_t m' x
-    seq-mean-token-sum-norm  (1/B) sum_i  sum_t m' x / L_norm    (Dr. GRPO; Liu et al., 2025)
-
-Dr. GRPO divides by the generation budget; Loong takes the constant ``norm_length`` from config.
-
-Dense distillation (:func:`distill_loss`, on-policy distillation with ``objective =
-"forward_kl"`` or ``"jsd"``, :mod:`loong_train.algo.opd`), added to L: with c_t the token's
-teacher coefficient and K_t the teacher's top-k ids at t,
-
-    L_distill = agg(c * D_t; m),   D_t = JSD_beta(T_t, S_t) over K_t plus one tail bucket
-
-(:func:`loong_teacher.topk_tail_logprobs`, :func:`loong_teacher.generalized_jsd`; S_t is the
-student's distribution at temperature 1, the one the teacher's logprobs are taken at). beta = 0
-is the forward KL(T_t || S_t) (``"forward_kl"``), beta = 1 the reverse KL(S_t || T_t).
+"""RL algorithms: advantages (GRPO, RLOO, REINFORCE++), the batch packer, the policy loss with its
+options (PPO clipping, dual clip, decoupled PPO, TIS and MIS, GSPO, CISPO, KL penalties) and the
+dense distillation loss. The formulas, with the recipe keys that choose each part:
+docs/losses.md.
 
 The defaults (std scaling, coupled PPO, token-mean, everything else off) are the loss Loong
 trained with before these options existed, bit for bit.
@@ -132,7 +60,7 @@ def grpo_advantages(
 
 
 def advantages(trajectories: Sequence[Trajectory], cfg: LossConfig) -> list[float]:
-    """The advantage of every row under ``cfg.estimator`` (formulas in the module docstring)."""
+    """The advantage of every row under ``cfg.estimator`` (formulas: docs/losses.md)."""
     if cfg.estimator == "grpo":
         return grpo_advantages(trajectories, cfg.scale_adv_by_std, std=cfg.std)
     groups = _groups(trajectories)
@@ -273,7 +201,7 @@ def _surrogate(ratio: torch.Tensor, adv: torch.Tensor, cfg: LossConfig) -> torch
 
 
 def aggregate(x: torch.Tensor, m: torch.Tensor, cfg: LossConfig) -> torch.Tensor:
-    """agg(x; m) for ``cfg.agg_mode`` (formulas in the module docstring); ``[batch, seq]`` -> scalar."""
+    """agg(x; m) for ``cfg.agg_mode`` (formulas: docs/losses.md); ``[batch, seq]`` -> scalar."""
     if cfg.agg_mode == "token-mean":
         return (x * m).sum() / m.sum().clamp(min=1)
     tokens, row_sum = m.sum(-1), (x * m).sum(-1)
@@ -293,9 +221,9 @@ def distill_loss(
     cfg: LossConfig,
     beta: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """L_distill (module docstring) from the student's logits ``[batch, seq, vocab]`` at the
-    positions that predict each token, the teacher's ``topk_ids``/``topk_logprobs`` ``[batch, seq,
-    k]`` there, ``coef`` and ``mask`` ``[batch, seq]``, with D_t the generalized JSD of ``beta``
+    """L_distill (docs/losses.md, "Dense distillation") from the student's logits ``[batch, seq,
+    vocab]`` at the positions that predict each token, the teacher's ``topk_ids``/``topk_logprobs``
+    ``[batch, seq, k]`` there, ``coef`` and ``mask`` ``[batch, seq]``, with D_t the generalized JSD of ``beta``
     (0: the forward KL). Stats: ``distill_kl``, the forward KL's mean over the mask (whatever the
     divergence trained on, so runs compare), and with ``beta > 0`` ``distill_jsd``, D_t's mean."""
     student, teacher = topk_tail_logprobs(student_logits, topk_ids, topk_logprobs)
