@@ -21,7 +21,7 @@ ROWS = [{"prompt": f"what is {i}+1?", "answer": str(i + 1)} for i in range(20)]
 
 
 def _recipe(*sets):
-    return load_recipe("tiny-calc-agent", list(sets))
+    return load_recipe("tiny-calc-agent", list(sets), task="data")  # as train() loads it for rows
 
 
 def test_rows_and_a_reward_function_become_a_data_task_named_by_their_content():

@@ -13,7 +13,9 @@ from loong_train.tasks.data import DataTask
 
 def test_a_group_reward_with_a_black_box_agent_is_an_error():
     with pytest.raises(ValueError, match=r"reward.group = true scores the final turns of white-box episodes"):
-        load_recipe("tiny-calc-agent", ["reward.group=true", 'reward.fn="r.py:f"', "agent.type=blackbox"])
+        load_recipe(
+            "tiny-calc-agent", ["task=data", "reward.group=true", 'reward.fn="r.py:f"', "agent.type=blackbox"]
+        )
 
 
 GROUP_REWARD = """

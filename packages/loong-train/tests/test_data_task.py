@@ -270,7 +270,6 @@ def score(completion, answer, prompt):
 
 USER_RECIPE = """
 name = "my-task"
-task = "data"
 
 [data]
 train_files = ["data.jsonl"]
@@ -306,6 +305,8 @@ def test_a_users_data_reward_and_recipe_train_from_their_own_directory(tmp_path)
     env = {**os.environ, "RAY_ENABLE_UV_RUN_RUNTIME_ENV": "0"}
     done = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
+    # the recipe names no task: its [data] and [reward] make it the data task, and the run says so
+    assert "recipe.toml: task = 'data' (inferred from [data], [reward])" in done.stderr
     rows = [
         json.loads(line)
         for line in (tmp_path / "runs" / "my-task" / "metrics.jsonl").read_text().splitlines()

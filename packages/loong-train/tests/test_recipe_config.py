@@ -163,7 +163,7 @@ RULE_CASES = {
     ),
     "group_reward_needs_whitebox": (
         "tiny-calc-agent",
-        ["reward.group=true", "reward.fn='r.py:f'", "agent.type='blackbox'"],
+        ["task='data'", "reward.group=true", "reward.fn='r.py:f'", "agent.type='blackbox'"],
         r"reward.group = true scores the final turns of white-box episodes",
     ),
     "entropy_bonus_needs_torch": (

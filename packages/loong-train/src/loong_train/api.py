@@ -62,8 +62,9 @@ def train(
 ) -> Path:
     """Train ``recipe`` on a task made in code (see the module docstring); returns the run
     directory (``out``, default ``runs/<recipe name>``)."""
-    if not isinstance(recipe, Recipe):
-        recipe = load_recipe(str(recipe), list(sets))
+    if not isinstance(recipe, Recipe):  # its tables are checked against the task made here
+        kind = "env" if environment is not None else "data" if rows is not None else None
+        recipe = load_recipe(str(recipe), list(sets), task=kind or ("python" if task else None))
     elif sets:
         raise ConfigError(
             "sets apply to a recipe file or name; change a Recipe object with msgspec.structs.replace"

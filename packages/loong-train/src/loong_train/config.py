@@ -18,6 +18,7 @@ Loading a recipe imports no torch. A key from an older layout is an error naming
 
 from __future__ import annotations
 
+import logging
 import tomllib
 from importlib import resources
 from pathlib import Path
@@ -54,6 +55,8 @@ __all__ = [
     "load_recipe",
     "recipe_names",
 ]
+
+log = logging.getLogger("loong.config")
 
 
 def _at_least(section: msgspec.Struct, **minimums: int) -> None:
@@ -290,8 +293,12 @@ def recipe_names() -> list[str]:
     )
 
 
-def load_recipe(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
-    """Load a shipped recipe by name (names may hold dots: ``qwen3-0.6b-...``), or a TOML file by path."""
+def load_recipe(
+    name_or_path: str, overrides: list[str] | tuple[str, ...] = (), task: str | None = None
+) -> Recipe:
+    """Load a shipped recipe by name (names may hold dots: ``qwen3-0.6b-...``), or a TOML file by
+    path. ``task``: the kind of task the caller trains instead of the recipe's own (the Python
+    API's task made in code: ``"data"``, ``"env"``, or a factory's name), whose tables are checked."""
     path = Path(name_or_path)
     if name_or_path in recipe_names():
         path = Path(str(resources.files("loong_train.recipes") / f"{name_or_path}.toml"))
@@ -311,7 +318,25 @@ def load_recipe(name_or_path: str, overrides: list[str] | tuple[str, ...] = ()) 
         apply_override(data, override)
     if problems := _renamed_keys(data):
         raise ConfigError(f"{path.name}: " + "; ".join(problems))
+    _task_and_its_tables(data, path.name, task)
     return _absolute_paths(load_config(data, Recipe))
+
+
+def _task_and_its_tables(data: dict[str, Any], source: str, task: str | None) -> None:
+    """Set ``task`` where the recipe leaves it out and its tables name one (logged), and refuse
+    task tables the task (or the caller's ``task``) never reads (:mod:`loong_train.recipe_checks`)."""
+    if task is not None:
+        if problems := recipe_checks.unread_tables(data, task):
+            raise ConfigError(f"{source}: " + "; ".join(problems))
+        return
+    if "task" not in data:
+        try:
+            data["task"], why = recipe_checks.infer_task(data)
+        except ValueError as e:
+            raise ConfigError(f"{source}: {e}") from e
+        log.info("%s: task = %r (%s)", source, data["task"], why)
+    if isinstance(data["task"], str) and (problems := recipe_checks.unread_tables(data, data["task"])):
+        raise ConfigError(f"{source}: " + "; ".join(problems))
 
 
 def _absolute_paths(recipe: Recipe) -> Recipe:

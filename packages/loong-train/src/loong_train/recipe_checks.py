@@ -4,19 +4,25 @@ Each rule is a function of the whole :class:`~loong_train.config.Recipe` that re
 wrong (naming every key involved and what would be accepted) or None. ``Recipe.__post_init__``
 runs :data:`RULES` in order and refuses the recipe with the first problem found; a rule about one
 table alone belongs in that table's own ``__post_init__``.
+
+Two checks read the recipe as written instead (the parsed TOML with its overrides, before
+defaults fill it in), since what matters there is what the user set: :func:`infer_task` (a recipe
+without ``task``) and :func:`unread_tables` (a task table the chosen task never reads).
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import msgspec
 
 from loong_train.engines.config import EmbeddedEngineConfig, SGLangEngineConfig
-from loong_train.tasks import task_problem
+from loong_train.tasks import TaskTables, task_problem
 
 if TYPE_CHECKING:
     from loong_train.config import Recipe
 
-__all__ = ["RULES", "problems"]
+__all__ = ["RULES", "infer_task", "problems", "unread_tables"]
 
 
 def known_task(recipe: Recipe) -> str | None:
@@ -160,3 +166,68 @@ RULES = (
 def problems(recipe: Recipe) -> list[str]:
     """What every rule finds wrong with ``recipe`` (empty: it is consistent)."""
     return [p for rule in RULES if (p := rule(recipe))]
+
+
+_READERS: dict[str, tuple[str, ...]] = {
+    "data": ("data", "env"),
+    "environment": ("env",),
+    "reward": ("data",),  # an environment scores its own steps
+    "reasoning_gym": ("reasoning_gym",),
+    "verifiers": ("verifiers",),
+}
+"""Each task table and the tasks that read it (``reasoning_gym`` also as ``reasoning_gym:<dataset>``)."""
+_SHAPING = ("overlong_buffer", "overlong_penalty")  # [reward] keys every task's rollouts apply
+
+
+def _set_keys(data: dict[str, Any], table: str) -> list[str]:
+    """The keys of task table ``table`` that ``data`` (a recipe as written) sets to other than
+    their default (a resolved recipe, ``config.toml``, writes every key); ``[reward]``'s
+    overlong-shaping keys left out."""
+    given = data.get(table)
+    if not isinstance(given, dict):
+        return []
+    default = msgspec.to_builtins(getattr(TaskTables(), table))
+    return sorted(k for k, v in given.items() if k not in _SHAPING and v != default.get(k, object()))
+
+
+def _set_tables(data: dict[str, Any]) -> list[str]:
+    """The task tables ``data`` sets keys in (:func:`_set_keys`)."""
+    return [table for table in _READERS if _set_keys(data, table)]
+
+
+def infer_task(data: dict[str, Any]) -> tuple[str, str]:
+    """The task of a recipe (as written) that sets no ``task``, and why: ``env`` with an
+    ``[environment]``, ``data`` with ``[data]`` or a reward function alone, ``reasoning_gym`` or
+    ``verifiers`` with their table. Raises ValueError when no table, or more than one task, is
+    named."""
+    tables = _set_tables(data)
+    common = set.intersection(*(set(_READERS[t]) for t in tables)) if tables else set()
+    if common == {"data", "env"}:
+        common = {"data"}  # env needs an [environment]
+    if len(common) != 1:
+        found = (
+            f"its tables ({', '.join(f'[{t}]' for t in tables)}) name no one task"
+            if tables
+            else ("it sets none of [data], [environment], [reasoning_gym], [verifiers] to infer it from")
+        )
+        raise ValueError(
+            f'the recipe sets no task, and {found}: set task (a shipped task such as "data", '
+            '"env", "reasoning_gym", "verifiers", "calc", or a factory, "pkg.module:factory")'
+        )
+    return common.pop(), f"inferred from {', '.join(f'[{t}]' for t in tables)}"
+
+
+def unread_tables(data: dict[str, Any], task: str) -> list[str]:
+    """What is wrong with task tables ``data`` (a recipe as written) sets that ``task`` never
+    reads: each names the table, the task and the tasks that would read it."""
+    name = "reasoning_gym" if task.startswith("reasoning_gym:") else task
+    problems = []
+    for table in _set_tables(data):
+        readers = _READERS[table]
+        if name not in readers:
+            keys = ", ".join(_set_keys(data, table))
+            problems.append(
+                f"[{table}] ({keys}) is read by task {' or '.join(map(repr, readers))}, "
+                f"not by task {task!r}: remove the table, or set the task that reads it"
+            )
+    return problems
