@@ -13,7 +13,7 @@ from proxy_testkit import USER, episode_spec, run, session_client, sse_events
 
 from loong_agentflow.proxy import ProxyConfig, ProxyServer
 from loong_agentflow.proxy.render import ChatMLRenderer
-from loong_core.protocols import SamplingParams
+from loong_core.protocols import RequestRefused, SamplingParams
 from loong_core.records import EpisodeStatus, SpanSource, TokenSpan
 
 pytestmark = pytest.mark.integration
@@ -271,5 +271,31 @@ def test_engine_failure_is_a_500_and_other_sessions_keep_working():
             proxy.close_session(session)
         (row,) = session.trajectories(0.0, EpisodeStatus.FAILED)
         assert row.spans == [] and "device lost" in row.info["proxy_errors"]
+
+    run(main())
+
+
+class RefusingEngine(BlockingEngine):
+    async def generate(self, input_ids, sampling):
+        raise RequestRefused(f"the prompt has {len(input_ids)} tokens; the model has 8 positions")
+
+
+def test_a_request_the_engine_refuses_is_a_400_naming_why_and_no_engine_error():
+    """The engine's :class:`RequestRefused` is the client's mistake (the model cannot take the
+    prompt), answered as OpenAI answers one; the session records no engine error."""
+
+    async def main():
+        async with ProxyServer(RefusingEngine(), ChatMLRenderer(CODEC)) as proxy:
+            session = proxy.open_session(episode_spec())
+            async with await session_client(proxy, session.api_key) as c:
+                r = await c.post("/chat/completions", json={"messages": USER})
+                assert r.status_code == 400, r.text
+                error = r.json()["error"]
+                assert (error["type"], error["param"]) == ("invalid_request_error", "messages")
+                assert "the model has 8 positions" in error["message"]
+                r = await c.post("/completions", json={"prompt": "2+2="})
+                assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+            proxy.close_session(session)
+        assert session.errors == []
 
     run(main())

@@ -22,7 +22,7 @@ from starlette.routing import Route
 
 from loong_agentflow.sglang_client import SGLangClientConfig, SGLangEngine, SGLangError
 from loong_core.net import free_port
-from loong_core.protocols import RolloutEngine, SamplingParams
+from loong_core.protocols import RequestRefused, RolloutEngine, SamplingParams
 
 
 def _reply(version="default", finish=None, ids=(7, 8)):
@@ -98,7 +98,12 @@ def test_unavailable_answers_are_retried_then_succeed():
 
 
 def test_client_errors_are_not_retried_and_carry_the_message():
-    with _scripted([400]) as (url, seen), pytest.raises(SGLangError, match="400: scripted 400"):
+    """A 400 is the server refusing this request (the caller's mistake: RequestRefused); another
+    4xx is an SGLangError. Neither is retried."""
+    with _scripted([400]) as (url, seen), pytest.raises(RequestRefused, match="400: scripted 400"):
+        _generate(url, retries=3)
+    assert len(seen) == 1
+    with _scripted([404]) as (url, seen), pytest.raises(SGLangError, match="404: scripted 404"):
         _generate(url, retries=3)
     assert len(seen) == 1
 

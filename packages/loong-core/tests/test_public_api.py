@@ -19,6 +19,7 @@ def test_exports_are_pinned():
         "MetricsWriter",
         "ModelInfoResponse",
         "PauseGenerationRequest",
+        "RequestRefused",
         "RolloutEngine",
         "SGLangSamplingParams",
         "SamplingParams",

@@ -75,7 +75,7 @@ def test_trainer_worker_drives_a_two_rank_megatron_backend(tmp_path):
     try:
         batch = tiny_batch()
         lp = torch.tensor(trainer.logprobs(batch))
-        metrics = trainer.train_step(batch)
+        metrics = trainer.train_step(batch).metrics
         weights = cloned(trainer.backend.named_weights())
     finally:
         trainer.close()
@@ -112,14 +112,14 @@ def test_megatron_checkpoint_resumes_the_next_step_exactly(tmp_path):
     try:
         first.train_step(batch)
         first.save_checkpoint(ckpt)
-        want = first.train_step(batch)
+        want = first.train_step(batch).metrics
         want_weights = cloned(first.backend.named_weights())
     finally:
         first.close()
     resumed = trainer("megatron-ckpt-b")
     try:
         resumed.load_checkpoint(ckpt)
-        got = resumed.train_step(batch)
+        got = resumed.train_step(batch).metrics
         got_weights = cloned(resumed.backend.named_weights())
     finally:
         resumed.close()

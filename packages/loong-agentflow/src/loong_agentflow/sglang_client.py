@@ -38,7 +38,7 @@ from typing import TypeVar
 import httpx
 import msgspec
 
-from loong_core.protocols import SamplingParams
+from loong_core.protocols import RequestRefused, SamplingParams
 from loong_core.records import SpanSource, TokenSpan
 from loong_core.sglang_api import (
     ContinueGenerationRequest,
@@ -295,13 +295,16 @@ def _generate_body(input_ids: list[int], sampling: SamplingParams, stream: bool 
 
 
 def _checked(response: httpx.Response, where: str) -> httpx.Response:
-    """``response`` if it is a 200; else ``SGLangError`` with the server's message."""
+    """``response`` if it is a 200; else the server's message: ``RequestRefused`` for a 400 (the
+    server refused this request: a prompt past its context, ...), ``SGLangError`` otherwise."""
     if response.status_code == 200:
         return response
     try:
         message = msgspec.json.decode(response.content, type=ErrorResponse).message
     except msgspec.DecodeError:  # not SGLang's error body (SGLang's /generate nests it)
         message = response.text
+    if response.status_code == 400:
+        raise RequestRefused(f"{where}: HTTP 400: {message}")
     raise SGLangError(f"{where}: HTTP {response.status_code}: {message}")
 
 

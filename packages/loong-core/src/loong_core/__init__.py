@@ -4,7 +4,7 @@ importing it never pulls in torch or ray."""
 
 from loong_core.config import ConfigError, dump_toml, load_config
 from loong_core.net import free_port
-from loong_core.protocols import RolloutEngine, SamplingParams
+from loong_core.protocols import RequestRefused, RolloutEngine, SamplingParams
 from loong_core.records import (
     EpisodeStatus,
     SpanSource,
@@ -51,6 +51,7 @@ __all__ = [
     "decode",
     "encode",
     # protocols
+    "RequestRefused",
     "RolloutEngine",
     "SamplingParams",
     # config

@@ -12,7 +12,7 @@ import msgspec
 
 from loong_core.records import TokenSpan
 
-__all__ = ["MIN_TEMPERATURE", "RolloutEngine", "SamplingParams"]
+__all__ = ["MIN_TEMPERATURE", "RequestRefused", "RolloutEngine", "SamplingParams"]
 
 MIN_TEMPERATURE = 1e-3
 """The lowest sampling temperature: below it ``logits / T`` can overflow to inf for a model's
@@ -41,6 +41,12 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
             raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
 
 
+class RequestRefused(ValueError):
+    """An engine refuses one request: its prompt or sampling cannot run on this model (token ids
+    outside the vocabulary, a prompt past the context). The request fails alone and nothing else
+    is affected; a server in front of the engine answers it as the client's mistake (HTTP 400)."""
+
+
 @runtime_checkable
 class RolloutEngine(Protocol):
     """Token-level generation with per-token logprobs and weight versions.
@@ -48,6 +54,9 @@ class RolloutEngine(Protocol):
     Lifecycle: create, then ``generate`` concurrently from many episodes; around a weight update
     the owner calls ``pause()`` (in-flight requests hold between decode steps), applies weights,
     then ``resume()``. Every returned model span carries the version that produced its tokens.
+
+    ``generate`` raises :class:`RequestRefused` for a request the model cannot take; any other
+    exception is the engine's own failure.
 
     Optional: ``stream(input_ids, sampling) -> AsyncIterator[TokenSpan]``, the same completion
     yielded while it is sampled (model spans of the tokens new since the previous one); closing

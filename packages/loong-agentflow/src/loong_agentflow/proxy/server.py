@@ -39,7 +39,7 @@ from loong_agentflow.proxy.responses import ChatChunks, CompletionChunks
 from loong_agentflow.proxy.sampling import Sampler
 from loong_agentflow.proxy.session import CallRecord, ProxySession
 from loong_agentflow.proxy.wire import ApiError, decode_request, error_body, error_event, now, unsupported
-from loong_core.protocols import RolloutEngine, SamplingParams
+from loong_core.protocols import RequestRefused, RolloutEngine, SamplingParams
 from loong_core.records import TokenSpan
 
 if TYPE_CHECKING:
@@ -281,7 +281,8 @@ class ProxyServer:
     ) -> tuple[list[Choice], list[LiveText]]:
         """``n`` completions of the prompt, each stopped at its first stop string (the engine call
         ends there), finished as choices; ``shown`` receives their text as it becomes showable.
-        An engine failure is the call's 500 (the other choices are cancelled)."""
+        The engine refusing the request (:class:`RequestRefused`) is the call's 400, any other
+        engine failure its 500 (the other choices are cancelled)."""
         stop_ids = frozenset(call.sampling.stop_token_ids)
         stops, chat = call.req.stop_strings(), call.endpoint.chat
         follow = shown is not None or bool(stops)  # a whole completion needs no token-by-token watch
@@ -303,6 +304,10 @@ class ProxyServer:
         try:
             lives = await asyncio.gather(*tasks)
             choices = [finish_choice(x.span(), self.renderer, stop_ids, stops, chat) for x in lives]
+        except RequestRefused as e:  # the client's mistake, as the engine found it
+            raise ApiError(
+                400, f"The model cannot take this request: {e}", param=call.endpoint.param
+            ) from None
         except Exception as e:  # the engine's failure is this call's 500, not the server's end
             session.errors.append(f"{type(e).__name__}: {e}")
             raise ApiError(500, f"The engine failed: {type(e).__name__}: {e}", type="server_error") from None

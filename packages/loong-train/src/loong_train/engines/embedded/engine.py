@@ -47,7 +47,7 @@ from collections.abc import AsyncIterator, Sequence
 import msgspec
 import torch
 
-from loong_core.protocols import SamplingParams
+from loong_core.protocols import RequestRefused, SamplingParams
 from loong_core.records import SpanSource, TokenSpan
 from loong_train.engines.embedded.batching import BatchStats, Request, RunningBatch
 from loong_train.models.decoder import CausalLM
@@ -234,15 +234,17 @@ class EmbeddedEngine:
         self.set_version(version)
 
     def _request(self, input_ids: list[int], sampling: SamplingParams, seed: int | None) -> Request:
-        """A request, after refusing a prompt the model cannot take (ValueError: it fails alone,
-        before it joins a batch) and capping ``max_new_tokens`` at the model's positions."""
+        """A request, after refusing a prompt the model cannot take (:class:`RequestRefused`: it
+        fails alone, before it joins a batch) and capping ``max_new_tokens`` at the model's positions."""
         vocab, positions = self.model.config.vocab_size, self.model.config.max_position_embeddings
         if not input_ids:
-            raise ValueError("the prompt is empty: it needs at least one token id")
+            raise RequestRefused("the prompt is empty: it needs at least one token id")
         if bad := [t for t in input_ids if not 0 <= t < vocab][:3]:
-            raise ValueError(f"prompt token ids outside the vocabulary [0, {vocab}): {bad}")
+            raise RequestRefused(f"prompt token ids outside the vocabulary [0, {vocab}): {bad}")
         if positions and len(input_ids) >= positions:
-            raise ValueError(f"the prompt has {len(input_ids)} tokens; the model has {positions} positions")
+            raise RequestRefused(
+                f"the prompt has {len(input_ids)} tokens; the model has {positions} positions"
+            )
         if positions and len(input_ids) + sampling.max_new_tokens > positions:  # never past the last position
             sampling = msgspec.structs.replace(sampling, max_new_tokens=positions - len(input_ids))
         seed = self.request_seed(self._requests) if seed is None else seed
