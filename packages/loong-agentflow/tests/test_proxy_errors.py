@@ -295,6 +295,14 @@ def test_a_request_the_engine_refuses_is_a_400_naming_why_and_no_engine_error():
                 assert "the model has 8 positions" in error["message"]
                 r = await c.post("/completions", json={"prompt": "2+2="})
                 assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+                for path, body in (
+                    ("/chat/completions", {"messages": USER}),
+                    ("/completions", {"prompt": "2"}),
+                ):
+                    # streamed: the refusal comes before any event, so it is the response itself
+                    r = await c.post(path, json={**body, "stream": True})
+                    assert r.status_code == 400 and r.headers["content-type"] == "application/json"
+                    assert "the model has 8 positions" in r.json()["error"]["message"]
             proxy.close_session(session)
         assert session.errors == []
 

@@ -10,6 +10,8 @@ from typing import Any, TypeVar
 
 from starlette.requests import Request
 
+from loong_agentflow.proxy.wire import ApiError, error_body
+
 __all__ = ["Emit", "Gone", "LiveStream", "unless_gone"]
 
 log = logging.getLogger("loong.proxy")
@@ -22,18 +24,24 @@ Emit = Callable[[bytes], Awaitable[None]]
 class LiveStream:
     """An ASGI response streaming the server-sent events ``produce(emit)`` emits as it emits them.
 
-    A client that hangs up cancels ``produce`` (and with it the engine calls it awaits)."""
+    The headers go out with the first event, so an :class:`ApiError` that ``produce`` raises
+    before it emits anything (the engine refused the request) is answered as a plain error
+    response with its own status. A client that hangs up cancels ``produce`` (and with it the
+    engine calls it awaits)."""
 
     def __init__(self, produce: Callable[[Emit], Awaitable[None]]) -> None:
         self.produce = produce
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache")]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
-        lock = asyncio.Lock()
+        lock, started = asyncio.Lock(), False
 
         async def emit(event: bytes) -> None:
+            nonlocal started
             async with lock:  # choices stream concurrently; one body message at a time
+                if not started:
+                    started = True
+                    await send({"type": "http.response.start", "status": 200, "headers": headers})
                 await send({"type": "http.response.body", "body": event, "more_body": True})
 
         work = asyncio.ensure_future(self.produce(emit))
@@ -47,7 +55,17 @@ class LiveStream:
             await asyncio.gather(work, return_exceptions=True)
             log.debug("a client disconnected while its completion streamed: the engine call was cancelled")
             return
-        work.result()
+        try:
+            work.result()
+        except ApiError as e:
+            if started:
+                raise
+            json = [(b"content-type", b"application/json")]
+            await send({"type": "http.response.start", "status": e.status, "headers": json})
+            await send({"type": "http.response.body", "body": error_body(e), "more_body": False})
+            return
+        if not started:
+            await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
 

@@ -247,19 +247,31 @@ class ProxyServer:
     async def _stream(
         self, session: ProxySession, call: _Call, chunks: ChatChunks | CompletionChunks, emit: Emit
     ) -> None:
-        """``call``'s answer as server-sent events, emitted as the engine samples; the headers are
-        out, so an error is the stream's last event."""
-        for event in chunks.start(call.prompt, call.req.n):
-            await emit(event)
+        """``call``'s answer as server-sent events, emitted as the engine samples. The stream opens
+        with the first text to show (or the answer): an error before it is the response itself
+        (a 400 when the engine refuses the request), an error after it the stream's last event."""
+        opened, opening = False, asyncio.Lock()  # choices show text concurrently
+
+        async def open_stream() -> None:
+            nonlocal opened
+            async with opening:
+                if not opened:
+                    for event in chunks.start(call.prompt, call.req.n):
+                        await emit(event)
+                    opened = True
 
         async def shown(i: int, text: str, tokens: TokenSpan) -> None:
+            await open_stream()
             await emit(chunks.content(i, text, tokens))
 
         try:
             choices, lives = await self._run(session, call, shown)
         except ApiError as e:
+            if not opened:
+                raise
             await emit(error_event(e))
             return
+        await open_stream()
         for i, (choice, live) in enumerate(zip(choices, lives, strict=True)):
             for event in chunks.finish(i, choice, live):
                 await emit(event)
