@@ -217,3 +217,43 @@ def test_fuzzed_engine_requests_fail_alone_with_a_clear_error_or_give_valid_toke
     assert refused and all(("vocabulary" in r) or ("empty" in r) or ("positions" in r) for r in refused)
     after = engine.generate_batch([valid[0]], [valid[1]], seeds=[11])[0].token_ids
     assert after == before
+
+
+PAST_THE_MODEL = [  # (endpoint, body): what only the engine knows is wrong, without proxy limits
+    ("/completions", {"prompt": [1000]}),  # an id outside the vocabulary (103)
+    ("/completions", {"prompt": [-1]}),
+    ("/completions", {"prompt": [5] * 600}),  # past the 512 positions
+    ("/completions", {"prompt": "7 " * 700}),
+    ("/chat/completions", {"messages": [{"role": "user", "content": "7 " * 700}]}),
+]
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_proxy_without_limits_answers_what_the_engine_refuses_with_a_400(tiny_dir, stream):
+    """The proxy is built with no context length or vocabulary (its defaults, 0: unchecked), so
+    each request reaches the engine, which refuses it (RequestRefused): every answer is a 400
+    naming the parameter, streamed or not, and nothing is recorded."""
+    model, tokenizer = CausalLM.from_pretrained(tiny_dir), load_tokenizer(tiny_dir)
+    config = ProxyConfig()
+    assert (config.context_length, config.vocab_size) == (0, 0)
+
+    async def main() -> list[httpx.Response]:
+        async with ProxyServer(EmbeddedEngine(model, seed=0), HFChatRenderer(tokenizer), config) as proxy:
+            session = proxy.open_session(EpisodeSpec("bad", "g", {}))
+            headers = {"Authorization": f"Bearer {session.api_key}"}
+            async with httpx.AsyncClient(base_url=proxy.base_url, headers=headers, timeout=60) as c:
+                out = [await c.post(path, json={**body, "stream": stream}) for path, body in PAST_THE_MODEL]
+            assert not session.calls and not session.errors
+            return out
+
+    for (path, body), r in zip(PAST_THE_MODEL, asyncio.run(main()), strict=True):
+        assert r.status_code == 400, (path, r.status_code, r.text[:300])
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["param"] == (
+            "prompt" if "prompt" in body else "messages"
+        )
+        # a negative id the proxy refuses itself; the rest only the engine can judge
+        assert re.search(
+            r"outside the vocabulary \[0, (103|inf)\)|the model has 512 positions", error["message"]
+        )
