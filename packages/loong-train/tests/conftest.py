@@ -10,14 +10,16 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-os.environ.setdefault("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0")  # as loong-train run: workers share this venv
+from loong_train.ray_env import prepare_local_ray
 
-import pytest
-import torch
-from train_testkit import DATA_ROWS, tiny_qwen3, write_jsonl
+prepare_local_ray()  # as loong-train run does, before anything imports Ray
 
-from loong_train.config import load_recipe
-from loong_train.tiny.warmstart import build_tiny
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from train_testkit import DATA_ROWS, tiny_qwen3, write_jsonl  # noqa: E402
+
+from loong_train.config import load_recipe  # noqa: E402
+from loong_train.tiny.warmstart import build_tiny  # noqa: E402
 
 
 @pytest.fixture(scope="session", autouse=True)

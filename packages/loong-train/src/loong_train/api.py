@@ -39,7 +39,7 @@ import msgspec
 
 from loong_core.config import ConfigError
 from loong_train.config import Recipe, load_recipe
-from loong_train.ray_env import local_ray_workers_share_this_interpreter
+from loong_train.ray_env import prepare_local_ray
 from loong_train.tasks import Task, register
 
 __all__ = ["code_task", "train"]
@@ -75,7 +75,7 @@ def train(
     from loong_train.controller import run
 
     if not recipe.ray_address:
-        local_ray_workers_share_this_interpreter()
+        prepare_local_ray()
     return run(recipe, out or Path("runs") / recipe.name, cache, resume)
 
 

@@ -15,7 +15,7 @@ import signal
 import sys
 from pathlib import Path
 
-from loong_train.ray_env import local_ray_workers_share_this_interpreter
+from loong_train.ray_env import prepare_local_ray
 
 __all__ = ["main"]
 
@@ -102,7 +102,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     exit_on_sigterm()
     if not recipe.ray_address:
-        local_ray_workers_share_this_interpreter()
+        prepare_local_ray()
     from loong_train.controller import run
 
     try:
