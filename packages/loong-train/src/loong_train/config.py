@@ -325,17 +325,14 @@ def load_recipe(
 def _task_and_its_tables(data: dict[str, Any], source: str, task: str | None) -> None:
     """Set ``task`` where the recipe leaves it out and its tables name one (logged), and refuse
     task tables the task (or the caller's ``task``) never reads (:mod:`loong_train.recipe_checks`)."""
-    if task is not None:
-        if problems := recipe_checks.unread_tables(data, task):
-            raise ConfigError(f"{source}: " + "; ".join(problems))
-        return
-    if "task" not in data:
+    if task is None and "task" not in data:
         try:
             data["task"], why = recipe_checks.infer_task(data)
         except ValueError as e:
             raise ConfigError(f"{source}: {e}") from e
         log.info("%s: task = %r (%s)", source, data["task"], why)
-    if isinstance(data["task"], str) and (problems := recipe_checks.unread_tables(data, data["task"])):
+    task = data["task"] if task is None else task
+    if isinstance(task, str) and (problems := recipe_checks.unread_tables(data, task)):
         raise ConfigError(f"{source}: " + "; ".join(problems))
 
 

@@ -222,10 +222,8 @@ def unread_tables(data: dict[str, Any], task: str) -> list[str]:
     reads: each names the table, the task and the tasks that would read it."""
     name = "reasoning_gym" if task.startswith("reasoning_gym:") else task
     problems = []
-    for table in _set_tables(data):
-        readers = _READERS[table]
-        if name not in readers:
-            keys = ", ".join(_set_keys(data, table))
+    for table, readers in _READERS.items():
+        if name not in readers and (keys := ", ".join(_set_keys(data, table))):
             problems.append(
                 f"[{table}] ({keys}) is read by task {' or '.join(map(repr, readers))}, "
                 f"not by task {task!r}: remove the table, or set the task that reads it"

@@ -45,7 +45,8 @@ class WorkerPool:
 
     def live_worker(self) -> Any:
         """A worker to queue side work (evaluations) on: the first one not down."""
-        return self.workers[min(set(range(len(self.workers))) - self.down, default=0)]
+        live = self.live()
+        return self.workers[live[0] if live else 0]
 
     def mark_down(self, w: int) -> None:
         """Queue nothing on worker ``w`` until a ``pid()`` probe answers (Ray retries the probe
