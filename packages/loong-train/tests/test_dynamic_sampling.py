@@ -83,7 +83,7 @@ def stopping_model(tiny_dir, tmp_path):
     tokenizer = load_tokenizer(tiny_dir)
     end = tokenizer.convert_tokens_to_ids("<|im_end|>")
     hidden = []
-    hook = model.lm_head.register_forward_hook(lambda module, args, out: hidden.append(args[0]))
+    hook = model.model.norm.register_forward_hook(lambda module, args, out: hidden.append(out))
     with torch.no_grad():
         model(
             torch.tensor([tokenizer.encode("<|im_start|>user\nq1<|im_end|>\n<|im_start|>assistant\nab 12")])

@@ -44,6 +44,26 @@ def test_batched_logprobs_equal_unpadded_full_forward():
         torch.testing.assert_close(torch.tensor(span.logprobs, dtype=torch.float64), want, rtol=0, atol=1e-5)
 
 
+def test_a_group_of_one_prompt_is_prefilled_once_and_samples_as_alone():
+    """Rows with the same prompt joining together (a GRPO group) share one prefill; each still
+    samples what it samples alone with its seed, and its logprobs are the full forward's."""
+    model = _model()
+    group, other = [2, 7, 1, 9], [3, 3]
+    prompts = [group, other, group, group]
+    seeds = [11, 12, 13, 14]
+    sampling = SamplingParams(max_new_tokens=6)
+    together = EmbeddedEngine(model, seed=0).generate_batch(prompts, [sampling] * 4, seeds)
+    for prompt, seed, span in zip(prompts, seeds, together, strict=True):
+        alone = EmbeddedEngine(model, seed=0).generate_batch([prompt], [sampling], [seed])[0]
+        assert span.token_ids == alone.token_ids
+        ids = torch.tensor([prompt + span.token_ids])
+        with torch.no_grad():
+            full = torch.log_softmax(model(ids).double(), -1)[0, len(prompt) - 1 : -1]
+        want = full.gather(-1, torch.tensor(span.token_ids)[:, None]).squeeze(-1)
+        torch.testing.assert_close(torch.tensor(span.logprobs, dtype=torch.float64), want, rtol=0, atol=1e-5)
+    assert len({tuple(s.token_ids) for s in together[::2] + together[3:]}) > 1  # the seeds differ
+
+
 def test_temperature_scales_the_reported_logprobs():
     model = _model()
     engine = EmbeddedEngine(model, seed=2)

@@ -109,7 +109,12 @@ def build_backend(model_path: str, options: BackendOptions) -> TrainBackend:
         )
     from loong_train.backends.torch_backend import TorchBackend
 
-    return TorchBackend.from_pretrained(model_path, trust_remote_code=options.trust_remote_code, **common)
+    return TorchBackend.from_pretrained(
+        model_path,
+        trust_remote_code=options.trust_remote_code,
+        max_tokens_per_micro_batch=b.max_tokens_per_micro_batch,
+        **common,
+    )
 
 
 def backend_problem(config: BackendConfig, model: DecoderConfig) -> str:

@@ -29,7 +29,18 @@ class _Backend(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
 
 
 class TorchBackendConfig(_Backend, tag="torch"):
-    """``[train.backend] type = "torch"``: the trainer's own process, on CPU."""
+    """``[train.backend] type = "torch"``: the trainer's own process, on CPU. A batch's rows are
+    packed end to end into micro-batches of at most ``max_tokens_per_micro_batch`` tokens (a
+    longer row goes alone; 0: the whole batch at once), whose gradients add up to the batch's:
+    it bounds the activations' memory, not the result."""
+
+    max_tokens_per_micro_batch: int = 8192
+
+    def __post_init__(self) -> None:
+        if self.max_tokens_per_micro_batch < 0:
+            raise ValueError(
+                f"max_tokens_per_micro_batch must be >= 0, got {self.max_tokens_per_micro_batch}"
+            )
 
     @property
     def gpus(self) -> float:

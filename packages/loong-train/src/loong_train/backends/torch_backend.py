@@ -1,15 +1,19 @@
 """The torch train backend: recompute logprobs, take PPO/GRPO steps, export HF-named weights.
 
-The loss is :func:`loong_train.algo.losses.policy_loss` under a :class:`LossConfig`. Two of its
-options need extra no-grad forwards before the update: decoupled PPO recomputes the proximal
-logprobs with the current weights, and a KL penalty scores the batch with a frozen copy of the
-initial model (the reference policy, kept only when ``kl_coef > 0``). A batch carrying teacher
-top-k targets (on-policy distillation, ``objective = "forward_kl"``) adds
-:func:`~loong_train.algo.losses.distill_loss` on the same forward's logits.
+The loss is :func:`loong_train.algo.losses.policy_loss` under a :class:`LossConfig`. A KL penalty
+scores the batch with a frozen copy of the initial model first (the reference policy, kept only
+when ``kl_coef > 0``, one no-grad forward). Decoupled PPO's proximal policy is the weights before
+this step's update, and there is one optimizer step per batch, so its logprobs are the train
+forward's own (detached): no second forward is run for them. A batch carrying teacher top-k
+targets (on-policy distillation) adds :func:`~loong_train.algo.losses.distill_loss`, on logits
+computed one micro-batch at a time.
 
-Rows of a TrainBatch are right-padded into [rows, max_len]; with causal attention a real token
-never sees a later pad, so no attention mask is needed. The logprob of token j comes from the
-logits at position j - 1, divided by the sampling temperature exactly as the engine did.
+The forward packs rows end to end into micro-batches of at most ``max_tokens_per_micro_batch``
+tokens, with no padding, and takes logprobs with the LM head in chunks
+(:mod:`loong_train.backends.packing`); the gradients of the micro-batches add up to the whole
+batch's. The logprob of token j comes from the logits at position j - 1, divided by the sampling
+temperature exactly as the engine did. :func:`token_logprobs` is the plain padded computation, the
+reference the packed one is tested against.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ import torch
 from loong_core.records import TrainBatch
 from loong_train.algo.config import LossConfig
 from loong_train.algo.losses import aggregate, distill_loss, policy_loss
+from loong_train.backends import packing
 from loong_train.backends.metrics import mismatch_stats
 from loong_train.models.auto import load_causal_lm
 from loong_train.models.decoder import CausalLM
@@ -40,13 +45,16 @@ def logprobs_and_entropy(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """:func:`token_logprobs` and, unless ``entropy_grad`` is None, each position's entropy
     H_t = -sum_v p(v) log p(v) of the sampling distribution (with a gradient when ``entropy_grad``)."""
-    return _from_logits(model(ids)[:, :-1].float(), ids, temperature, entropy_grad)
+    logits = model(ids)[:, :-1]
+    return _from_logits(
+        logits.float() if logits.dtype.itemsize < 4 else logits, ids, temperature, entropy_grad
+    )
 
 
 def _from_logits(
     logits: torch.Tensor, ids: torch.Tensor, temperature: float, entropy_grad: bool | None
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """:func:`logprobs_and_entropy` from the float32 logits that predict tokens 1.. of ``ids``."""
+    """:func:`logprobs_and_entropy` from the logits (float32 or wider) that predict tokens 1.. of ``ids``."""
     logp = torch.log_softmax(logits / temperature, dim=-1)
     lp = logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
     lp = torch.cat([torch.zeros_like(lp[:, :1]), lp], dim=1)
@@ -79,6 +87,7 @@ class TorchBackend:
         grad_clip: float = 1.0,
         loss: LossConfig | None = None,
         temperature: float = 1.0,
+        max_tokens_per_micro_batch: int = 0,
     ) -> None:
         self.model = model.train()
         self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
@@ -86,6 +95,7 @@ class TorchBackend:
             self.opt, lambda s: min(1.0, (s + 1) / max(1, warmup_steps))
         )
         self.grad_clip, self.temperature = grad_clip, temperature
+        self.max_tokens = max_tokens_per_micro_batch
         self.loss_cfg = loss or LossConfig()
         self.reference = _frozen_copy(model) if self.loss_cfg.kl_coef > 0 else None
         self.steps = 0
@@ -112,41 +122,70 @@ class TorchBackend:
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        return token_logprobs(self.model, self.tensors(batch)["ids"], self.temperature)
+        return self._no_grad_logprobs(self.model, batch)
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step on ``batch``; returns loss and train-inference mismatch stats."""
+        """One optimizer step on ``batch``, its gradient accumulated over packed micro-batches;
+        returns loss and train-inference mismatch stats."""
         t = self.tensors(batch)
-        extra = self._no_grad_logprobs(t["ids"])
-        bonus = self.loss_cfg.entropy_coef
-        logits = self.model(t["ids"])[:, :-1].float()
-        lp, entropy = _from_logits(logits, t["ids"], self.temperature, bonus > 0)
-        loss, stats = policy_loss(lp, t["behaviour"], t["adv"], t["mask"], self.loss_cfg, **extra)
-        assert entropy is not None
-        if bonus > 0:  # the bonus: minus coef times the aggregated entropy
-            loss = loss - bonus * aggregate(entropy, t["mask"], self.loss_cfg)
-        if batch.teacher_topk_ids:  # dense on-policy distillation: position j - 1 predicts token j
-            targets = [x[:, 1:] for x in self._distill_targets(batch, logits.shape[-1])]
-            distill, distill_stats = distill_loss(
-                logits, *targets, t["mask"][:, 1:], self.loss_cfg, beta=batch.distill_beta
-            )
-            loss, stats = loss + distill, stats | distill_stats
-        del logits  # the graph keeps what backward needs; the float32 copy goes now
-        stats["entropy"] = float((entropy.detach() * t["mask"]).sum() / t["mask"].sum().clamp(min=1))
+        cfg, bonus = self.loss_cfg, self.loss_cfg.entropy_coef
+        reference = (
+            None if self.reference is None else self._no_grad_logprobs(self.reference, batch, t["mask"])
+        )
+        distill = (
+            self._distill_targets(batch, self.model.config.vocab_size) if batch.teacher_topk_ids else None
+        )
+        lp_all = torch.zeros(t["mask"].shape, dtype=self._dtype)
+        entropy_all = torch.zeros_like(lp_all)
+        total, distill_stats = 0.0, {}
         self.opt.zero_grad(set_to_none=True)
-        loss.backward()
+        for micro in packing.micro_batches(batch.token_ids, batch.row_lens, self.max_tokens):
+            part = {k: v[micro.rows, : micro.width] for k, v in t.items()}
+            lp, entropy = packing.logprobs(self.model, micro, self.temperature, bonus > 0, part["mask"])
+            assert entropy is not None
+            ref = None if reference is None else reference[micro.rows, : micro.width]
+            loss, _ = policy_loss(lp, part["behaviour"], part["adv"], part["mask"], cfg, reference=ref)
+            if bonus > 0:  # the bonus: minus coef times the aggregated entropy
+                loss = loss - bonus * aggregate(entropy, part["mask"], cfg)
+            loss = loss * packing.share(part["mask"], t["mask"], cfg)
+            if distill is not None:  # dense on-policy distillation: position j - 1 predicts token j
+                targets = [x[micro.rows, 1 : micro.width] for x in distill]
+                term, stats = self._distill(micro, targets, part["mask"], t["mask"], batch.distill_beta)
+                loss = loss + term
+                distill_stats = {k: distill_stats.get(k, 0.0) + v for k, v in stats.items()}
+            loss.backward()
+            total += loss.item()
+            lp_all[micro.rows, : micro.width] = lp.detach()
+            entropy_all[micro.rows, : micro.width] = entropy.detach()
+        with torch.no_grad():  # the statistics, over the whole batch
+            _, stats = policy_loss(lp_all, t["behaviour"], t["adv"], t["mask"], cfg, reference=reference)
+        stats |= distill_stats
+        stats["entropy"] = float((entropy_all * t["mask"]).sum() / t["mask"].sum().clamp(min=1))
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         lr = self.opt.param_groups[0]["lr"]
         self.opt.step()
         self.sched.step()
         self.steps += 1
-        stats |= mismatch_stats(lp.detach(), t["behaviour"], t["mask"], t["versions"], batch.policy_version)
-        return {
-            "loss": loss.item(),
-            "grad_norm": float(grad_norm),
-            "lr": lr,
-            **stats,
-        }
+        stats |= mismatch_stats(lp_all, t["behaviour"], t["mask"], t["versions"], batch.policy_version)
+        return {"loss": total, "grad_norm": float(grad_norm), "lr": lr, **stats}
+
+    def _distill(
+        self,
+        micro: packing.MicroBatch,
+        targets: list[torch.Tensor],
+        mask: torch.Tensor,
+        whole: torch.Tensor,
+        beta: float,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        """The micro-batch's share of the distillation loss, and its share of the statistics
+        (token-weighted). Its logits [rows, width - 1, vocab] are computed whole: distillation
+        needs every logit of a position (the student's tail mass)."""
+        hidden = micro.pad(self.model.packed_hidden(micro.ids, micro.lens))[:, :-1]
+        logits = self.model.head(hidden).float()
+        mask, whole = mask[:, 1:], whole[:, 1:]
+        term, stats = distill_loss(logits, *targets, mask, self.loss_cfg, beta=beta)
+        tokens = float(mask.sum()) / max(1.0, float(whole.sum()))
+        return term * packing.share(mask, whole, self.loss_cfg), {k: v * tokens for k, v in stats.items()}
 
     @staticmethod
     def _distill_targets(batch: TrainBatch, vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -171,14 +210,21 @@ class TorchBackend:
         )
 
     @torch.no_grad()
-    def _no_grad_logprobs(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
-        """The proximal (decoupled PPO) and reference (KL) logprobs the loss options ask for."""
-        out = {}
-        if self.loss_cfg.decoupled:
-            out["proximal"] = token_logprobs(self.model, ids, self.temperature)
-        if self.reference is not None:
-            out["reference"] = token_logprobs(self.reference, ids, self.temperature)
+    def _no_grad_logprobs(
+        self, model: CausalLM, batch: TrainBatch, wanted: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``model``'s logprobs of the batch, [rows, max_len], packed and chunked like the train
+        forward (only where ``wanted`` is nonzero, when given)."""
+        out = torch.zeros(len(batch.row_lens), max(batch.row_lens), dtype=self._dtype)
+        for micro in packing.micro_batches(batch.token_ids, batch.row_lens, self.max_tokens):
+            part = None if wanted is None else wanted[micro.rows, : micro.width]
+            out[micro.rows, : micro.width] = packing.logprobs(model, micro, self.temperature, None, part)[0]
         return out
+
+    @property
+    def _dtype(self) -> torch.dtype:
+        """Logprobs' dtype: the model's, float32 at least."""
+        return torch.promote_types(self.model.lm_head.weight.dtype, torch.float32)
 
     def named_weights(self) -> dict[str, torch.Tensor]:
         return {k: v.detach() for k, v in self.model.named_parameters()}

@@ -112,6 +112,8 @@ class HFCausalLM(nn.Module):
         self._cache_kwarg = (
             "cache" if "cache" in inspect.signature(inner.forward).parameters else "past_key_values"
         )
+        forward = inspect.signature(inner.forward).parameters
+        self._keep_kwarg = next((k for k in ("logits_to_keep", "num_logits_to_keep") if k in forward), None)
         self.config = self._probe()
 
     @classmethod
@@ -131,7 +133,15 @@ class HFCausalLM(nn.Module):
         hf = self.inner.config
         device = self.lm_head.weight.device
         with torch.no_grad():
-            out = self.inner(input_ids=torch.zeros(1, 1, dtype=torch.long, device=device), use_cache=True)
+            probe = torch.tensor([[0, 1, 2]], device=device) % self.lm_head.weight.shape[0]
+            out = self.inner(input_ids=probe, use_cache=True)
+            hidden = self.packed_hidden(probe[0], [3])
+            if not torch.allclose(self.head(hidden), out.logits[0], rtol=1e-4, atol=1e-4):
+                raise ValueError(
+                    f"{type(self.inner).__name__}'s logits are not its LM head applied to its last hidden "
+                    "state (a logit scale or soft cap, as Cohere, Granite and Gemma 2 have): the trainer "
+                    "computes logits from hidden states in chunks and would compute other ones"
+                )
         cache = out["cache"] if "cache" in out else out["past_key_values"]  # renamed in transformers 5
         layers = getattr(cache, "layers", None)
         if not layers:
@@ -186,8 +196,11 @@ class HFCausalLM(nn.Module):
         mask: torch.Tensor | None = None,
         cache: KVCache | None = None,
         start: int = 0,
+        last_only: bool = False,
     ) -> torch.Tensor:
         kwargs: dict[str, Any] = {"use_cache": cache is not None}
+        if last_only and self._keep_kwarg:
+            kwargs[self._keep_kwarg] = 1
         if positions is not None:
             kwargs["position_ids"] = positions
         if mask is not None:  # boolean, True where attention is allowed -> additive
@@ -197,7 +210,24 @@ class HFCausalLM(nn.Module):
             )
         if cache is not None:
             kwargs[self._cache_kwarg] = _slot_cache(cache, start)
-        return self.inner(input_ids=input_ids, **kwargs).logits
+        logits = self.inner(input_ids=input_ids, **kwargs).logits
+        return logits[:, -1:] if last_only else logits
+
+    def packed_hidden(self, ids: torch.Tensor, rows: list[int]) -> torch.Tensor:
+        """Hidden states [tokens, hidden] that ``head`` maps to logits, of rows packed end to end
+        in ``ids`` [tokens] (``rows``: their lengths). ``transformers`` gets them right-padded
+        (this path computes on padding; Loong's decoder does not)."""
+        padded = torch.nn.utils.rnn.pad_sequence(list(ids.split(rows)), batch_first=True)
+        hidden = self.inner.base_model(input_ids=padded).last_hidden_state
+        keep = (
+            torch.arange(padded.shape[1], device=ids.device) < torch.tensor(rows, device=ids.device)[:, None]
+        )
+        return hidden[keep]
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The LM head: final hidden states -> logits (the model's logits are exactly this,
+        checked when it loads)."""
+        return self.lm_head(hidden)
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         return dict(self.inner.state_dict())

