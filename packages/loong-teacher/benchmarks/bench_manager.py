@@ -15,7 +15,7 @@ every batch mixing the four domains (4 samples each), one warm-up batch then 4 t
 ``extra_info``: ``case``, ``tokens`` (scored, timed batches), ``tokens_per_s`` (timed batches only),
 ``peak_rss_bytes``, ``base_rss_bytes`` (RSS after imports, before any teacher), ``teacher_bytes``,
 ``bytes_paged_in``; ``test_ratios`` prints each case and the managed case's ratios to each baseline.
-Run: ``uv run pytest packages/loong-teacher/benchmarks --benchmark-enable -q``.
+Run: ``uv run pytest packages/loong-teacher/benchmarks --benchmark-enable --dist no -q``.
 With benchmarks disabled (the default test run) the cases run in process on tiny teachers, as a
 smoke test of the harness.
 """

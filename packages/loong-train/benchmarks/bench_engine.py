@@ -23,7 +23,7 @@ Cases (``extra_info["case"]``):
 ``extra_info``: ``tokens_per_s`` (generated tokens over wall seconds, best round),
 ``tokens_per_cpu_s`` (over the process's CPU seconds in that round: steadier on a shared host),
 ``mean_occupancy`` (rows per decode step), ``steps``, ``tokens``. Run:
-``uv run pytest packages/loong-train/benchmarks/bench_engine.py --benchmark-enable -q -s``
+``uv run pytest packages/loong-train/benchmarks/bench_engine.py --benchmark-enable --dist no -q -s``
 (disabled, as in the default test run, each case runs once).
 """
 

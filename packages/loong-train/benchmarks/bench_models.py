@@ -13,7 +13,7 @@ same interface). One torch thread. Cases (``extra_info["case"]``):
   implementation must do: the physical floor on this CPU.
 
 ``extra_info``: ``tokens_per_s`` (best of three rounds). Run:
-``uv run pytest packages/loong-train/benchmarks/bench_models.py --benchmark-enable -q -s``
+``uv run pytest packages/loong-train/benchmarks/bench_models.py --benchmark-enable --dist no -q -s``
 (disabled, as in the default test run, each case runs once).
 """
 

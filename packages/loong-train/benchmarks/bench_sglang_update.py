@@ -19,7 +19,7 @@ process, one torch thread), serving a Qwen3-shaped model of about 360 MB in fp32
 in each mode on the same model and records its resident memory (``VmRSS``, its own process,
 not the server's) after one update: the direct worker holds no model.
 
-Run: ``uv run pytest packages/loong-train/benchmarks/bench_sglang_update.py --benchmark-enable
+Run: ``uv run pytest packages/loong-train/benchmarks/bench_sglang_update.py --benchmark-enable --dist no
 -q -s``. With benchmarks disabled (the default test run) the cases run once on a small model, as
 a smoke test of the harness.
 """

@@ -15,7 +15,7 @@ norm vectors) of 256 MiB or 1 GiB, to 1 or 4 receiver processes. Cases (``extra_
 - ``baseline_ray``: ``ray.put`` of the state dict, each receiver actor ``ray.get``s it and copies
   it into its tensors.
 
-Run: ``uv run pytest packages/loong-transfermesh/benchmarks --benchmark-enable -q``. With
+Run: ``uv run pytest packages/loong-transfermesh/benchmarks --benchmark-enable --dist no -q``. With
 benchmarks disabled (the default test run) each case runs once on a 16 MiB payload with one
 receiver, as a smoke test of the harness.
 """

@@ -40,7 +40,8 @@ __all__ = ["BackendOptions", "TrainBackend", "backend_problem", "build_backend"]
 
 class TrainBackend(Protocol):
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        """Recomputed logprob of every token given its prefix, right-padded: ``[rows, max_len]``."""
+        """Recomputed logprob of every token given its prefix, right-padded: ``[rows, max_len]``
+        (column 0 is 0; what a padding position holds is unspecified)."""
         ...
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
