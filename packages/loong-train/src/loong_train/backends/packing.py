@@ -81,13 +81,16 @@ def logprobs(
     temperature: float,
     entropy_grad: bool | None,
     wanted: torch.Tensor | None = None,
+    hidden: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Each token's logprob given its prefix, [rows, width] (column 0 and padding 0), and unless
     ``entropy_grad`` is None each position's entropy likewise (with a gradient when
     ``entropy_grad``), from one packed forward with the head in chunks. ``wanted`` ([rows, width],
     nonzero where wanted): the head runs only for those tokens (a loss mask: a prompt's tokens are
-    context, not targets); the others get 0."""
-    hidden = model.packed_hidden(micro.ids, micro.lens)
+    context, not targets); the others get 0. ``hidden``: the micro-batch's
+    ``model.packed_hidden``, when the caller computed it already."""
+    if hidden is None:
+        hidden = model.packed_hidden(micro.ids, micro.lens)
     starts = torch.tensor([0, *micro.lens[:-1]]).cumsum(0)
     predicts = torch.ones(len(micro.ids), dtype=torch.bool)
     predicts[starts] = False  # a row's first token has no prefix
@@ -154,7 +157,7 @@ def _logits(
 ) -> torch.Tensor:
     """``(W h + b) / T`` as [vocab, C], in float32 at least."""
     z = weight @ h.T
-    if z.dtype in (torch.float16, torch.bfloat16):
+    if z.dtype.itemsize < 4:
         z = z.float()
     if bias is not None:
         z += bias[:, None]

@@ -141,7 +141,10 @@ class TorchBackend:
         self.opt.zero_grad(set_to_none=True)
         for micro in packing.micro_batches(batch.token_ids, batch.row_lens, self.max_tokens):
             part = {k: v[micro.rows, : micro.width] for k, v in t.items()}
-            lp, entropy = packing.logprobs(self.model, micro, self.temperature, bonus > 0, part["mask"])
+            hidden = self.model.packed_hidden(micro.ids, micro.lens)
+            lp, entropy = packing.logprobs(
+                self.model, micro, self.temperature, bonus > 0, part["mask"], hidden
+            )
             assert entropy is not None
             ref = None if reference is None else reference[micro.rows, : micro.width]
             loss, _ = policy_loss(lp, part["behaviour"], part["adv"], part["mask"], cfg, reference=ref)
@@ -150,7 +153,9 @@ class TorchBackend:
             loss = loss * packing.share(part["mask"], t["mask"], cfg)
             if distill is not None:  # dense on-policy distillation: position j - 1 predicts token j
                 targets = [x[micro.rows, 1 : micro.width] for x in distill]
-                term, stats = self._distill(micro, targets, part["mask"], t["mask"], batch.distill_beta)
+                term, stats = self._distill(
+                    micro, hidden, targets, part["mask"], t["mask"], batch.distill_beta
+                )
                 loss = loss + term
                 distill_stats = {k: distill_stats.get(k, 0.0) + v for k, v in stats.items()}
             loss.backward()
@@ -172,6 +177,7 @@ class TorchBackend:
     def _distill(
         self,
         micro: packing.MicroBatch,
+        hidden: torch.Tensor,
         targets: list[torch.Tensor],
         mask: torch.Tensor,
         whole: torch.Tensor,
@@ -180,8 +186,7 @@ class TorchBackend:
         """The micro-batch's share of the distillation loss, and its share of the statistics
         (token-weighted). Its logits [rows, width - 1, vocab] are computed whole: distillation
         needs every logit of a position (the student's tail mass)."""
-        hidden = micro.pad(self.model.packed_hidden(micro.ids, micro.lens))[:, :-1]
-        logits = self.model.head(hidden).float()
+        logits = self.model.head(micro.pad(hidden)[:, :-1]).float()
         mask, whole = mask[:, 1:], whole[:, 1:]
         term, stats = distill_loss(logits, *targets, mask, self.loss_cfg, beta=beta)
         tokens = float(mask.sum()) / max(1.0, float(whole.sum()))

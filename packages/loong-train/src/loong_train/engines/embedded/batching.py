@@ -148,16 +148,18 @@ class RunningBatch:
         index: dict[tuple[int, ...], int] = {}  # context -> its row among the prefilled ones
         firsts: list[Request] = []
         repeats: list[Request] = []
+        copied: list[int] = []  # the prefilled row each repeat copies
         for r in joining:
             context = (*r.prompt, *r.token_ids)
             if context in index:
                 repeats.append(r)
+                copied.append(index[context])
             else:
                 index[context] = len(firsts)
                 firsts.append(r)
         joining = firsts + repeats
         contexts = [r.prompt + r.token_ids for r in firsts]
-        source = [index[(*r.prompt, *r.token_ids)] for r in joining]
+        source = [*range(len(firsts)), *copied]
         k, u, p, n = len(joining), len(contexts), max(len(c) for c in contexts), len(self.rows)
         headroom = max(r.sampling.max_new_tokens - len(r.token_ids) for r in joining)
         self._reserve(n + k, p, headroom)
