@@ -17,9 +17,13 @@ matrix (the LM head included, the embedding lookup not: it is no product):
 - ``train``: a GRPO batch of 32 rows (40 prompt tokens, 8 to 48 response tokens): one optimizer
   step against ``6 N T`` (T: the batch's tokens), and the logprob recompute (``logprobs``) against
   ``2 N T``; the baseline is the step as it was before packing (rows padded to the longest, the
-  float32 logits of every position kept for backward). Peak resident memory of each, above the
-  loaded model's, in a fresh process taking two steps (optimizer state and gradients included;
-  Linux: ``VmHWM`` after resetting it).
+  float32 logits of every position kept for backward). Two batch shapes (``extra_info["batch"]``):
+  ``distinct``, 32 prompts of one sample each (nothing shared: the floor comparison), and
+  ``groups``, 4 prompts of 8 samples each (the real-model recipe's shape), where a shared prompt
+  is computed once: there the step is also timed with sharing off (``unshared_step_s``), and
+  ``computed_tokens`` counts what the forward runs. Peak resident memory of each (``distinct``),
+  above the loaded model's, in a fresh process taking two steps (optimizer state and gradients
+  included; Linux: ``VmHWM`` after resetting it).
 
 ``extra_info`` holds the seconds, tokens/s and the ratios. Run (``--dist no``: pytest-benchmark
 times nothing when an xdist mode is set)::
@@ -30,7 +34,6 @@ times nothing when an xdist mode is set)::
 from __future__ import annotations
 
 import importlib.util
-import math
 import os
 import random
 import subprocess
@@ -44,6 +47,7 @@ import torch
 from loong_core.protocols import SamplingParams
 from loong_core.records import TrainBatch
 from loong_train.algo.losses import policy_loss
+from loong_train.backends.packing import micro_batches
 from loong_train.backends.torch_backend import TorchBackend, token_logprobs
 from loong_train.engines.embedded.engine import EmbeddedEngine
 from loong_train.models.decoder import CausalLM, DecoderConfig
@@ -146,17 +150,20 @@ def test_engine(benchmark, checkpoint, gflops):
     )
 
 
-def _grpo_batch(vocab: int) -> TrainBatch:
+def _grpo_batch(vocab: int, samples: int = 1) -> TrainBatch:
+    """ROWS rows: ROWS / samples prompts, each with ``samples`` responses."""
     gen = random.Random(0)
     ids, mask, adv, behaviour, lens = [], [], [], [], []
-    for _ in range(ROWS):
-        response = gen.randint(8, NEW_TOKENS)
-        ids += [gen.randrange(1, vocab) for _ in range(PROMPT_TOKENS + response)]
-        mask += [0] * PROMPT_TOKENS + [1] * response
-        a = gen.uniform(-1, 1)
-        adv += [0.0] * PROMPT_TOKENS + [a] * response
-        behaviour += [0.0] * PROMPT_TOKENS + [-2.0] * response
-        lens.append(PROMPT_TOKENS + response)
+    for _ in range(ROWS // samples):
+        prompt = [gen.randrange(1, vocab) for _ in range(PROMPT_TOKENS)]
+        for _ in range(samples):
+            response = gen.randint(8, NEW_TOKENS)
+            ids += prompt + [gen.randrange(1, vocab) for _ in range(response)]
+            mask += [0] * PROMPT_TOKENS + [1] * response
+            a = gen.uniform(-1, 1)
+            adv += [0.0] * PROMPT_TOKENS + [a] * response
+            behaviour += [0.0] * PROMPT_TOKENS + [-2.0] * response
+            lens.append(PROMPT_TOKENS + response)
     return TrainBatch(
         token_ids=ids, loss_mask=mask, advantages=adv, behaviour_logprobs=behaviour,
         versions=[0 if m else -1 for m in mask], row_lens=lens,
@@ -200,11 +207,15 @@ def _status_mb(field: str) -> float:
     return int(line.split()[1]) / 1024
 
 
-def test_train(benchmark, checkpoint, gflops):
+@pytest.mark.parametrize("shape", ["distinct", "groups"])
+def test_train(benchmark, checkpoint, gflops, shape):
     name, path = checkpoint
     backend = TorchBackend.from_pretrained(path, lr=1e-6)
-    batch = _grpo_batch(backend.model.config.vocab_size)
+    batch = _grpo_batch(backend.model.config.vocab_size, 1 if shape == "distinct" else 8)
     n, tokens = _matrix_params(backend.model), batch.num_tokens
+    computed = sum(
+        m.layout.own[i] for m in micro_batches(batch.token_ids, batch.row_lens, 0) for i in range(len(m.rows))
+    )
     rate = gflops * 1e9
     backend.train_step(batch)  # warm-up: kernels chosen, optimizer state allocated
     _padded_step(backend, batch)
@@ -213,12 +224,12 @@ def test_train(benchmark, checkpoint, gflops):
         padded_lp_s = _seconds(lambda: token_logprobs(backend.model, backend.tensors(batch)["ids"]))
     step_s = _seconds(lambda: benchmark.pedantic(backend.train_step, (batch,), rounds=1, iterations=1))
     lp_s = _seconds(lambda: backend.logprobs(batch))
-    linux = Path("/proc/self/clear_refs").exists()
-    step_mb, padded_mb = (_peak_mb(path, "packed"), _peak_mb(path, "padded")) if linux else (math.nan,) * 2
     info = {
         "model": name,
+        "batch": shape,
         "gflops": gflops,
         "tokens": tokens,
+        "computed_tokens": computed,
         "padded_tokens": len(batch.row_lens) * max(batch.row_lens),
         "step_s": step_s,
         "step_over_6NT": step_s / (6 * n * tokens / rate),
@@ -226,9 +237,13 @@ def test_train(benchmark, checkpoint, gflops):
         "logprobs_s": lp_s,
         "logprobs_over_2NT": lp_s / (2 * n * tokens / rate),
         "padded_logprobs_over_2NT": padded_lp_s / (2 * n * tokens / rate),
-        "step_peak_mb": step_mb,
-        "padded_step_peak_mb": padded_mb,
     }
+    if shape == "groups":
+        backend.model.shares_prefixes = False
+        info["unshared_step_s"] = _seconds(lambda: backend.train_step(batch))
+        info["unshared_over_shared"] = info["unshared_step_s"] / step_s
+    elif Path("/proc/self/clear_refs").exists():  # Linux
+        info["step_peak_mb"], info["padded_step_peak_mb"] = _peak_mb(path, "packed"), _peak_mb(path, "padded")
     benchmark.extra_info.update(info)
     print(
         f"\ntrain {name}: "

@@ -12,6 +12,7 @@ from loong_core.records import TrainBatch
 from loong_train.algo.config import LossConfig
 from loong_train.backends import packing
 from loong_train.backends.torch_backend import TorchBackend, token_logprobs
+from loong_train.models.packed import common_prefixes
 
 VOCAB = 41
 
@@ -24,11 +25,27 @@ def _model(seed=0):
 
 def _batch(lens=(9, 4, 12, 1, 7), seed=0) -> TrainBatch:
     gen = torch.Generator().manual_seed(seed)
+    return _train_batch([torch.randint(0, VOCAB, (n,), generator=gen).tolist() for n in lens], seed)
+
+
+def _grouped_batch(seed=0) -> TrainBatch:
+    """Rows as RL batches hold them: two groups of samples of one prompt each, the prompts sharing
+    a system prompt; one sample twice, one sample a prefix of the one before it."""
+    gen = torch.Generator().manual_seed(seed)
+    tokens = lambda n: torch.randint(0, VOCAB, (n,), generator=gen).tolist()  # noqa: E731
+    system = tokens(4)
+    p1, p2 = system + tokens(3), system + tokens(5)
+    r1, r2 = p1 + tokens(6), p2 + tokens(7)
+    rows = [r1, p1 + tokens(2), r1, r1[:9], p1 + tokens(9), r2, p2 + tokens(3), p2 + r2[9:11] + tokens(4)]
+    return _train_batch(rows, seed, prompt=7)
+
+
+def _train_batch(rows: list[list[int]], seed: int, prompt: int = 3) -> TrainBatch:
+    gen = torch.Generator().manual_seed(seed + 1)
     ids, mask, adv, behaviour = [], [], [], []
-    for i, n in enumerate(lens):
-        prompt = min(3, n)
-        ids += torch.randint(0, VOCAB, (n,), generator=gen).tolist()
-        row_mask = [0] * prompt + [1] * (n - prompt)
+    for i, row in enumerate(rows):
+        ids += row
+        row_mask = [0] * min(prompt, len(row)) + [1] * (len(row) - prompt)
         mask += row_mask
         adv += [(0.5 - i / 4) * m for m in row_mask]
         behaviour += [(-3.0 + 0.1 * float(torch.randn(1, generator=gen))) * m for m in row_mask]
@@ -38,17 +55,19 @@ def _batch(lens=(9, 4, 12, 1, 7), seed=0) -> TrainBatch:
         advantages=adv,
         behaviour_logprobs=behaviour,
         versions=[0 if m else -1 for m in mask],
-        row_lens=list(lens),
-        sample_ids=[str(i) for i in range(len(lens))],
+        row_lens=[len(r) for r in rows],
+        sample_ids=[str(i) for i in range(len(rows))],
         policy_version=0,
     )
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["random-rows", "shared-prefixes"])
 @pytest.mark.parametrize("budget", [0, 1, 10, 16])
-def test_packed_logprobs_equal_the_padded_forward(budget):
-    """Rows packed end to end (no padding, positions restarting, attention inside each row), in
-    micro-batches of any budget, give the logprobs of the plain padded forward."""
-    model, batch = _model().double(), _batch()
+def test_packed_logprobs_equal_the_padded_forward(budget, grouped):
+    """Rows packed end to end (no padding, positions restarting, attention inside each row, a
+    prefix shared with the row before computed once), in micro-batches of any budget, give the
+    logprobs of the plain padded forward."""
+    model, batch = _model().double(), _grouped_batch() if grouped else _batch()
     ids = TorchBackend(copy.deepcopy(model), lr=0.0).tensors(batch)["ids"]
     with torch.no_grad():
         want = token_logprobs(model, ids, temperature=0.7)
@@ -71,6 +90,26 @@ def test_micro_batches_respect_the_budget():
     assert groups == [[0, 1], [2, 3], [4]]  # 13, 13, 7 tokens; a row over budget would go alone
     assert [list(m.rows) for m in packing.micro_batches([0] * 33, lens, 0)] == [[0, 1, 2, 3, 4]]
     assert [m.ids.tolist() for m in packing.micro_batches(list(range(33)), lens, 5)][2] == list(range(13, 25))
+
+
+def test_shared_prefixes_by_hand():
+    """Which tokens a packed forward computes, for rows worked out by hand."""
+    rows = [[5, 6, 7, 8], [5, 6, 9], [5, 6, 9], [5, 6], [1, 2]]
+    flat = [t for r in rows for t in r]
+    lens = [len(r) for r in rows]
+    assert common_prefixes(torch.tensor(flat), lens) == [0, 2, 3, 2, 0]
+    (micro,) = packing.micro_batches(flat, lens, 0)
+    layout = micro.layout
+    assert layout.own == [4, 1, 0, 0, 2]  # the third row repeats the second; the fourth is a prefix
+    assert micro.ids[layout.computed].tolist() == [5, 6, 7, 8, 9, 1, 2]
+    assert layout.positions.tolist() == [0, 1, 2, 3, 2, 0, 1]
+    # row 1 = computed 0, 1, 4; row 2 the same tokens; row 3 = computed 0, 1
+    assert layout.index.tolist() == [0, 1, 2, 3, 0, 1, 4, 0, 1, 4, 0, 1, 5, 6]
+    # the budget counts computed tokens: rows 0-3 compute 5, row 4 starts a group (nothing shared)
+    assert [list(m.rows) for m in packing.micro_batches(flat, lens, 5)] == [[0, 1, 2, 3], [4]]
+    assert [m.layout.shared for m in packing.micro_batches(flat, lens, 4)] == [(0,), (0, 3, 2), (0,)]
+    unshared = packing.micro_batches(flat, lens, 0, share=False)[0].layout
+    assert unshared.own == lens and unshared.index.tolist() == list(range(len(flat)))
 
 
 @pytest.mark.parametrize("bias", [False, True])
@@ -125,13 +164,16 @@ def test_micro_batches_accumulate_to_one_step_on_the_batch(loss):
         assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-7), name
 
 
-def test_train_step_gradient_equals_the_padded_loss_in_float64():
+@pytest.mark.parametrize("budget", [12, 0])
+@pytest.mark.parametrize("grouped", [False, True], ids=["random-rows", "shared-prefixes"])
+def test_train_step_gradient_equals_the_padded_loss_in_float64(grouped, budget):
     """The packed step's gradient against the loss written out on the padded full-vocabulary
-    forward (an independent computation), float64."""
-    batch, cfg = _batch(), LossConfig(entropy_coef=0.05)
+    forward (an independent computation), float64: rows sharing prefixes get the gradient of
+    separate rows."""
+    batch, cfg = _grouped_batch() if grouped else _batch(), LossConfig(entropy_coef=0.05)
     model = _model().double()
     reference = copy.deepcopy(model)
-    backend = TorchBackend(model, lr=0.0, loss=cfg, max_tokens_per_micro_batch=12)
+    backend = TorchBackend(model, lr=0.0, loss=cfg, max_tokens_per_micro_batch=budget)
     t = {k: v.double() if v.is_floating_point() else v for k, v in backend.tensors(batch).items()}
     logp = torch.log_softmax(reference(t["ids"])[:, :-1], -1)
     lp = torch.cat([torch.zeros_like(t["mask"][:, :1]), logp.gather(-1, t["ids"][:, 1:, None])[..., 0]], 1)

@@ -9,7 +9,8 @@ targets (on-policy distillation) adds :func:`~loong_train.algo.losses.distill_lo
 computed one micro-batch at a time.
 
 The forward packs rows end to end into micro-batches of at most ``max_tokens_per_micro_batch``
-tokens, with no padding, and takes logprobs with the LM head in chunks
+computed tokens, with no padding and a prefix shared with the row before computed once (Loong's
+decoder; the generic ``transformers`` path runs rows whole), and takes logprobs with the LM head in chunks
 (:mod:`loong_train.backends.packing`); the gradients of the micro-batches add up to the whole
 batch's. The logprob of token j comes from the logits at position j - 1, divided by the sampling
 temperature exactly as the engine did. :func:`token_logprobs` is the plain padded computation, the
@@ -139,9 +140,9 @@ class TorchBackend:
         entropy_all = torch.zeros_like(lp_all)
         total, distill_stats = 0.0, {}
         self.opt.zero_grad(set_to_none=True)
-        for micro in packing.micro_batches(batch.token_ids, batch.row_lens, self.max_tokens):
+        for micro in packing.micro_batches(batch.token_ids, batch.row_lens, self.max_tokens, self._share):
             part = {k: v[micro.rows, : micro.width] for k, v in t.items()}
-            hidden = self.model.packed_hidden(micro.ids, micro.lens)
+            hidden = self.model.packed_hidden(micro.ids, micro.layout)
             lp, entropy = packing.logprobs(
                 self.model, micro, self.temperature, bonus > 0, part["mask"], hidden
             )
@@ -221,10 +222,15 @@ class TorchBackend:
         """``model``'s logprobs of the batch, [rows, max_len], packed and chunked like the train
         forward (only where ``wanted`` is nonzero, when given)."""
         out = torch.zeros(len(batch.row_lens), max(batch.row_lens), dtype=self._dtype)
-        for micro in packing.micro_batches(batch.token_ids, batch.row_lens, self.max_tokens):
+        for micro in packing.micro_batches(batch.token_ids, batch.row_lens, self.max_tokens, self._share):
             part = None if wanted is None else wanted[micro.rows, : micro.width]
             out[micro.rows, : micro.width] = packing.logprobs(model, micro, self.temperature, None, part)[0]
         return out
+
+    @property
+    def _share(self) -> bool:
+        """Whether packed rows compute a shared prefix once (the model supports it)."""
+        return getattr(self.model, "shares_prefixes", False)
 
     @property
     def _dtype(self) -> torch.dtype:

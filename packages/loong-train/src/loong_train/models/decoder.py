@@ -31,6 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from loong_train.models.packed import PackedRows
+
 __all__ = ["ARCHITECTURES", "CausalLM", "DecoderConfig", "KVCache", "load_hf_weights", "weight_files"]
 
 ARCHITECTURES = {
@@ -146,8 +148,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        var = x.float().pow(2).mean(-1, keepdim=True)
-        return self.weight * (x.float() * torch.rsqrt(var + self.eps)).to(x.dtype)
+        wide = x.to(torch.promote_types(x.dtype, torch.float32))  # float32 at least, as transformers does
+        var = wide.pow(2).mean(-1, keepdim=True)
+        return self.weight * (wide * torch.rsqrt(var + self.eps)).to(x.dtype)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -271,14 +274,8 @@ class Attention(nn.Module):
             cache[1][:, :, start : start + t] = v
             k, v = cache[0][:, :, : start + t], cache[1][:, :, : start + t]
         gqa = self.n_heads != self.n_kv  # keys and values are shared by head groups, never copied
-        if rows is not None:  # packed rows: each attends causally within itself
-            out = torch.cat(
-                [
-                    F.scaled_dot_product_attention(q_, k_, v_, is_causal=True, enable_gqa=gqa)
-                    for q_, k_, v_ in zip(q.split(rows, 2), k.split(rows, 2), v.split(rows, 2), strict=True)
-                ],
-                dim=2,
-            )
+        if rows is not None:  # packed rows: each attends causally within itself and its shared prefix
+            out = rows.attend(q, k, v, gqa)
         elif mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         else:
@@ -331,6 +328,8 @@ class CausalLM(nn.Module):
     the logits of the last position only (a prefill needs no others).
     """
 
+    shares_prefixes = True  # packed_hidden computes a prefix rows share once
+
     def __init__(self, cfg: DecoderConfig) -> None:
         super().__init__()
         self.config = cfg
@@ -363,12 +362,15 @@ class CausalLM(nn.Module):
         x = self._layers(input_ids, positions, mask, cache, start)
         return self.head(self.model.norm(x[:, -1:] if last_only else x))
 
-    def packed_hidden(self, ids: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    def packed_hidden(self, ids: torch.Tensor, rows: PackedRows) -> torch.Tensor:
         """Hidden states [tokens, hidden] that ``head`` maps to logits, of rows packed end to end
-        in ``ids`` [tokens] (``rows``: their lengths): positions restart and attention stays
-        inside each row, so every row computes what it would alone, and no position is padding."""
-        positions = torch.cat([torch.arange(n, device=ids.device) for n in rows])
-        return self.model.norm(self._layers(ids[None], positions[None], None, None, 0, rows)[0])
+        in ``ids`` [tokens] (``rows``: their lengths and shared prefixes): positions restart and
+        attention stays inside each row, so every row gets what it would compute alone; no
+        position is padding and a shared prefix is computed once (:mod:`loong_train.models.packed`)."""
+        device = ids.device
+        computed = ids[rows.computed.to(device)]
+        x = self._layers(computed[None], rows.positions.to(device)[None], None, None, 0, rows)[0]
+        return self.model.norm(x)[rows.index.to(device)]
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """The LM head: final hidden states -> logits, taken as ``W @ h^T`` (then viewed back),

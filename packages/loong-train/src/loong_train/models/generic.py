@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from loong_train.models.decoder import KVCache
+from loong_train.models.packed import PackedRows
 
 __all__ = ["GenericConfig", "HFCausalLM"]
 
@@ -105,6 +106,8 @@ class HFCausalLM(nn.Module):
     ``load_state_dict`` are the wrapped model's), so checkpoints and weight updates look exactly
     as ``transformers`` saves them."""
 
+    shares_prefixes = False  # packed_hidden runs every row whole
+
     def __init__(self, inner: nn.Module, dropout: dict[str, float] | None = None) -> None:
         super().__init__()
         self.inner = inner.float()
@@ -135,7 +138,7 @@ class HFCausalLM(nn.Module):
         with torch.no_grad():
             probe = torch.tensor([[0, 1, 2]], device=device) % self.lm_head.weight.shape[0]
             out = self.inner(input_ids=probe, use_cache=True)
-            hidden = self.packed_hidden(probe[0], [3])
+            hidden = self.packed_hidden(probe[0], PackedRows.unshared([3]))
             if not torch.allclose(self.head(hidden), out.logits[0], rtol=1e-4, atol=1e-4):
                 raise ValueError(
                     f"{type(self.inner).__name__}'s logits are not its LM head applied to its last hidden "
@@ -213,14 +216,16 @@ class HFCausalLM(nn.Module):
         logits = self.inner(input_ids=input_ids, **kwargs).logits
         return logits[:, -1:] if last_only else logits
 
-    def packed_hidden(self, ids: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    def packed_hidden(self, ids: torch.Tensor, rows: PackedRows) -> torch.Tensor:
         """Hidden states [tokens, hidden] that ``head`` maps to logits, of rows packed end to end
         in ``ids`` [tokens] (``rows``: their lengths). ``transformers`` gets them right-padded
-        (this path computes on padding; Loong's decoder does not)."""
-        padded = torch.nn.utils.rnn.pad_sequence(list(ids.split(rows)), batch_first=True)
+        (this path computes on padding and computes shared prefixes once per row; Loong's decoder
+        does neither)."""
+        lens = list(rows.lens)
+        padded = torch.nn.utils.rnn.pad_sequence(list(ids.split(lens)), batch_first=True)
         hidden = self.inner.base_model(input_ids=padded).last_hidden_state
         keep = (
-            torch.arange(padded.shape[1], device=ids.device) < torch.tensor(rows, device=ids.device)[:, None]
+            torch.arange(padded.shape[1], device=ids.device) < torch.tensor(lens, device=ids.device)[:, None]
         )
         return hidden[keep]
 
