@@ -34,13 +34,18 @@ def _recipe(*overrides):
 
 
 @pytest.mark.integration
-def test_resumed_run_equals_the_uninterrupted_run(tmp_path, cluster):
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
+def test_resumed_run_equals_the_uninterrupted_run(tmp_path, cluster, lora):
+    """With LoRA the checkpoint's adapter and its optimizer state continue (and the KL term's
+    reference is the base model with the adapters off)."""
     cache = tmp_path / "cache"
-    full = run(_recipe("train.max_staleness=0", "train.steps=4"), tmp_path / "full", cache)
-    split = run(_recipe("train.max_staleness=0", "train.steps=2"), tmp_path / "split", cache)
+    extra = ["train.lora.rank=4", "train.lr=0.02"] if lora else []
+    full = run(_recipe("train.max_staleness=0", "train.steps=4", *extra), tmp_path / "full", cache)
+    split = run(_recipe("train.max_staleness=0", "train.steps=2", *extra), tmp_path / "split", cache)
     assert (split / "checkpoints" / "step_2" / "trainer_state.pt").exists()
+    assert (split / "checkpoints" / "step_2" / "adapter").exists() == lora
     (split / "metrics.jsonl").open("a").write('{"step": 3, "reward_mean": 9.0}\n')  # died after it
-    run(_recipe("train.max_staleness=0", "train.steps=4"), split, cache, resume=True)
+    run(_recipe("train.max_staleness=0", "train.steps=4", *extra), split, cache, resume=True)
 
     a, b = read_metrics(full / "metrics.jsonl"), read_metrics(split / "metrics.jsonl")
     assert [r["step"] for r in b] == [1, 2, 3, 4]

@@ -100,8 +100,12 @@ def assert_same_run(a: list[dict], b: list[dict], run_a: Path, run_b: Path) -> N
         for key in COMPARED:
             assert ra[key] == pytest.approx(rb[key], abs=1e-6), (ra["step"], key)
     assert ledger(run_a) == ledger(run_b)
-    wa = load_file(run_a / "checkpoints" / "final" / "model.safetensors")
-    wb = load_file(run_b / "checkpoints" / "final" / "model.safetensors")
+    final = run_a / "checkpoints" / "final"
+    name = (
+        "adapter_model.safetensors" if (final / "adapter_config.json").exists() else "model.safetensors"
+    )  # LoRA
+    wa = load_file(final / name)
+    wb = load_file(run_b / "checkpoints" / "final" / name)
     assert wa.keys() == wb.keys() and all(wa[k].equal(wb[k]) for k in wa)
 
 

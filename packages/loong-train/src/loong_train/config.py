@@ -29,7 +29,7 @@ import msgspec
 from loong_core.config import ConfigError, apply_override, load_config
 from loong_train import recipe_checks
 from loong_train.algo.config import LossConfig, OPDConfig
-from loong_train.backends.config import BackendConfig, TorchBackendConfig
+from loong_train.backends.config import BackendConfig, LoraConfig, TorchBackendConfig
 from loong_train.engines.config import EmbeddedEngineConfig, EngineConfig
 from loong_train.tasks import TaskTables
 from loong_train.tasks.config import (
@@ -168,7 +168,8 @@ class RolloutConfig(_Section):
 class TrainConfig(_Section):
     """The ``[train]`` table: steps, batches, the staleness bound, the optimizer, checkpoints.
 
-    ``backend``: the ``[train.backend]`` table (:mod:`loong_train.backends.config`).
+    ``backend``: the ``[train.backend]`` table (:mod:`loong_train.backends.config`); ``lora``:
+    the ``[train.lora]`` table (adapters instead of the whole model; the torch backend).
     ``checkpoint_every``: write a resumable checkpoint every that many steps (0: only after the
     last step); the newest ``keep_checkpoints`` are kept (:mod:`loong_train.run.checkpoint`).
     ``threads``: the trainer's torch threads (and the CPUs Ray reserves for it); 0: the recipe's
@@ -183,6 +184,7 @@ class TrainConfig(_Section):
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     backend: BackendConfig = TorchBackendConfig()
+    lora: LoraConfig = LoraConfig()
     checkpoint_every: int = 0
     keep_checkpoints: int = 2
     threads: int = 0
@@ -190,6 +192,12 @@ class TrainConfig(_Section):
     def __post_init__(self) -> None:
         _at_least(self, checkpoint_every=0, keep_checkpoints=1, threads=0)
         _at_least(self, steps=1, batch_groups=1, max_staleness=0, warmup_steps=0)
+        if self.lora.enabled and not isinstance(self.backend, TorchBackendConfig):
+            raise ValueError(
+                f"lora.rank = {self.lora.rank} trains adapters on the torch backend only; "
+                f"backend.type = {self.backend.type!r} trains the whole model (set lora.rank = 0, "
+                "or backend.type = 'torch')"
+            )
 
 
 class EvalConfig(_Section):

@@ -182,6 +182,7 @@ def trainer_options(recipe: Recipe) -> dict[str, Any]:
         temperature=recipe.rollout.temperature,
         threads=recipe.trainer_threads,
         trust_remote_code=recipe.model.trust_remote_code,
+        lora=t.lora,
     )
     r = recipe.rollout
     direct = isinstance(r.engine, SGLangEngineConfig) and r.engine.weights == "direct"

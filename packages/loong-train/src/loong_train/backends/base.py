@@ -27,6 +27,7 @@ from loong_core.records import TrainBatch
 from loong_train.algo.config import LossConfig
 from loong_train.backends.config import (
     BackendConfig,
+    LoraConfig,
     MegatronBackendConfig,
     TorchBackendConfig,
     require_installed,
@@ -83,6 +84,7 @@ class BackendOptions(msgspec.Struct, frozen=True, kw_only=True):
     temperature: float = 1.0
     threads: int = 1
     trust_remote_code: bool = False
+    lora: LoraConfig = LoraConfig()
 
 
 def build_backend(model_path: str, options: BackendOptions) -> TrainBackend:
@@ -114,6 +116,7 @@ def build_backend(model_path: str, options: BackendOptions) -> TrainBackend:
         model_path,
         trust_remote_code=options.trust_remote_code,
         max_tokens_per_micro_batch=b.max_tokens_per_micro_batch,
+        lora=options.lora,
         **common,
     )
 

@@ -18,7 +18,7 @@ import msgspec
 
 from loong_core.config import ConfigError
 
-__all__ = ["BackendConfig", "MegatronBackendConfig", "TorchBackendConfig", "require_installed"]
+__all__ = ["BackendConfig", "LoraConfig", "MegatronBackendConfig", "TorchBackendConfig", "require_installed"]
 
 
 class _Backend(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="type"):
@@ -72,6 +72,43 @@ class MegatronBackendConfig(_Backend, tag="megatron"):
 
 
 BackendConfig = TorchBackendConfig | MegatronBackendConfig
+
+
+class LoraConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[train.lora]``: train low-rank adapters instead of the whole model (``rank = 0``, the
+    default: off), with ``peft``'s LoRA (:mod:`loong_train.backends.lora`). ``alpha``: the scale's
+    numerator (the update is ``alpha / rank * B @ A``; 0: ``2 * rank``); ``dropout`` on the
+    adapter's input; ``target_modules``: module names (``["q_proj", "v_proj"]``) or
+    ``"all-linear"`` (every linear layer but the LM head). ``save_merged``: the final checkpoint
+    also holds the merged model under ``merged/``. The torch backend only."""
+
+    rank: int = 0
+    alpha: float = 0.0
+    dropout: float = 0.0
+    target_modules: list[str] | str = "all-linear"
+    save_merged: bool = False
+
+    def __post_init__(self) -> None:
+        if self.rank < 0 or self.alpha < 0 or not 0 <= self.dropout < 1:
+            raise ValueError(
+                f"expected rank >= 0, alpha >= 0 and 0 <= dropout < 1, got rank {self.rank}, "
+                f"alpha {self.alpha}, dropout {self.dropout}"
+            )
+        if isinstance(self.target_modules, str) and self.target_modules != "all-linear":
+            raise ValueError(
+                f"target_modules must be a list of module names or 'all-linear', got {self.target_modules!r}"
+            )
+        if not self.target_modules:
+            raise ValueError("target_modules is empty: name the modules to adapt, or 'all-linear'")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+    @property
+    def scale(self) -> float:
+        """``alpha / rank``: what multiplies ``B @ A``."""
+        return (self.alpha or 2 * self.rank) / self.rank
 
 
 def require_installed(config: BackendConfig) -> None:

@@ -28,10 +28,13 @@ import torch
 from loong_core.records import TrainBatch
 from loong_train.algo.config import LossConfig
 from loong_train.algo.losses import aggregate, distill_loss, policy_loss
+from loong_train.backends import lora as lora_adapters
 from loong_train.backends import packing
+from loong_train.backends.config import LoraConfig
 from loong_train.backends.metrics import mismatch_stats
 from loong_train.models.auto import load_causal_lm
 from loong_train.models.decoder import CausalLM
+from loong_train.models.tokenizer import copy_model_files
 
 __all__ = ["TorchBackend", "logprobs_and_entropy", "token_logprobs"]
 
@@ -89,16 +92,23 @@ class TorchBackend:
         loss: LossConfig | None = None,
         temperature: float = 1.0,
         max_tokens_per_micro_batch: int = 0,
+        lora: LoraConfig | None = None,
+        source: str | Path = "",
     ) -> None:
         self.model = model.train()
-        self.opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
+        self.lora = lora if lora is not None and lora.enabled else None
+        self.peft_config = lora_adapters.add_adapters(model, self.lora) if self.lora else None
+        self.source = str(source)  # the checkpoint loaded: an adapter's base
+        trained = [p for p in model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(trained, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
         self.sched = torch.optim.lr_scheduler.LambdaLR(
             self.opt, lambda s: min(1.0, (s + 1) / max(1, warmup_steps))
         )
         self.grad_clip, self.temperature = grad_clip, temperature
         self.max_tokens = max_tokens_per_micro_batch
         self.loss_cfg = loss or LossConfig()
-        self.reference = _frozen_copy(model) if self.loss_cfg.kl_coef > 0 else None
+        # the KL penalty's reference: the initial model (with LoRA: the base, adapters switched off)
+        self.reference = _frozen_copy(model) if self.loss_cfg.kl_coef > 0 and not self.lora else None
         self.steps = 0
         self.trust_remote_code = False
 
@@ -107,7 +117,7 @@ class TorchBackend:
         cls, path: str | Path, trust_remote_code: bool = False, **kwargs: Any
     ) -> TorchBackend:
         """The checkpoint at ``path`` on the implementation :func:`load_causal_lm` picks."""
-        backend = cls(load_causal_lm(path, trust_remote_code), **kwargs)
+        backend = cls(load_causal_lm(path, trust_remote_code), source=path, **kwargs)
         backend.trust_remote_code = trust_remote_code
         return backend
 
@@ -123,16 +133,23 @@ class TorchBackend:
 
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        return self._no_grad_logprobs(self.model, batch)
+        self.model.eval()  # no adapter dropout
+        try:
+            return self._no_grad_logprobs(self.model, batch)
+        finally:
+            self.model.train()
 
     def train_step(self, batch: TrainBatch) -> dict[str, float]:
         """One optimizer step on ``batch``, its gradient accumulated over packed micro-batches;
         returns loss and train-inference mismatch stats."""
         t = self.tensors(batch)
         cfg, bonus = self.loss_cfg, self.loss_cfg.entropy_coef
-        reference = (
-            None if self.reference is None else self._no_grad_logprobs(self.reference, batch, t["mask"])
-        )
+        reference = None
+        if self.reference is not None:
+            reference = self._no_grad_logprobs(self.reference, batch, t["mask"])
+        elif self.lora and cfg.kl_coef > 0:
+            with lora_adapters.disabled(self.model):
+                reference = self._no_grad_logprobs(self.model, batch, t["mask"])
         distill = (
             self._distill_targets(batch, self.model.config.vocab_size) if batch.teacher_topk_ids else None
         )
@@ -238,22 +255,44 @@ class TorchBackend:
         return torch.promote_types(self.model.lm_head.weight.dtype, torch.float32)
 
     def named_weights(self) -> dict[str, torch.Tensor]:
+        """Every weight under its Hugging Face name (with LoRA: the adapters merged in)."""
+        if self.lora:
+            return lora_adapters.merged_weights(self.model)
         return {k: v.detach() for k, v in self.model.named_parameters()}
 
     def save_pretrained(self, path: str | Path) -> None:
-        self.model.save_pretrained(path)
+        """The model as a Hugging Face checkpoint; with LoRA the adapter as ``peft`` saves one
+        (and with ``save_merged`` the merged model under ``merged/``, tokenizer included)."""
+        if not self.lora:
+            self.model.save_pretrained(path)
+            return
+        lora_adapters.save_adapter(self.model, self.peft_config, path, base=self.source)
+        if self.lora.save_merged:
+            with lora_adapters.merged(self.model) as plain:
+                plain.save_pretrained(Path(path) / "merged")
+            if self.source:
+                copy_model_files(self.source, Path(path) / "merged")
 
     def save_state(self, path: str | Path) -> None:
-        """The HF checkpoint plus ``optimizer.pt``: optimizer, LR scheduler, step count."""
-        self.save_pretrained(path)
+        """The HF checkpoint (with LoRA: the merged model, what a resumed run's engines load, and
+        the adapter under ``adapter/``) plus ``optimizer.pt``: optimizer, LR scheduler, step count."""
+        if self.lora:
+            with lora_adapters.merged(self.model) as plain:
+                plain.save_pretrained(path)
+            lora_adapters.save_adapter(self.model, self.peft_config, Path(path) / "adapter", base=self.source)
+        else:
+            self.save_pretrained(path)
         state = {"opt": self.opt.state_dict(), "sched": self.sched.state_dict(), "steps": self.steps}
         torch.save(state, Path(path) / "optimizer.pt")
 
     @torch.no_grad()
     def load_state(self, path: str | Path) -> None:
         """Weights copied in place (the optimizer keeps its parameters; a KL reference stays the
-        initial model), then ``optimizer.pt``."""
-        self.model.load_state_dict(load_causal_lm(path, self.trust_remote_code).state_dict())
+        initial model; with LoRA only the adapter is loaded, onto the same base), then ``optimizer.pt``."""
+        if self.lora:
+            lora_adapters.load_adapter(self.model, Path(path) / "adapter")
+        else:
+            self.model.load_state_dict(load_causal_lm(path, self.trust_remote_code).state_dict())
         state = torch.load(Path(path) / "optimizer.pt", weights_only=False)
         self.opt.load_state_dict(state["opt"])
         self.sched.load_state_dict(state["sched"])

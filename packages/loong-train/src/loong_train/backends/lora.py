@@ -1,0 +1,192 @@
+"""LoRA on the torch backend, by ``peft``: low-rank adapters trained instead of the whole model.
+
+``peft.inject_adapter_in_model`` replaces each target linear layer (``[train.lora]
+target_modules``) of the model by a LoRA layer computing ``W x + alpha / r * B A x`` (``A``
+random, ``B`` zero: training starts from the base model exactly); only ``A`` and ``B`` train, so
+the optimizer holds state for the adapters alone. Parameter names keep the model's own, with
+``base_layer`` inserted in the adapted modules (``model.layers.0.self_attn.q_proj.base_layer.weight``).
+
+What leaves the backend:
+
+- weight updates (:func:`merged_weights`): every weight under its Hugging Face name with the
+  adapter merged in, ``W + alpha / r * B A``, so engines load them like any update;
+- checkpoints: the adapter as ``peft`` saves one (:func:`save_adapter`: ``adapter_config.json`` and
+  ``adapter_model.safetensors``, keys ``base_model.model.<module>.lora_A.weight``), which
+  ``peft.PeftModel.from_pretrained(base, dir)`` loads onto the base checkpoint; and the merged
+  model (:func:`merged`), a plain checkpoint;
+- the KL penalty's reference policy is the base model: the same model with the adapters switched
+  off (:func:`disabled`), so no second copy is kept.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from loong_train.backends.config import LoraConfig
+
+__all__ = ["ADAPTER", "add_adapters", "disabled", "load_adapter", "merged", "merged_weights", "save_adapter"]
+
+ADAPTER = "default"  # peft's adapter name inside the model (never in the files it saves)
+_WEIGHTS = "adapter_model.safetensors"
+_PREFIX = "base_model.model."  # a PeftModel's path to the wrapped model, in saved adapter keys
+
+
+def add_adapters(model: nn.Module, cfg: LoraConfig) -> Any:
+    """Inject LoRA into ``model``'s target linear layers, in place; freeze everything else.
+    Returns the ``peft.LoraConfig`` used (its ``save_pretrained`` writes ``adapter_config.json``)."""
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import inject_adapter_in_model
+
+    root = _root(model)
+    peft_config = PeftLoraConfig(
+        r=cfg.rank,
+        lora_alpha=cfg.scale * cfg.rank,
+        lora_dropout=cfg.dropout,
+        target_modules=_targets(root, cfg.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
+    inject_adapter_in_model(peft_config, root, adapter_name=ADAPTER)
+    for name, p in root.named_parameters():
+        p.requires_grad_(".lora_" in name)
+    return peft_config
+
+
+def _root(model: nn.Module) -> nn.Module:
+    """The module whose parameter names are the checkpoint's (the generic path wraps one)."""
+    return getattr(model, "inner", model)
+
+
+def _targets(root: nn.Module, spec: list[str] | str) -> list[str]:
+    """Module names (the last part of a path) to adapt: ``spec``'s, each checked to name linear
+    layers, or every linear layer's but the LM head's for ``"all-linear"``."""
+    head = root.get_output_embeddings() if hasattr(root, "get_output_embeddings") else None
+    head = head if head is not None else getattr(root, "lm_head", None)
+    kinds: tuple[type, ...] = (nn.Linear,)
+    try:  # GPT-2's linear layers are transformers' Conv1D (peft adapts those too)
+        from transformers.pytorch_utils import Conv1D
+
+        kinds += (Conv1D,)
+    except ImportError:
+        pass
+    linear = sorted(
+        {
+            name.rsplit(".", 1)[-1]
+            for name, m in root.named_modules()
+            if isinstance(m, kinds) and m is not head
+        }
+    )
+    if spec == "all-linear":
+        return linear
+    if unknown := [t for t in spec if t not in linear]:
+        raise ValueError(
+            f"train.lora.target_modules names {unknown}, which no linear layer of the model is called "
+            f"(its linear layers: {linear}; the LM head is never adapted)"
+        )
+    return list(spec)
+
+
+def _layers(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
+    from peft.tuners.lora import LoraLayer
+
+    return ((name, m) for name, m in root.named_modules() if isinstance(m, LoraLayer))
+
+
+@torch.no_grad()
+def merged_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every weight under its Hugging Face name, the adapters merged in (``W + scale * B A``)."""
+    root = _root(model)
+    deltas = {f"{name}.weight": m.get_delta_weight(ADAPTER) for name, m in _layers(root)}
+    out = {}
+    for name, p in root.named_parameters():
+        if ".lora_" in name:
+            continue
+        key = name.replace(".base_layer.", ".")
+        out[key] = p.detach() + deltas[key] if key in deltas else p.detach()
+    return out
+
+
+@contextlib.contextmanager
+def merged(model: nn.Module) -> Iterator[nn.Module]:
+    """``model`` as a plain model with the adapters merged in: each LoRA layer swapped for its
+    base layer holding ``W + scale * B A``; restored (weights and layers) on exit."""
+    root = _root(model)
+    layers = list(_layers(root))
+    saved = []
+    with torch.no_grad():
+        for name, m in layers:
+            parent, _, child = name.rpartition(".")
+            base = m.get_base_layer()
+            saved.append((root.get_submodule(parent) if parent else root, child, m, base.weight.clone()))
+            base.weight += m.get_delta_weight(ADAPTER)
+            setattr(saved[-1][0], child, base)
+    try:
+        yield model
+    finally:
+        with torch.no_grad():
+            for parent, child, m, weight in saved:
+                m.get_base_layer().weight.copy_(weight)
+                setattr(parent, child, m)
+
+
+@contextlib.contextmanager
+def disabled(model: nn.Module) -> Iterator[nn.Module]:
+    """``model`` computing as its base model (the adapters switched off) inside the block."""
+    layers = [m for _, m in _layers(_root(model))]
+    for m in layers:
+        m.enable_adapters(False)
+    try:
+        yield model
+    finally:
+        for m in layers:
+            m.enable_adapters(True)
+            for p in m.lora_A.parameters():  # enable_adapters(False) froze them
+                p.requires_grad_(True)
+            for p in m.lora_B.parameters():
+                p.requires_grad_(True)
+
+
+def save_adapter(model: nn.Module, peft_config: Any, path: str | Path, base: str = "") -> None:
+    """The adapter as ``peft`` saves one into ``path`` (``base``: the base checkpoint's path,
+    recorded as ``base_model_name_or_path``)."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        _PREFIX + name.replace(f".{ADAPTER}.", "."): p.detach().contiguous()
+        for name, p in _root(model).named_parameters()
+        if ".lora_" in name
+    }
+    save_file(tensors, str(path / _WEIGHTS), metadata={"format": "pt"})
+    peft_config.save_pretrained(str(path))
+    if base:  # peft writes None for an injected adapter
+        config = json.loads((path / "adapter_config.json").read_text())
+        config["base_model_name_or_path"] = str(base)
+        (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
+
+
+@torch.no_grad()
+def load_adapter(model: nn.Module, path: str | Path) -> None:
+    """Copy the adapter :func:`save_adapter` wrote into ``path`` into ``model``'s adapters."""
+    from safetensors.torch import load_file
+
+    params = {n: p for n, p in _root(model).named_parameters() if ".lora_" in n}
+    saved = load_file(str(Path(path) / _WEIGHTS))
+    names = {}
+    for key in saved:
+        module, _, kind = key.removeprefix(_PREFIX).rpartition(".lora_")
+        names[key] = f"{module}.lora_{kind.replace('.', f'.{ADAPTER}.', 1)}"
+    if missing := sorted(set(params) - set(names.values())):
+        raise ValueError(f"{path} holds no adapter weights for {missing[:3]} ({len(missing)} in all)")
+    if unknown := sorted(k for k, n in names.items() if n not in params):
+        raise ValueError(f"{path} holds adapter weights {unknown[:3]} this model has no adapter for")
+    for key, name in names.items():
+        params[name].copy_(saved[key])

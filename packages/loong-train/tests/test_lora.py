@@ -1,0 +1,194 @@
+"""LoRA on the torch backend: only the adapters train, the exported adapter loads with ``peft``
+onto the base checkpoint with Loong's logits, weight updates carry the merged model, the KL
+reference is the base model, and a resumed backend continues exactly."""
+
+import pytest
+import torch
+from test_packing import _grouped_batch
+from train_testkit import GENERIC, tiny_hf_checkpoint, tiny_qwen3
+
+from loong_train.algo.config import LossConfig
+from loong_train.backends import lora as lora_adapters
+from loong_train.backends.config import LoraConfig, MegatronBackendConfig
+from loong_train.backends.torch_backend import TorchBackend
+from loong_train.config import TrainConfig
+from loong_train.models.decoder import CausalLM
+
+VOCAB = 41
+LORA = LoraConfig(rank=4, alpha=8)
+
+
+@pytest.fixture
+def base(tmp_path):
+    """A tiny Qwen3 checkpoint (the architecture ``transformers`` and ``peft`` load too)."""
+    model = tiny_qwen3(0, std=0.1, vocab_size=VOCAB, num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+    model.save_pretrained(tmp_path / "base")
+    return tmp_path / "base"
+
+
+def _backend(base, lora=LORA, **kwargs) -> TorchBackend:
+    torch.manual_seed(0)  # the adapters' random init (the trainer seeds the run's seed first)
+    return TorchBackend.from_pretrained(base, lr=1e-2, lora=lora, **kwargs)
+
+
+def _trained(base, lora=LORA, steps=2, **kwargs) -> TorchBackend:
+    backend = _backend(base, lora, **kwargs)
+    for _ in range(steps):
+        backend.train_step(_grouped_batch())
+    return backend
+
+
+def _ids() -> torch.Tensor:
+    return torch.tensor(_grouped_batch().token_ids[:12])[None]
+
+
+def test_only_the_adapters_train(base):
+    backend = _backend(base)
+    before = {k: v.clone() for k, v in backend.model.named_parameters()}
+    backend.train_step(_grouped_batch())
+    after = dict(backend.model.named_parameters())
+    adapters = [k for k in after if ".lora_" in k]
+    assert adapters and len(adapters) == 2 * 7 * 2  # A and B of 7 linear layers in 2 layers
+    assert all(torch.equal(before[k], after[k]) for k in after if ".lora_" not in k)
+    assert all(not torch.equal(before[k], after[k]) for k in adapters if ".lora_B" in k)
+    assert sum(len(s) > 0 for s in backend.opt.state.values()) == len(adapters)  # Adam state: adapters only
+
+
+def test_exported_adapter_loads_with_peft_with_the_same_logits(base, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    backend = _trained(base, lora=LoraConfig(rank=4, alpha=8, save_merged=True))
+    backend.save_pretrained(tmp_path / "final")
+    assert (tmp_path / "final" / "adapter_config.json").is_file()
+    with torch.no_grad():
+        ours = backend.model.eval()(_ids())
+        hf = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+        theirs = PeftModel.from_pretrained(hf, str(tmp_path / "final")).eval()(_ids()).logits
+        merged = AutoModelForCausalLM.from_pretrained(str(tmp_path / "final" / "merged"), dtype=torch.float32)
+        plain = merged.eval()(_ids()).logits
+        untouched = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32).eval()(_ids()).logits
+    assert (ours - untouched).abs().max() > 1e-3  # the adapter changed the model
+    assert torch.allclose(theirs, ours, atol=1e-5), (theirs - ours).abs().max()
+    assert torch.allclose(plain, ours, atol=1e-5), (plain - ours).abs().max()
+
+
+def test_weight_updates_are_the_merged_model(base):
+    """What the engines load (``named_weights``): a plain model holding them computes what the
+    adapted model computes; float64, so only the merge's rounding shows."""
+    backend = _trained(base)
+    backend.model.double()
+    plain = CausalLM.from_pretrained(base).double()
+    plain.load_state_dict(backend.named_weights(), strict=False)
+    assert set(backend.named_weights()) == {k for k, _ in plain.named_parameters()}
+    with torch.no_grad():
+        want = backend.model.eval()(_ids())
+        got = plain(_ids())
+    assert torch.allclose(got, want, atol=1e-10)
+
+
+def test_the_kl_reference_is_the_base_model(base):
+    backend = _trained(base, loss=LossConfig(kl_coef=0.1))
+    assert backend.reference is None  # no second copy of the model
+    base_model = CausalLM.from_pretrained(base)
+    with torch.no_grad():
+        with lora_adapters.disabled(backend.model):
+            off = backend.model(_ids())
+        on = backend.model(_ids())
+        want = base_model(_ids())
+    assert torch.equal(off, want)
+    assert not torch.allclose(on, want, atol=1e-3)
+    assert all(p.requires_grad for n, p in backend.model.named_parameters() if ".lora_" in n)
+    metrics = backend.train_step(_grouped_batch())
+    assert metrics["kl"] > 0
+
+
+def test_resume_continues_the_uninterrupted_run(base, tmp_path):
+    """``save_state`` after 2 steps, a fresh backend's ``load_state``, 2 more steps: the same
+    adapter, bit for bit, as 4 steps in one backend."""
+    whole = _trained(base, steps=4)
+    first = _trained(base, steps=2)
+    first.save_state(tmp_path / "ckpt")
+    assert (tmp_path / "ckpt" / "model.safetensors").is_file()  # the merged model, for the engines
+    torch.manual_seed(1)  # another init: the checkpoint's adapter must replace it
+    second = TorchBackend.from_pretrained(base, lr=1e-2, lora=LORA)
+    second.load_state(tmp_path / "ckpt")
+    for _ in range(2):
+        second.train_step(_grouped_batch())
+    a, b = dict(whole.model.named_parameters()), dict(second.model.named_parameters())
+    assert all(torch.equal(a[k], b[k]) for k in a), [k for k in a if not torch.equal(a[k], b[k])][:3]
+
+
+def test_bad_settings_are_refused(base):
+    with pytest.raises(ValueError, match=r"target_modules names \['qkv'\]"):
+        TorchBackend.from_pretrained(base, lr=1e-2, lora=LoraConfig(rank=4, target_modules=["q_proj", "qkv"]))
+    with pytest.raises(ValueError, match="torch backend only"):
+        TrainConfig(lora=LoraConfig(rank=8), backend=MegatronBackendConfig())
+    with pytest.raises(ValueError, match="dropout"):
+        LoraConfig(rank=8, dropout=1.5)
+
+
+def test_engine_samples_the_adapted_policy(tiny_dir):
+    """Through the real weight path: a LoRA trainer's step-1 logprobs equal the engine's, and
+    after its update reaches the engine (merged weights over TransferMesh), the engine's new
+    samples carry the logprobs the trainer computes with its unmerged adapters, to float rounding."""
+    from test_first_step import _rollout
+
+    from loong_train.algo.losses import pack_batch
+    from loong_train.config import load_recipe
+    from loong_train.controller import trainer_options
+    from loong_train.source import GroupSource
+    from loong_train.tiny import calc
+    from loong_train.workers.trainer import TrainerWorker
+    from loong_transfermesh import TransportConfig
+
+    transport = TransportConfig(name="lora-engine-test")
+    worker, trajs = _rollout(tiny_dir, groups=2, transport=transport)
+    options = trainer_options(load_recipe("tiny-calc-agent", ["train.lora.rank=4", "train.lr=0.05"]))
+    trainer = TrainerWorker(str(tiny_dir), transport=transport, **options)
+    try:
+        advantages = [1.0 - i % 2 * 2 for i in range(len(trajs))]  # a signal whatever the rewards
+        published = trainer.publish(trainer.train_step(pack_batch(trajs, advantages, policy_version=0)))
+        assert published.step.metrics["mismatch_kl"] <= 1e-12
+        worker.apply_weights(published.manifest)
+        source = GroupSource(calc.train_tasks(5, []), group_size=4)
+        after = worker.rollout([s for _ in range(2) for s in source.specs(source.next_group())]).trajectories
+        batch = pack_batch(after, [0.0] * len(after), policy_version=1)
+        recomputed = trainer.logprobs(batch)
+        gaps = [
+            abs(a - b)
+            for a, b, m in zip(recomputed, batch.behaviour_logprobs, batch.loss_mask, strict=True)
+            if m
+        ]
+        assert len(gaps) > 50 and max(gaps) <= 1e-5, max(gaps)
+        with lora_adapters.disabled(trainer.backend.model):
+            base = trainer.logprobs(batch)
+        assert (
+            max(abs(a - b) for a, b in zip(base, recomputed, strict=True)) > 1e-3
+        )  # the update moved the policy
+    finally:
+        trainer.close()
+
+
+@pytest.mark.parametrize("family", GENERIC)
+def test_the_generic_path_exports_an_adapter_peft_loads(tmp_path, family):
+    """A model only ``transformers`` implements (GPT-2's Conv1D layers, Phi's Linear ones): the
+    adapter ``peft`` loads and the merged weight updates both give the trained model's logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    tiny_hf_checkpoint(tmp_path / "base", family, std=0.02, vocab_size=VOCAB)
+    backend = _trained(tmp_path / "base")
+    backend.save_pretrained(tmp_path / "final")
+    ids = _ids()
+    with torch.no_grad():
+        ours = backend.model.eval()(ids)
+        hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float32)
+        theirs = PeftModel.from_pretrained(hf, str(tmp_path / "final")).eval()(ids).logits
+        plain = AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float32).eval()
+        untouched = plain(ids).logits
+        plain.load_state_dict(backend.named_weights(), strict=False)
+        merged = plain(ids).logits
+    assert (ours - untouched).abs().max() > 1e-4
+    assert torch.allclose(theirs, ours, atol=1e-5), (theirs - ours).abs().max()
+    assert torch.allclose(merged, ours, atol=1e-5), (merged - ours).abs().max()
