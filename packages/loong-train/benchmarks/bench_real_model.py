@@ -27,6 +27,8 @@ matrix (the LM head included, the embedding lookup not: it is no product):
 - ``lora``: LoRA (rank 16 on every linear layer) against the full fine-tune on the ``distinct``
   batch: step time, peak memory, the cost of merging the adapters for a weight update, the
   adapters' size against the model's.
+- ``weight_update``: one update over ``shm`` into an engine's weights, the full model against
+  LoRA's adapters (merged on arrival), each against a memcpy of its bytes.
 
 ``extra_info`` holds the seconds, tokens/s and the ratios. Run (``--dist no``: pytest-benchmark
 times nothing when an xdist mode is set)::
@@ -36,6 +38,7 @@ times nothing when an xdist mode is set)::
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import random
@@ -287,6 +290,59 @@ def test_lora(benchmark, checkpoint):
     benchmark.extra_info.update(info)
     print(
         f"\nlora {name}: "
+        + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in info.items())
+    )
+
+
+def test_weight_update(benchmark, checkpoint):
+    """One weight update through TransferMesh's ``shm`` transport into an engine's model: the
+    full fine-tune's (every weight, copied in) against LoRA's (the adapters alone, merged into the
+    engine's base weights by ``LoraMerge``), each against a memcpy of its own bytes between
+    preallocated buffers (the floor). Median of 5 rounds; sender and receiver in one process."""
+    from statistics import median
+
+    from loong_train.backends import lora as lora_adapters
+    from loong_transfermesh import LoraMerge, ShmReceiver, ShmSender
+
+    name, path = checkpoint
+    torch.manual_seed(0)
+    trainer = TorchBackend.from_pretrained(path, lr=1e-6, lora=LORA)
+    with torch.no_grad():  # adapters as after training (B starts at zero)
+        for n, p in trainer.model.named_parameters():
+            if ".lora_B" in n:
+                p.normal_(0, 0.01)
+    sent = {"full": lora_adapters.merged_weights(trainer.model), "lora": trainer.named_weights()}
+    engine = dict(CausalLM.from_pretrained(path).named_parameters())
+    modules, transposed = lora_adapters.adapted_modules(CausalLM.from_pretrained(path), LORA)
+    merge = LoraMerge(engine, modules, LORA.rank, LORA.scale, transposed)
+    info: dict[str, object] = {"model": name}
+    for kind, named in sent.items():
+        sender, receiver = ShmSender(f"bench-update-{kind}"), ShmReceiver(f"bench-update-{kind}")
+        try:
+            times = []
+            for version in range(1, 7):
+                start = time.perf_counter()
+                sender.push(named, version)
+                if kind == "lora":
+                    merge.apply(receiver, version)
+                else:
+                    receiver.apply(engine, version)
+                times.append(time.perf_counter() - start)
+        finally:
+            receiver.close()
+            sender.close()
+        nbytes = sum(t.numel() * t.element_size() for t in named.values())
+        src, dst = torch.empty(nbytes, dtype=torch.uint8), torch.empty(nbytes, dtype=torch.uint8)
+        dst.copy_(src)
+        floor = median(_seconds(functools.partial(dst.copy_, src)) for _ in range(5))
+        info |= {f"{kind}_mb": nbytes / 2**20, f"{kind}_s": median(times[1:]), f"{kind}_memcpy_s": floor}
+        info[f"{kind}_over_memcpy"] = info[f"{kind}_s"] / floor
+    info["lora_over_full"] = info["lora_s"] / info["full_s"]
+    info["merge_s"] = median(_seconds(merge.merge) for _ in range(5))
+    benchmark.pedantic(merge.merge, rounds=1, iterations=1)
+    benchmark.extra_info.update(info)
+    print(
+        f"\nweight update {name}: "
         + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in info.items())
     )
 

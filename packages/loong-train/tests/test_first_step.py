@@ -16,13 +16,14 @@ from loong_train.workers.trainer import TrainerWorker
 from loong_transfermesh import TransportConfig
 
 
-def _rollout(tiny_dir, groups=4, transport=None):
+def _rollout(tiny_dir, groups=4, transport=None, **worker_options):
     worker = RolloutWorker(
         str(tiny_dir),
         seed=0,
         sampling={"temperature": 1.0, "max_new_tokens": 24},
         limits={"max_turns": 2, "max_model_tokens": 40},
         transport=transport or TransportConfig(name="first-step-test"),
+        **worker_options,
     )
     source = GroupSource(calc.train_tasks(0, []), group_size=4)
     specs = [s for _ in range(groups) for s in source.specs(source.next_group())]

@@ -1,6 +1,7 @@
 """LoRA on the torch backend: only the adapters train, the exported adapter loads with ``peft``
-onto the base checkpoint with Loong's logits, weight updates carry the merged model, the KL
-reference is the base model, and a resumed backend continues exactly."""
+onto the base checkpoint with Loong's logits, weight updates carry the adapters (merged by the
+engine) or the merged model, the KL reference is the base model, and a resumed backend continues
+exactly."""
 
 import pytest
 import torch
@@ -13,6 +14,7 @@ from loong_train.backends.config import LoraConfig, MegatronBackendConfig
 from loong_train.backends.torch_backend import TorchBackend
 from loong_train.config import TrainConfig
 from loong_train.models.decoder import CausalLM
+from loong_transfermesh import LoraMerge
 
 VOCAB = 41
 LORA = LoraConfig(rank=4, alpha=8)
@@ -73,10 +75,10 @@ def test_exported_adapter_loads_with_peft_with_the_same_logits(base, tmp_path):
     assert torch.allclose(plain, ours, atol=1e-5), (plain - ours).abs().max()
 
 
-def test_weight_updates_are_the_merged_model(base):
-    """What the engines load (``named_weights``): a plain model holding them computes what the
-    adapted model computes; float64, so only the merge's rounding shows."""
-    backend = _trained(base)
+def test_merged_weight_updates_are_the_adapted_model(base):
+    """What the engines load with ``sync = "merged"`` (``named_weights``): a plain model holding
+    them computes what the adapted model computes; float64, so only the merge's rounding shows."""
+    backend = _trained(base, LoraConfig(rank=4, alpha=8, sync="merged"))
     backend.model.double()
     plain = CausalLM.from_pretrained(base).double()
     plain.load_state_dict(backend.named_weights(), strict=False)
@@ -128,10 +130,12 @@ def test_bad_settings_are_refused(base):
         LoraConfig(rank=8, dropout=1.5)
 
 
-def test_engine_samples_the_adapted_policy(tiny_dir):
+@pytest.mark.parametrize("sync", ["adapter", "merged"])
+def test_engine_samples_the_adapted_policy(tiny_dir, sync):
     """Through the real weight path: a LoRA trainer's step-1 logprobs equal the engine's, and
-    after its update reaches the engine (merged weights over TransferMesh), the engine's new
-    samples carry the logprobs the trainer computes with its unmerged adapters, to float rounding."""
+    after its update reaches the engine over TransferMesh (the adapters alone, merged into the
+    engine's base weights; or the merged weights), the engine's new samples carry the logprobs the
+    trainer computes with its unmerged adapters, to float rounding."""
     from test_first_step import _rollout
 
     from loong_train.algo.losses import pack_batch
@@ -142,15 +146,23 @@ def test_engine_samples_the_adapted_policy(tiny_dir):
     from loong_train.workers.trainer import TrainerWorker
     from loong_transfermesh import TransportConfig
 
-    transport = TransportConfig(name="lora-engine-test")
-    worker, trajs = _rollout(tiny_dir, groups=2, transport=transport)
-    options = trainer_options(load_recipe("tiny-calc-agent", ["train.lora.rank=4", "train.lr=0.05"]))
-    trainer = TrainerWorker(str(tiny_dir), transport=transport, **options)
+    transport = TransportConfig(name=f"lora-engine-test-{sync}")
+    recipe = load_recipe(
+        "tiny-calc-agent", ["train.lora.rank=4", "train.lr=0.05", f'train.lora.sync="{sync}"']
+    )
+    adapters = recipe.train.lora if sync == "adapter" else None
+    worker, trajs = _rollout(tiny_dir, groups=2, transport=transport, lora=adapters)
+    trainer = TrainerWorker(str(tiny_dir), transport=transport, **trainer_options(recipe))
     try:
         advantages = [1.0 - i % 2 * 2 for i in range(len(trajs))]  # a signal whatever the rewards
         published = trainer.publish(trainer.train_step(pack_batch(trajs, advantages, policy_version=0)))
         assert published.step.metrics["mismatch_kl"] <= 1e-12
+        sent = {t.name for t in published.manifest.tensors}
+        assert all(".lora_" in n for n in sent) == (sync == "adapter"), sorted(sent)[:4]
         worker.apply_weights(published.manifest)
+        engine_weights = dict(worker.engine.model.named_parameters())
+        for name, want in lora_adapters.merged_weights(trainer.backend.model).items():
+            assert torch.equal(engine_weights[name], want), name  # the same merge, bit for bit
         source = GroupSource(calc.train_tasks(5, []), group_size=4)
         after = worker.rollout([s for _ in range(2) for s in source.specs(source.next_group())]).trajectories
         batch = pack_batch(after, [0.0] * len(after), policy_version=1)
@@ -173,7 +185,8 @@ def test_engine_samples_the_adapted_policy(tiny_dir):
 @pytest.mark.parametrize("family", GENERIC)
 def test_the_generic_path_exports_an_adapter_peft_loads(tmp_path, family):
     """A model only ``transformers`` implements (GPT-2's Conv1D layers, Phi's Linear ones): the
-    adapter ``peft`` loads and the merged weight updates both give the trained model's logits."""
+    adapter ``peft`` loads and an adapter-only update merged into the base both give the trained
+    model's logits."""
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -187,7 +200,9 @@ def test_the_generic_path_exports_an_adapter_peft_loads(tmp_path, family):
         theirs = PeftModel.from_pretrained(hf, str(tmp_path / "final")).eval()(ids).logits
         plain = AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float32).eval()
         untouched = plain(ids).logits
-        plain.load_state_dict(backend.named_weights(), strict=False)
+        modules, transposed = lora_adapters.adapted_modules(plain, LORA)  # GPT-2's Conv1D: [in, out]
+        engine = LoraMerge(dict(plain.named_parameters()), modules, LORA.rank, LORA.scale, transposed)
+        engine.load(backend.named_weights())  # an adapter-only update, merged as an engine does
         merged = plain(ids).logits
     assert (ours - untouched).abs().max() > 1e-4
     assert torch.allclose(theirs, ours, atol=1e-5), (theirs - ours).abs().max()

@@ -5,6 +5,7 @@ import loong_transfermesh
 
 def test_exports_are_pinned():
     assert sorted(loong_transfermesh.__all__) == [
+        "LoraMerge",
         "ManifestMismatch",
         "MegatronLayout",
         "SGLangPusherConfig",
@@ -19,6 +20,7 @@ def test_exports_are_pinned():
         "TransportConfig",
         "WeightReceiver",
         "WeightSender",
+        "adapter_names",
         "build_manifest",
         "catch_up",
         "check_against",

@@ -257,7 +257,10 @@ def _start(
             log_to_driver=True,
         )
     engine_path, version = (str(ckpt.path), ckpt.version) if ckpt else (model_path, 0)
-    workers = _start_workers(recipe, engine_path, version, transport, log_dir)
+    adapter = ""
+    if ckpt and _adapter_updates(recipe):  # the engines merge adapters into the base weights
+        engine_path, adapter = model_path, str(ckpt.path / "adapter")
+    workers = _start_workers(recipe, engine_path, version, transport, log_dir, adapter)
     trainer = _start_trainer(recipe, model_path, transport, workers)
     if ckpt:
         ray.get(trainer.load_checkpoint.remote(str(ckpt.path)))
@@ -265,10 +268,16 @@ def _start(
     return Pipeline(recipe, workers, trainer, Scheduler(window, steps=recipe.train.steps), source, model_path)
 
 
+def _adapter_updates(recipe: Recipe) -> bool:
+    """Weight updates are LoRA adapters alone (``[train.lora] sync = "adapter"``)."""
+    return recipe.train.lora.enabled and recipe.train.lora.sync == "adapter"
+
+
 def _start_workers(
-    recipe: Recipe, engine_path: str, version: int, transport: TransportConfig, log_dir: Path
+    recipe: Recipe, engine_path: str, version: int, transport: TransportConfig, log_dir: Path, adapter: str
 ) -> list:
-    """``rollout.workers`` rollout worker actors, their engines loading ``engine_path`` at ``version``."""
+    """``rollout.workers`` rollout worker actors, their engines loading ``engine_path`` at ``version``
+    (with ``adapter``, a checkpoint's LoRA adapter, merged in)."""
     r = recipe.rollout
     sampling = {"temperature": r.temperature, "top_p": r.top_p, "max_new_tokens": r.max_new_tokens}
     limits = {
@@ -302,6 +311,8 @@ def _start_workers(
             tool_latency=Latency(r.tool_latency_ms / 1000, r.tool_latency_sigma)
             if r.tool_latency_ms
             else None,
+            lora=recipe.train.lora if _adapter_updates(recipe) else None,
+            adapter=adapter,
         )
         for i in range(r.workers)
     ]

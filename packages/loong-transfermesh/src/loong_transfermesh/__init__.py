@@ -7,6 +7,7 @@ __getattr__, __dir__ = lazy_exports(  # the configs import no torch; the transpo
     {
         "loong_transfermesh.config": ["SGLangPusherConfig", "TransportConfig"],
         "loong_transfermesh.layout": ["MegatronLayout", "megatron_to_hf"],
+        "loong_transfermesh.lora": ["LoraMerge", "adapter_names"],
         "loong_transfermesh.manifest": [
             "ManifestMismatch",
             "TransferFailed",
@@ -45,6 +46,9 @@ __all__ = [
     "SGLangServers",
     "SGLangUpdateError",
     "SGLangWeightPusher",
+    # adapter-only (LoRA) updates
+    "LoraMerge",
+    "adapter_names",
     # layout conversion
     "MegatronLayout",
     "megatron_to_hf",

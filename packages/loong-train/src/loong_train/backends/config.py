@@ -13,6 +13,7 @@ preflight call, not by validation.
 from __future__ import annotations
 
 import importlib.util
+from typing import Literal
 
 import msgspec
 
@@ -79,13 +80,16 @@ class LoraConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     default: off), with ``peft``'s LoRA (:mod:`loong_train.backends.lora`). ``alpha``: the scale's
     numerator (the update is ``alpha / rank * B @ A``; 0: ``2 * rank``); ``dropout`` on the
     adapter's input; ``target_modules``: module names (``["q_proj", "v_proj"]``) or
-    ``"all-linear"`` (every linear layer but the LM head). ``save_merged``: the final checkpoint
+    ``"all-linear"`` (every linear layer but the LM head). ``sync``: what a weight update sends,
+    the adapters alone (``"adapter"``; engines merge them into their copy of the base weights) or
+    every weight with the adapter merged in (``"merged"``). ``save_merged``: the final checkpoint
     also holds the merged model under ``merged/``. The torch backend only."""
 
     rank: int = 0
     alpha: float = 0.0
     dropout: float = 0.0
     target_modules: list[str] | str = "all-linear"
+    sync: Literal["adapter", "merged"] = "adapter"
     save_merged: bool = False
 
     def __post_init__(self) -> None:

@@ -8,8 +8,11 @@ the optimizer holds state for the adapters alone. Parameter names keep the model
 
 What leaves the backend:
 
-- weight updates (:func:`merged_weights`): every weight under its Hugging Face name with the
-  adapter merged in, ``W + alpha / r * B A``, so engines load them like any update;
+- weight updates: the adapters alone (:func:`adapter_weights`, ``[train.lora] sync =
+  "adapter"``, the default), which an engine merges into its copy of the base weights
+  (:class:`loong_transfermesh.LoraMerge`, over the modules :func:`adapted_modules` finds in its own
+  model); or every weight under its Hugging Face name with the adapter merged in
+  (:func:`merged_weights`, ``W + alpha / r * B A``; ``sync = "merged"``);
 - checkpoints: the adapter as ``peft`` saves one (:func:`save_adapter`: ``adapter_config.json`` and
   ``adapter_model.safetensors``, keys ``base_model.model.<module>.lora_A.weight``), which
   ``peft.PeftModel.from_pretrained(base, dir)`` loads onto the base checkpoint; and the merged
@@ -31,7 +34,18 @@ from torch import nn
 
 from loong_train.backends.config import LoraConfig
 
-__all__ = ["ADAPTER", "add_adapters", "disabled", "load_adapter", "merged", "merged_weights", "save_adapter"]
+__all__ = [
+    "ADAPTER",
+    "adapted_modules",
+    "adapter_weights",
+    "add_adapters",
+    "disabled",
+    "load_adapter",
+    "merged",
+    "merged_weights",
+    "read_adapter",
+    "save_adapter",
+]
 
 ADAPTER = "default"  # peft's adapter name inside the model (never in the files it saves)
 _WEIGHTS = "adapter_model.safetensors"
@@ -64,25 +78,28 @@ def _root(model: nn.Module) -> nn.Module:
     return getattr(model, "inner", model)
 
 
+def _linear(root: nn.Module) -> dict[str, nn.Module]:
+    """Every linear layer of ``root`` but the LM head, by name."""
+    head = root.get_output_embeddings() if hasattr(root, "get_output_embeddings") else None
+    head = head if head is not None else getattr(root, "lm_head", None)
+    return {name: m for name, m in root.named_modules() if isinstance(m, _KINDS) and m is not head}
+
+
+def _conv1d() -> tuple[type, ...]:
+    try:  # GPT-2's linear layers are transformers' Conv1D (peft adapts those too)
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:
+        return ()
+    return (Conv1D,)
+
+
+_KINDS: tuple[type, ...] = (nn.Linear, *_conv1d())
+
+
 def _targets(root: nn.Module, spec: list[str] | str) -> list[str]:
     """Module names (the last part of a path) to adapt: ``spec``'s, each checked to name linear
     layers, or every linear layer's but the LM head's for ``"all-linear"``."""
-    head = root.get_output_embeddings() if hasattr(root, "get_output_embeddings") else None
-    head = head if head is not None else getattr(root, "lm_head", None)
-    kinds: tuple[type, ...] = (nn.Linear,)
-    try:  # GPT-2's linear layers are transformers' Conv1D (peft adapts those too)
-        from transformers.pytorch_utils import Conv1D
-
-        kinds += (Conv1D,)
-    except ImportError:
-        pass
-    linear = sorted(
-        {
-            name.rsplit(".", 1)[-1]
-            for name, m in root.named_modules()
-            if isinstance(m, kinds) and m is not head
-        }
-    )
+    linear = sorted({name.rsplit(".", 1)[-1] for name in _linear(root)})
     if spec == "all-linear":
         return linear
     if unknown := [t for t in spec if t not in linear]:
@@ -97,6 +114,25 @@ def _layers(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     from peft.tuners.lora import LoraLayer
 
     return ((name, m) for name, m in root.named_modules() if isinstance(m, LoraLayer))
+
+
+def adapted_modules(model: nn.Module, cfg: LoraConfig) -> tuple[list[str], list[str]]:
+    """The modules :func:`add_adapters` adapts in a plain ``model`` of the same architecture (an
+    engine's), by Hugging Face name, and those of them storing ``[in, out]`` weights (``Conv1D``)."""
+    root = _root(model)
+    targets = set(_targets(root, cfg.target_modules))
+    modules = {name: m for name, m in _linear(root).items() if name.rsplit(".", 1)[-1] in targets}
+    return list(modules), [name for name, m in modules.items() if not isinstance(m, nn.Linear)]
+
+
+def adapter_weights(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters, ``<module>.lora_A.weight`` and ``<module>.lora_B.weight`` by Hugging Face
+    module name (:func:`loong_transfermesh.adapter_names`): what an adapter-only update sends."""
+    return {
+        name.replace(f".{ADAPTER}.", "."): p.detach()
+        for name, p in _root(model).named_parameters()
+        if ".lora_" in name
+    }
 
 
 @torch.no_grad()
@@ -160,11 +196,7 @@ def save_adapter(model: nn.Module, peft_config: Any, path: str | Path, base: str
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = {
-        _PREFIX + name.replace(f".{ADAPTER}.", "."): p.detach().contiguous()
-        for name, p in _root(model).named_parameters()
-        if ".lora_" in name
-    }
+    tensors = {_PREFIX + name: p.contiguous() for name, p in adapter_weights(model).items()}
     save_file(tensors, str(path / _WEIGHTS), metadata={"format": "pt"})
     peft_config.save_pretrained(str(path))
     if base:  # peft writes None for an injected adapter
@@ -173,20 +205,21 @@ def save_adapter(model: nn.Module, peft_config: Any, path: str | Path, base: str
         (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
 
 
+def read_adapter(path: str | Path) -> dict[str, torch.Tensor]:
+    """The adapter :func:`save_adapter` wrote into ``path``, named as :func:`adapter_weights` names it."""
+    from safetensors.torch import load_file
+
+    return {k.removeprefix(_PREFIX): t for k, t in load_file(str(Path(path) / _WEIGHTS)).items()}
+
+
 @torch.no_grad()
 def load_adapter(model: nn.Module, path: str | Path) -> None:
     """Copy the adapter :func:`save_adapter` wrote into ``path`` into ``model``'s adapters."""
-    from safetensors.torch import load_file
-
-    params = {n: p for n, p in _root(model).named_parameters() if ".lora_" in n}
-    saved = load_file(str(Path(path) / _WEIGHTS))
-    names = {}
-    for key in saved:
-        module, _, kind = key.removeprefix(_PREFIX).rpartition(".lora_")
-        names[key] = f"{module}.lora_{kind.replace('.', f'.{ADAPTER}.', 1)}"
-    if missing := sorted(set(params) - set(names.values())):
+    params = adapter_weights(model)
+    saved = read_adapter(path)
+    if missing := sorted(set(params) - set(saved)):
         raise ValueError(f"{path} holds no adapter weights for {missing[:3]} ({len(missing)} in all)")
-    if unknown := sorted(k for k, n in names.items() if n not in params):
+    if unknown := sorted(set(saved) - set(params)):
         raise ValueError(f"{path} holds adapter weights {unknown[:3]} this model has no adapter for")
-    for key, name in names.items():
-        params[name].copy_(saved[key])
+    for name, p in params.items():
+        p.copy_(saved[name])

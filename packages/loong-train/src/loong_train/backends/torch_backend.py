@@ -255,8 +255,11 @@ class TorchBackend:
         return torch.promote_types(self.model.lm_head.weight.dtype, torch.float32)
 
     def named_weights(self) -> dict[str, torch.Tensor]:
-        """Every weight under its Hugging Face name (with LoRA: the adapters merged in)."""
+        """What a weight update sends: every weight under its Hugging Face name; with LoRA the
+        adapters alone (``sync = "adapter"``) or every weight with them merged in."""
         if self.lora:
+            if self.lora.sync == "adapter":
+                return lora_adapters.adapter_weights(self.model)
             return lora_adapters.merged_weights(self.model)
         return {k: v.detach() for k, v in self.model.named_parameters()}
 

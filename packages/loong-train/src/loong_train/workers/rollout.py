@@ -30,6 +30,8 @@ from loong_agentflow import (
 )
 from loong_core.protocols import SamplingParams
 from loong_core.records import Trajectory, WeightManifest
+from loong_train.backends.config import LoraConfig
+from loong_train.backends.lora import adapted_modules, read_adapter
 from loong_train.engines.base import build_engine, build_host
 from loong_train.engines.config import EmbeddedEngineConfig, EngineConfig
 from loong_train.messages import ApplyResult, EngineCounts, RolloutResult
@@ -38,7 +40,7 @@ from loong_train.tasks import Task, TaskTables, build_task
 from loong_train.tasks.reward import final_turn, score_groups
 from loong_train.tasks.shaping import shape_overlong
 from loong_train.workers.agent import AgentConfig, BlackboxAgentConfig, BlackBoxHost
-from loong_transfermesh import TransportConfig, catch_up, open_receiver
+from loong_transfermesh import LoraMerge, TransportConfig, catch_up, open_receiver
 
 __all__ = ["RolloutWorker"]
 
@@ -82,6 +84,8 @@ class RolloutWorker:
         tables: TaskTables | None = None,
         trust_remote_code: bool = False,
         tool_latency: Latency | None = None,
+        lora: LoraConfig | None = None,
+        adapter: str = "",
     ) -> None:
         torch.set_num_threads(threads)
         self.worker_id, self._model_path = worker_id, model_path
@@ -111,7 +115,7 @@ class RolloutWorker:
         self.blackbox, self.host = self._episode_runner(agent, tokenizer)
         self.between_calls = (engine or EmbeddedEngineConfig()).partial == "off"
         self._calls_lock, self._calls, self._calls_since, self.busy_s = threading.Lock(), 0, 0.0, 0.0
-        self._open_weights(transport or TransportConfig(), version)
+        self._open_weights(transport or TransportConfig(), version, lora, adapter)
 
     def _episode_runner(self, agent: AgentConfig | None, tokenizer) -> tuple[BlackBoxHost | None, Any]:
         """Black-box episodes run through a :class:`BlackBoxHost`; white-box ones through the
@@ -120,23 +124,42 @@ class RolloutWorker:
             return BlackBoxHost(self.engine, tokenizer, agent, self.sampling, self.limits, self.task), None
         return None, build_host(self.engine)
 
-    def _open_weights(self, transport: TransportConfig, version: int) -> None:
+    def _open_weights(
+        self, transport: TransportConfig, version: int, lora: LoraConfig | None, adapter: str
+    ) -> None:
         """Start at ``version`` (resumed: the engine loaded that checkpoint) and take the trainer's
         updates from ``transport``; an engine without a host copy is updated by the trainer itself
-        (``weights = "direct"``) and has no receiver."""
+        (``weights = "direct"``) and has no receiver. ``lora``: updates are adapters alone, merged
+        into the engine's base weights (resumed: ``adapter``, the checkpoint's, merged first)."""
         if version:
             self.engine.set_version(version)
-        self.receiver = None
+        self.receiver, self.lora = None, None
         if self.engine.model is not None:
+            if lora is not None:
+                modules, transposed = adapted_modules(self.engine.model, lora)
+                params = dict(self.engine.model.named_parameters())
+                self.lora = LoraMerge(params, modules, lora.rank, lora.scale, transposed)
+                if adapter:
+                    self.lora.load(read_adapter(adapter))
             self.receiver = open_receiver(transport, background=True)  # pushes never wait for our apply
             self._catch_up(transport)
+
+    def _targets(self) -> dict[str, torch.Tensor]:
+        """What updates are applied into: the adapter buffers (LoRA) or the engine's weights."""
+        return self.lora.buffers if self.lora else dict(self.engine.model.named_parameters())
+
+    def _receive(self, version: int) -> None:
+        self.receiver.apply(self._targets(), version=version)
+        if self.lora:
+            self.lora.merge()
 
     def _catch_up(self, transport: TransportConfig) -> None:
         """Take the newest version the transport still holds, if newer than ours (a restarted
         worker; a fresh run has none): :func:`loong_transfermesh.catch_up`."""
-        params = dict(self.engine.model.named_parameters())
         held = self.engine.weight_version
-        if (version := catch_up(transport, params, held)) != held:
+        if (version := catch_up(transport, self._targets(), held)) != held:
+            if self.lora:
+                self.lora.merge()
             self.engine.set_version(version)
 
     def rollout(
@@ -211,8 +234,7 @@ class RolloutWorker:
         if self.receiver is None:  # direct weights: the trainer pushed; wait until the server has it
             self.engine.set_version(max(manifest.version, self.engine.weight_version))
         elif manifest.version > self.engine.weight_version:
-            params = dict(self.engine.model.named_parameters())
-            copy = functools.partial(self.receiver.apply, params, version=manifest.version)
+            copy = functools.partial(self._receive, manifest.version)
             if self.host is not None:
                 restarted = self.host.swap(copy, manifest.version, restart_below, self.between_calls)
             else:

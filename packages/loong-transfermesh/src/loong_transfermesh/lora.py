@@ -1,0 +1,95 @@
+"""Adapter-only updates: versions of a LoRA-trained model travel as their adapters.
+
+A LoRA update changes a weight only through ``W + s * B @ A`` (``A``: ``[rank, in]``, ``B``:
+``[out, rank]``, ``s`` the adapter's scale), so a version can be sent as its adapter tensors,
+megabytes where the model is gigabytes, and merged where it lands. :class:`LoraMerge` is the
+receiving side: it keeps a pristine copy of every adapted weight (the base) and the adapter buffers
+a receiver applies into, and :meth:`LoraMerge.merge` writes ``base + s * B @ A`` into the model's
+weights from the base each time, so versions never accumulate rounding and the result equals
+merging the same adapter on the sending side.
+
+Names follow the model's: the adapters of ``<module>.weight`` are ``<module>.lora_A.weight`` and
+``<module>.lora_B.weight`` (:func:`adapter_names`), as PEFT names them without its adapter name.
+Any receiver works (:func:`~loong_transfermesh.transport.open_receiver`): the buffers are plain
+named tensors.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from loong_transfermesh.transport import WeightReceiver
+
+__all__ = ["LoraMerge", "adapter_names"]
+
+
+def adapter_names(module: str) -> tuple[str, str]:
+    """The names of module ``module``'s ``A`` and ``B``."""
+    return f"{module}.lora_A.weight", f"{module}.lora_B.weight"
+
+
+class LoraMerge:
+    """Merges adapter-only versions into ``weights`` (a model's named parameters).
+
+    ``modules``: the adapted modules (each has ``<module>.weight`` in ``weights``); ``transposed``:
+    those storing their weight as ``[in, out]`` (GPT-2's ``Conv1D``). ``buffers`` is what a
+    receiver applies into; zeros until the first version, so merging them gives the base back.
+    Costs one copy of the adapted weights (the base).
+    """
+
+    def __init__(
+        self,
+        weights: Mapping[str, torch.Tensor],
+        modules: Iterable[str],
+        rank: int,
+        scale: float,
+        transposed: Collection[str] = (),
+    ) -> None:
+        self.scale = scale
+        self._layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]] = []
+        self.buffers: dict[str, torch.Tensor] = {}
+        for module in modules:
+            weight = weights.get(f"{module}.weight")
+            if weight is None or weight.dim() != 2:
+                raise ValueError(f"LoraMerge: {module!r} has no 2-D weight {module}.weight to adapt")
+            flip = module in transposed
+            out_features, in_features = weight.shape[::-1] if flip else weight.shape
+            a_name, b_name = adapter_names(module)
+            a = weight.new_zeros(rank, in_features)
+            b = weight.new_zeros(out_features, rank)
+            self.buffers[a_name], self.buffers[b_name] = a, b
+            self._layers.append((weight, weight.detach().clone(), a, b, flip))
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        """Each adapted weight becomes ``base + scale * B @ A`` (the buffers' adapter)."""
+        for weight, base, a, b, flip in self._layers:
+            delta = b @ a
+            if flip:
+                delta = delta.T
+            torch.add(base, delta.mul_(self.scale), out=weight)
+
+    def apply(self, receiver: WeightReceiver, version: int | None = None) -> int:
+        """Take ``version`` (the newest: None) from ``receiver`` into the buffers, then merge."""
+        held = receiver.apply(self.buffers, version)
+        self.merge()
+        return held
+
+    def load(self, adapter: Mapping[str, torch.Tensor]) -> None:
+        """Merge ``adapter`` (names as in :attr:`buffers`: e.g. a PEFT adapter file's keys without
+        their ``base_model.model.`` prefix); every buffer must be given, with its shape."""
+        missing = sorted(set(self.buffers) - set(adapter))
+        wrong = [n for n, t in self.buffers.items() if n in adapter and adapter[n].shape != t.shape]
+        if missing or wrong:
+            raise ValueError(
+                f"LoraMerge.load: adapter lacks {missing[:3]} ({len(missing)} missing), "
+                f"shapes differ for {wrong[:3]}"
+            )
+        with torch.no_grad():
+            for name, t in self.buffers.items():
+                t.copy_(adapter[name])
+        self.merge()
