@@ -29,7 +29,7 @@ import msgspec
 from loong_core.config import ConfigError, apply_override, load_config
 from loong_train import recipe_checks
 from loong_train.algo.config import LossConfig, OPDConfig
-from loong_train.backends.config import BackendConfig, LoraConfig, TorchBackendConfig
+from loong_train.backends.config import BackendConfig, FsdpBackendConfig, LoraConfig, TorchBackendConfig
 from loong_train.engines.config import EmbeddedEngineConfig, EngineConfig
 from loong_train.tasks import TaskTables
 from loong_train.tasks.config import (
@@ -242,6 +242,12 @@ class Recipe(_Section):
     def trainer_threads(self) -> int:
         """The trainer's torch threads: ``train.threads``, or the recipe's ``threads``."""
         return self.train.threads or self.threads
+
+    @property
+    def trainer_cpus(self) -> int:
+        """CPUs the trainer reserves: its threads, on each rank of an ``fsdp`` backend."""
+        b = self.train.backend
+        return self.trainer_threads * (b.ranks if isinstance(b, FsdpBackendConfig) else 1)
 
     agent: AgentConfig = WhiteboxAgentConfig()
     data: DataConfig = DataConfig()

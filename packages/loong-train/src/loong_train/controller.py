@@ -28,7 +28,7 @@ from loong_core.config import ConfigError
 from loong_core.window import StalenessWindow
 from loong_train import plugins
 from loong_train.backends.base import BackendOptions, backend_problem
-from loong_train.backends.config import TorchBackendConfig, require_installed
+from loong_train.backends.config import FsdpBackendConfig, TorchBackendConfig, require_installed
 from loong_train.config import Recipe
 from loong_train.engines.config import SGLangEngineConfig
 from loong_train.evaluator import Evaluator
@@ -199,7 +199,7 @@ def trainer_options(recipe: Recipe) -> dict[str, Any]:
 def _check_model(recipe: Recipe, model_path: str) -> None:
     """The checkpoint loads (:func:`check_checkpoint`), and the train backend covers its family."""
     choice = check_checkpoint(model_path, recipe.model.trust_remote_code)
-    if isinstance(recipe.train.backend, TorchBackendConfig):
+    if isinstance(recipe.train.backend, TorchBackendConfig | FsdpBackendConfig):
         return
     if choice.path == "generic":
         raise ConfigError(
@@ -251,7 +251,7 @@ def _start(
             address=recipe.ray_address or None,
             num_cpus=None
             if recipe.ray_address
-            else recipe.rollout.workers * recipe.threads + recipe.trainer_threads,
+            else recipe.rollout.workers * recipe.threads + recipe.trainer_cpus,
             include_dashboard=False,
             logging_level=logging.WARNING,
             log_to_driver=True,
@@ -320,9 +320,10 @@ def _start_workers(
 
 def _start_trainer(recipe: Recipe, model_path: str, transport: TransportConfig, workers: list):
     """The trainer actor, from the initial model (which stays the KL reference when resumed)."""
-    trainer_actor = ray.remote(num_cpus=recipe.trainer_threads, num_gpus=recipe.train.backend.gpus)(
-        TrainerWorker
-    )
+    ranks = isinstance(recipe.train.backend, FsdpBackendConfig)  # the ranks reserve their own CPUs
+    trainer_actor = ray.remote(
+        num_cpus=0 if ranks else recipe.trainer_threads, num_gpus=recipe.train.backend.gpus
+    )(TrainerWorker)
     options = trainer_options(recipe)
     if options["servers"] is not None:  # direct weights: to the servers where Ray placed them
         urls = ray.get([w.server_url.remote() for w in workers])

@@ -27,6 +27,7 @@ from loong_core.records import TrainBatch
 from loong_train.algo.config import LossConfig
 from loong_train.backends.config import (
     BackendConfig,
+    FsdpBackendConfig,
     LoraConfig,
     MegatronBackendConfig,
     TorchBackendConfig,
@@ -108,6 +109,19 @@ def build_backend(model_path: str, options: BackendOptions) -> TrainBackend:
             dp=b.dp,
             threads=options.threads,
             micro_batch_rows=b.micro_batch_rows,
+            **common,
+        )
+    if isinstance(b, FsdpBackendConfig):
+        from loong_train.backends.fsdp_ranks import FsdpDriver
+
+        return FsdpDriver(
+            model_path,
+            ranks=b.ranks,
+            threads=options.threads,
+            placement=b.placement,
+            placement_timeout_s=b.placement_timeout_s,
+            trust_remote_code=options.trust_remote_code,
+            max_tokens_per_micro_batch=b.max_tokens_per_micro_batch,
             **common,
         )
     from loong_train.backends.torch_backend import TorchBackend

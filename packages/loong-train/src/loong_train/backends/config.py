@@ -2,6 +2,8 @@
 
 - ``type = "torch"`` (:class:`TorchBackendConfig`): one process, CPU
   (:mod:`loong_train.backends.torch_backend`);
+- ``type = "fsdp"`` (:class:`FsdpBackendConfig`): the torch backend's step over ``ranks`` Ray
+  actors, parameters sharded with FSDP2 (:mod:`loong_train.backends.fsdp`);
 - ``type = "megatron"`` (:class:`MegatronBackendConfig`): megatron-core over ``tp * pp * dp``
   processes (:mod:`loong_train.backends.megatron`; the ``loong-train[megatron]`` extra).
 
@@ -19,7 +21,14 @@ import msgspec
 
 from loong_core.config import ConfigError
 
-__all__ = ["BackendConfig", "LoraConfig", "MegatronBackendConfig", "TorchBackendConfig", "require_installed"]
+__all__ = [
+    "BackendConfig",
+    "FsdpBackendConfig",
+    "LoraConfig",
+    "MegatronBackendConfig",
+    "TorchBackendConfig",
+    "require_installed",
+]
 
 
 class _Backend(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True, tag_field="type"):
@@ -49,6 +58,34 @@ class TorchBackendConfig(_Backend, tag="torch"):
         return 0.0
 
 
+class FsdpBackendConfig(_Backend, tag="fsdp"):
+    """``[train.backend] type = "fsdp"``: data parallelism over ``ranks`` processes, each a Ray
+    actor reserving ``train.threads`` CPUs, its parameters, gradients and AdamW state sharded with
+    FSDP2 (CPU under gloo for now). The actors form a placement group of one bundle per rank,
+    placed by ``placement`` (Ray's strategies: ``"PACK"`` keeps ranks on as few nodes as fit,
+    ``"SPREAD"`` spreads them where it can, ``"STRICT_PACK"`` / ``"STRICT_SPREAD"`` insist);
+    rank 0's node is the rendezvous. ``max_tokens_per_micro_batch`` as for ``"torch"``, per rank.
+    ``placement_timeout_s``: how long to wait for the cluster to place every rank."""
+
+    ranks: int = 2
+    max_tokens_per_micro_batch: int = 8192
+    placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    placement_timeout_s: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.ranks < 1 or self.max_tokens_per_micro_batch < 0 or self.placement_timeout_s <= 0:
+            raise ValueError(
+                f"expected ranks >= 1, max_tokens_per_micro_batch >= 0 and placement_timeout_s > 0, got "
+                f"ranks {self.ranks}, max_tokens_per_micro_batch {self.max_tokens_per_micro_batch}, "
+                f"placement_timeout_s {self.placement_timeout_s}"
+            )
+
+    @property
+    def gpus(self) -> float:
+        """GPUs Ray reserves for the trainer actor: none (its ranks reserve their own)."""
+        return 0.0
+
+
 class MegatronBackendConfig(_Backend, tag="megatron"):
     """``[train.backend] type = "megatron"``: megatron-core with ``tp``-way tensor, ``pp``-way
     pipeline and ``dp``-way data parallelism over ``tp * pp * dp`` processes; batches are split
@@ -72,7 +109,7 @@ class MegatronBackendConfig(_Backend, tag="megatron"):
             raise ValueError(f"gpus must be a fraction of one GPU or a whole number, got {self.gpus}")
 
 
-BackendConfig = TorchBackendConfig | MegatronBackendConfig
+BackendConfig = TorchBackendConfig | FsdpBackendConfig | MegatronBackendConfig
 
 
 class LoraConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -94,6 +94,7 @@ class TorchBackend:
         max_tokens_per_micro_batch: int = 0,
         lora: LoraConfig | None = None,
         source: str | Path = "",
+        reference: CausalLM | None = None,
     ) -> None:
         self.model = model.train()
         self.lora = lora if lora is not None and lora.enabled else None
@@ -108,7 +109,9 @@ class TorchBackend:
         self.max_tokens = max_tokens_per_micro_batch
         self.loss_cfg = loss or LossConfig()
         # the KL penalty's reference: the initial model (with LoRA: the base, adapters switched off)
-        self.reference = _frozen_copy(model) if self.loss_cfg.kl_coef > 0 and not self.lora else None
+        if reference is None and self.loss_cfg.kl_coef > 0 and not self.lora:
+            reference = _frozen_copy(model)
+        self.reference = reference
         self.steps = 0
         self.trust_remote_code = False
 
@@ -157,7 +160,7 @@ class TorchBackend:
         entropy_all = torch.zeros_like(lp_all)
         total, distill_stats = 0.0, {}
         self.opt.zero_grad(set_to_none=True)
-        for micro in packing.micro_batches(batch.token_ids, batch.row_lens, self.max_tokens, self._share):
+        for micro, counts in self._micro_batches(batch):
             part = {k: v[micro.rows, : micro.width] for k, v in t.items()}
             hidden = self.model.packed_hidden(micro.ids, micro.layout)
             lp, entropy = packing.logprobs(
@@ -175,16 +178,23 @@ class TorchBackend:
                     micro, hidden, targets, part["mask"], t["mask"], batch.distill_beta
                 )
                 loss = loss + term
-                distill_stats = {k: distill_stats.get(k, 0.0) + v for k, v in stats.items()}
+                if counts:
+                    distill_stats = {k: distill_stats.get(k, 0.0) + v for k, v in stats.items()}
+            if not counts:  # a data-parallel rank keeping step with the others: no gradient
+                loss = loss * 0.0
             loss.backward()
-            total += loss.item()
-            lp_all[micro.rows, : micro.width] = lp.detach()
-            entropy_all[micro.rows, : micro.width] = entropy.detach()
+            if counts:
+                total += loss.item()
+                lp_all[micro.rows, : micro.width] = lp.detach()
+                entropy_all[micro.rows, : micro.width] = entropy.detach()
+        total, distill_stats = self._combine([lp_all, entropy_all], total, distill_stats)
         with torch.no_grad():  # the statistics, over the whole batch
             _, stats = policy_loss(lp_all, t["behaviour"], t["adv"], t["mask"], cfg, reference=reference)
         stats |= distill_stats
         stats["entropy"] = float((entropy_all * t["mask"]).sum() / t["mask"].sum().clamp(min=1))
         grad_norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
+        if hasattr(grad_norm, "full_tensor"):  # a DTensor (sharded parameters)
+            grad_norm = grad_norm.full_tensor()
         lr = self.opt.param_groups[0]["lr"]
         self.opt.step()
         self.sched.step()
@@ -239,10 +249,28 @@ class TorchBackend:
         """``model``'s logprobs of the batch, [rows, max_len], packed and chunked like the train
         forward (only where ``wanted`` is nonzero, when given)."""
         out = torch.zeros(len(batch.row_lens), max(batch.row_lens), dtype=self._dtype)
-        for micro in packing.micro_batches(batch.token_ids, batch.row_lens, self.max_tokens, self._share):
+        for micro, counts in self._micro_batches(batch):
             part = None if wanted is None else wanted[micro.rows, : micro.width]
-            out[micro.rows, : micro.width] = packing.logprobs(model, micro, self.temperature, None, part)[0]
+            lp = packing.logprobs(model, micro, self.temperature, None, part)[0]
+            if counts:
+                out[micro.rows, : micro.width] = lp
+        self._combine([out], 0.0, {})
         return out
+
+    def _micro_batches(self, batch: TrainBatch) -> list[tuple[packing.MicroBatch, bool]]:
+        """The micro-batches this process computes, each with whether it counts: all of them,
+        here; a data-parallel rank computes its share and repeats one without a gradient where
+        it has fewer than another rank (:mod:`loong_train.backends.fsdp`)."""
+        micros = packing.micro_batches(batch.token_ids, batch.row_lens, self.max_tokens, self._share)
+        return [(m, True) for m in micros]
+
+    def _combine(
+        self, rows: list[torch.Tensor], total: float, stats: dict[str, float]
+    ) -> tuple[float, dict[str, float]]:
+        """Every process's share of a step put together: ``rows`` (per-row tensors, each process's
+        rows filled, zeros elsewhere) in place, the loss ``total`` and summed ``stats``. One
+        process holds everything already."""
+        return total, stats
 
     @property
     def _share(self) -> bool:
