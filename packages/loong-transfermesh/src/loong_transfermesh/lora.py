@@ -67,11 +67,11 @@ class LoraMerge:
     @torch.no_grad()
     def merge(self) -> None:
         """Each adapted weight becomes ``base + scale * B @ A`` (the buffers' adapter)."""
-        for weight, base, a, b, flip in self._layers:
-            delta = b @ a
+        for weight, base, a, b, flip in self._layers:  # one fused product-and-add a layer
             if flip:
-                delta = delta.T
-            torch.add(base, delta.mul_(self.scale), out=weight)
+                torch.addmm(base, a.T, b.T, alpha=self.scale, out=weight)
+            else:
+                torch.addmm(base, b, a, alpha=self.scale, out=weight)
 
     def apply(self, receiver: WeightReceiver, version: int | None = None) -> int:
         """Take ``version`` (the newest: None) from ``receiver`` into the buffers, then merge."""
