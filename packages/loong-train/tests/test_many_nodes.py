@@ -1,7 +1,8 @@
 """Beyond one node: a Ray cluster of three nodes on this machine (``ray.cluster_utils.Cluster``,
 one raylet each), a recipe whose FSDP ranks Ray places on two nodes and whose rollout worker
-lands on the third, against the one-process torch backend at the same seed; and a placement the
-cluster cannot satisfy, refused with what is missing."""
+lands on the third (weights over TCP to the trainer's node address, found at start), against the
+one-process torch backend at the same seed; a placement the cluster cannot satisfy, refused with
+what is missing; shared memory to a worker on another node, refused before any step."""
 
 import logging
 
@@ -17,6 +18,7 @@ from loong_train.config import load_recipe
 from loong_train.controller import run
 
 FSDP = ['train.backend.type="fsdp"', "train.backend.ranks=2", 'train.backend.placement="STRICT_SPREAD"']
+TCP = ['transport.type="tcp"', 'transport.address="0.0.0.0:0"', 'transport.key="many-nodes-test"']
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +40,7 @@ def test_fsdp_ranks_on_two_nodes_train_like_one_process(tmp_path, three_nodes):
     from ray._private import state  # the GCS actor table (ray.util.state needs the dashboard)
 
     cache = tmp_path / "cache"
-    spread = run(_recipe(*FSDP), tmp_path / "fsdp", cache)
+    spread = run(_recipe(*FSDP, *TCP), tmp_path / "fsdp", cache)  # weights over TCP to the node address
     placed = {}
     for a in state.actors().values():  # the run's actors, dead once it finished
         placed.setdefault(a["ActorClassName"], []).append(a["Address"]["NodeID"])
@@ -47,7 +49,7 @@ def test_fsdp_ranks_on_two_nodes_train_like_one_process(tmp_path, three_nodes):
     assert len(workers) == 1 and workers[0] not in ranks  # the engine on the third
     assert set(three_nodes) == {*ranks, *workers}
 
-    one = run(_recipe(), tmp_path / "torch", cache)
+    one = run(_recipe(*TCP), tmp_path / "torch", cache)
     a, b = read_metrics(spread / "metrics.jsonl"), read_metrics(one / "metrics.jsonl")
     assert all(r["grad_norm"] > 0 for r in a) and a[-1]["kl"] != 0  # every step moved the weights
     for ra, rb in zip(a, b, strict=True):  # the all-reduce sums in another order: float rounding
@@ -69,3 +71,16 @@ def test_more_ranks_than_the_cluster_places_is_an_error(tmp_path, three_nodes):
     missing = r"ranks = 4 ranks of 1 CPUs each \(placement 'PACK'\) could not be placed .* 3 node\(s\)"
     with pytest.raises(ray.exceptions.RayActorError, match=missing):  # the trainer's start fails
         run(recipe, tmp_path / "run", tmp_path / "cache")
+
+
+@pytest.mark.integration
+def test_shared_memory_to_a_worker_on_another_node_is_refused(tmp_path, three_nodes):
+    """One CPU a node: the trainer (1 CPU) and the rollout worker (1 CPU) land on two nodes."""
+    from loong_core.config import ConfigError
+
+    with pytest.raises(
+        ConfigError, match=r"transport type 'shm' reaches rollout workers on the trainer's node only"
+    ):
+        run(_recipe(), tmp_path / "run", tmp_path / "cache")
+    with pytest.raises(ConfigError, match=r"type 'tcp' on loopback \(127.0.0.1:\d+\)"):
+        run(_recipe('transport.type="tcp"'), tmp_path / "run2", tmp_path / "cache")

@@ -260,12 +260,55 @@ def _start(
     adapter = ""
     if ckpt and _adapter_updates(recipe):  # the engines merge adapters into the base weights
         engine_path, adapter = model_path, str(ckpt.path / "adapter")
-    workers = _start_workers(recipe, engine_path, version, transport, log_dir, adapter)
-    trainer = _start_trainer(recipe, model_path, transport, workers)
+    if transport.type == "tcp" and _host(transport.address) in _WILDCARD:
+        # the sender binds every interface of a node Ray picks: workers learn its address from it
+        trainer = _start_trainer(recipe, model_path, transport, [])
+        transport = msgspec.structs.replace(transport, address=ray.get(trainer.weights_address.remote()))
+        workers = _start_workers(recipe, engine_path, version, transport, log_dir, adapter)
+    else:
+        workers = _start_workers(recipe, engine_path, version, transport, log_dir, adapter)
+        trainer = _start_trainer(recipe, model_path, transport, workers)
+    _check_reach(recipe, transport, trainer, workers)
     if ckpt:
         ray.get(trainer.load_checkpoint.remote(str(ckpt.path)))
     window = StalenessWindow(recipe.train.max_staleness, recipe.train.batch_groups)
     return Pipeline(recipe, workers, trainer, Scheduler(window, steps=recipe.train.steps), source, model_path)
+
+
+_WILDCARD = ("0.0.0.0", "::", "")
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def _host(address: str) -> str:
+    return address.rpartition(":")[0].strip("[]")
+
+
+def _check_reach(recipe: Recipe, transport: TransportConfig, trainer: Any, workers: list) -> None:
+    """Refuse, before any step, a transport that cannot reach a rollout worker: ``shm`` and a
+    loopback ``tcp`` address reach workers on the trainer's node only (direct weights go from the
+    trainer to the servers' URLs, checked by the pusher)."""
+    engine = recipe.rollout.engine
+    if isinstance(engine, SGLangEngineConfig) and engine.weights == "direct":
+        return
+    if transport.type == "tcp" and _host(transport.address) not in _LOOPBACK:
+        return
+    node, ip = ray.get(trainer.node.remote())
+    placed = ray.get([w.node.remote() for w in workers])
+    far = [
+        f"worker {i} on {where[1]} (node {where[0][:12]})"
+        for i, where in enumerate(placed)
+        if where[0] != node
+    ]
+    if not far:
+        return
+    for actor in (*workers, trainer):
+        ray.kill(actor)
+    what = "type 'shm'" if transport.type == "shm" else f"type 'tcp' on loopback ({transport.address})"
+    raise ConfigError(
+        f"transport {what} reaches rollout workers on the trainer's node only ({ip}, node {node[:12]}), "
+        f"but Ray placed {', '.join(far)}: set transport.type = 'tcp' with transport.address = "
+        "'0.0.0.0:0' (the trainer's node address is found at start) and a transport.key"
+    )
 
 
 def _adapter_updates(recipe: Recipe) -> bool:

@@ -272,6 +272,10 @@ class RolloutWorker:
             return f"http://{ray.util.get_node_ip_address()}:{config.port}"
         return config.url
 
+    def node(self) -> tuple[str, str]:
+        """The Ray node this worker runs on: its id and IP address."""
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
     def pid(self) -> int:
         """The worker's process id (a restarted worker has a new one)."""
         return os.getpid()

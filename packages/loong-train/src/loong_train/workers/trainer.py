@@ -155,6 +155,18 @@ class TrainerWorker:
                 self.servers.initial_version = self.version  # the servers were launched from ``path``
         return self.version
 
+    def node(self) -> tuple[str, str]:
+        """The Ray node this trainer runs on: its id and IP address."""
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
+    def weights_address(self) -> str:
+        """Where rollout workers reach the ``tcp`` sender: its bound address, with this node's IP
+        for a sender bound to every interface."""
+        host, _, port = self.sender.address.rpartition(":")
+        if host.strip("[]") in ("0.0.0.0", "::", ""):
+            host = ray.util.get_node_ip_address()
+        return f"{host}:{port}"
+
     def close(self) -> None:
         self._closed.set()
         with self._lock:
