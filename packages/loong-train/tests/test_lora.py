@@ -3,6 +3,7 @@ onto the base checkpoint with Loong's logits, weight updates carry the adapters 
 engine) or the merged model, the KL reference is the base model, and a resumed backend continues
 exactly."""
 
+import msgspec
 import pytest
 import torch
 from test_packing import _grouped_batch
@@ -128,6 +129,53 @@ def test_bad_settings_are_refused(base):
         TrainConfig(lora=LoraConfig(rank=8), backend=MegatronBackendConfig())
     with pytest.raises(ValueError, match="dropout"):
         LoraConfig(rank=8, dropout=1.5)
+
+
+def _distill_batch(beta: float):
+    """The grouped batch with dense distillation targets: each token's teacher top 3 (its own id
+    among them) with normalised logprobs, weight 1 at loss tokens."""
+    batch = _grouped_batch()
+    gen = torch.Generator().manual_seed(7)
+    n, k = batch.num_tokens, 3
+    ids = torch.randint(0, VOCAB, (n, k), generator=gen)
+    ids[:, 0] = torch.tensor(batch.token_ids)
+    logprobs = torch.log_softmax(torch.randn(n, k, generator=gen), -1) - 0.1
+    return msgspec.structs.replace(
+        batch,
+        teacher_topk_ids=ids.flatten().tolist(),
+        teacher_topk_logprobs=logprobs.flatten().tolist(),
+        distill_coef=[float(m) for m in batch.loss_mask],
+        distill_beta=beta,
+    )
+
+
+LOSSES = {
+    "grpo-kl": (LossConfig(kl_coef=0.1, kl_estimator="k3"), _grouped_batch),
+    "gspo": (LossConfig(policy="gspo"), _grouped_batch),
+    "cispo-entropy": (LossConfig(policy="cispo", entropy_coef=0.01), _grouped_batch),
+    "dual-clip-rloo": (LossConfig(dual_clip=3.0, estimator="rloo"), _grouped_batch),
+    "forward-kl-distill": (LossConfig(), lambda: _distill_batch(0.0)),
+    "jsd-distill": (LossConfig(), lambda: _distill_batch(0.5)),
+}
+
+
+@pytest.mark.parametrize("name", list(LOSSES))
+def test_every_loss_trains_a_lora_student(base, name):
+    """A LoRA student starts as the base model exactly (``B = 0``), so its first step computes the
+    full model's loss and statistics (the KL reference: the adapters switched off, against the
+    full backend's frozen copy), and its gradient reaches the adapters alone."""
+    cfg, make = LOSSES[name]
+    batch = make()
+    full = TorchBackend.from_pretrained(base, lr=1e-2, loss=cfg).train_step(batch)
+    lora = _backend(base, loss=cfg)
+    before = {n: p.detach().clone() for n, p in lora.model.named_parameters()}
+    got = lora.train_step(batch)
+    for key, want in full.items():
+        if key != "grad_norm":  # the adapters' gradient, not the model's
+            assert got[key] == pytest.approx(want, rel=1e-5, abs=1e-7), key
+    assert got["grad_norm"] > 0
+    moved = {n for n, p in lora.model.named_parameters() if not torch.equal(p, before[n])}
+    assert moved and all(".lora_" in n for n in moved), sorted(moved)[:3]
 
 
 @pytest.mark.parametrize("sync", ["adapter", "merged"])
