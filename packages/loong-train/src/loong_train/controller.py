@@ -85,11 +85,16 @@ def run(recipe: Recipe, out: Path, cache: Path, resume: bool = False) -> Path:
         run_dir.begin()
         evaluator.begin(pipe)
         _train(recipe, pipe, run_dir, evaluator, ckpt.version if ckpt else None)
+        if pipe.stopped:
+            log.warning(
+                "the run ends at step %d of %d: %s", pipe.window.version, recipe.train.steps, pipe.stopped
+            )
+            evaluator.stop_at(pipe, pipe.window.version)
         pipe.drain()
         _collect(evaluator, run_dir, wait=True)
         pipe.save_final(run_dir.path / "checkpoints" / "final")
         run_dir.on_scheduling(pipe.scheduler.take_journal())
-        run_dir.finish(pipe.window.version, pipe.counters, evaluator.lost)
+        run_dir.finish(pipe.window.version, pipe.counters, evaluator.lost, pipe.stopped)
     finally:
         run_dir.close()
         pipe.shutdown()
@@ -102,10 +107,11 @@ def run(recipe: Recipe, out: Path, cache: Path, resume: bool = False) -> Path:
 def _train(
     recipe: Recipe, pipe: Pipeline, run_dir: RunDir, evaluator: Evaluator, resumed_from: int | None
 ) -> None:
-    """Steps 1-6 of the loop until the last version is published."""
+    """Steps 1-6 of the loop until the last version is published, or the pipeline has nothing
+    left to train (``pipe.stopped``, once no step is in flight)."""
     steps = recipe.train.steps
     bar = tqdm(total=steps, initial=pipe.window.version, desc=recipe.name, unit="step")
-    while pipe.window.version < steps:
+    while pipe.window.version < steps and not (pipe.stopped and pipe.train_ref is None):
         pipe.admit()
         for event in pipe.wait():
             match event:

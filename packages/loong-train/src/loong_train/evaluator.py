@@ -76,6 +76,11 @@ class Evaluator:
         if version % self.every == 0 or version == self.last:
             self.queue(pipe, version)
 
+    def stop_at(self, pipe: Pipeline, version: int) -> None:
+        """The run ends at ``version``, before its last step: evaluate it unless it was due anyway."""
+        if version % self.every and version != self.last:
+            self.queue(pipe, version)
+
     def queue(self, pipe: Pipeline, version: int) -> None:
         """A held-out evaluation on a live worker, behind the weight update to ``version``."""
         ids = [f"eval-v{version}-{i}" for i in range(len(self.held_out))]

@@ -72,6 +72,7 @@ class Pipeline:
         self.reissued = 0  # groups whose generation was lost and issued again
         self.restarted = 0  # episodes a weight update restarted (rollout.engine.partial = "restart")
         self.dropped: list[str] = []
+        self.stopped: str | None = None  # why the run ends before its last step
         config = Path(model_path) / "config.json"
         if model_path and config.is_file():
             self.vocab_size = int(json.loads(config.read_text()).get("vocab_size") or 0)
@@ -165,17 +166,22 @@ class Pipeline:
                 )
 
     def _dropped(self, group_id: str) -> None:
-        """Dynamic sampling dropped the group: its prompt is released, and a run whose groups all
-        stopped carrying signal ends with an error instead of generating forever."""
+        """Dynamic sampling dropped the group: its prompt is released, and once
+        ``dynamic_sampling_max_rounds`` batches' worth were dropped in a row the run is over
+        (:attr:`stopped`): nothing left to draw carries signal, so it finishes instead of
+        generating forever."""
         self.source.release([group_id])
         self.dropped.append(group_id)
         loss = self.recipe.loss
-        if len(self.dropped) >= loss.dynamic_sampling_max_rounds * self.window.batch_size:
-            raise RuntimeError(
-                f"dynamic sampling dropped {len(self.dropped)} groups in a row without a train step: "
-                "every sample of every group scored the same (the prompts are all solved, or all "
-                "failed, by this policy). Raise loss.dynamic_sampling_max_rounds "
-                f"(now {loss.dynamic_sampling_max_rounds}) or turn loss.dynamic_sampling off"
+        if (
+            self.stopped is None
+            and len(self.dropped) >= loss.dynamic_sampling_max_rounds * self.window.batch_size
+        ):
+            self.stopped = (
+                f"dynamic sampling dropped {len(self.dropped)} groups in a row without a train step "
+                f"(loss.dynamic_sampling_max_rounds = {loss.dynamic_sampling_max_rounds}): every sample "
+                "of every group scored the same, so the remaining prompts are solved (or all failed) "
+                "by this policy"
             )
 
     def take_dropped(self) -> list[str]:

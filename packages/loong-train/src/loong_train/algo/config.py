@@ -55,8 +55,9 @@ class LossConfig(_Section):
       groups that carry signal. Only trained groups count against the staleness bound; each
       ``ledger.jsonl`` line lists the groups dropped since the previous one (``dropped``) and
       ``metrics.jsonl`` counts them (``dropped_groups``). ``dynamic_sampling_max_rounds``: the
-      run stops with an error once ``rounds * batch_groups`` groups in a row were dropped
-      without a train step (every prompt solved, or failed, by all its samples; DAPO's
+      run finishes early (final evaluation and checkpoint, ``summary.json``'s ``stopped`` says
+      why, exit 0) once ``rounds * batch_groups`` groups in a row were dropped without a train
+      step (every prompt solved, or failed, by all its samples; DAPO's
       ``max_num_gen_batches``, whose recipe's 10 batches of 3x over-sampled prompts make the
       default 30). Dropping costs generation: on ``tiny-reasoning`` with a third task the model
       never solves (word reversal), once the matrix tasks were solved 26 rounds (seed 0) and

@@ -30,7 +30,8 @@ def plot_run(run_dir: Path, evals: dict[int, float]) -> list[Path]:
         fig, ax = plt.subplots(figsize=size)
         draw(ax, rows, evals)
         ax.grid(alpha=0.3)
-        ax.legend()
+        if ax.get_legend_handles_labels()[1]:  # a run without a step has no curve
+            ax.legend()
         fig.tight_layout()
         fig.savefig(run_dir / "plots" / name, dpi=110)
         plt.close(fig)

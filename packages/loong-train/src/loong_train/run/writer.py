@@ -271,9 +271,11 @@ class RunDir:
             out["eval"] = f"{self.evals[max(self.evals)]:.2f}"
         return out
 
-    def finish(self, steps: int, counters: FaultCounters, lost_evals: set[int]) -> None:
-        """The run is over (drained, evaluations collected) after ``steps``: the summary, the
-        plots, the files closed."""
+    def finish(
+        self, steps: int, counters: FaultCounters, lost_evals: set[int], stopped: str | None = None
+    ) -> None:
+        """The run is over (drained, evaluations collected) after ``steps`` (``stopped``: why it
+        ended before its last step): the summary, the plots, the files closed."""
         evals = dict(sorted(self.evals.items()))
         summary = {
             "eval_reward_by_version": evals,
@@ -286,6 +288,8 @@ class RunDir:
         }
         if lost_evals:
             summary["lost_evals"] = sorted(lost_evals)
+        if stopped:
+            summary["stopped"] = stopped
         if any(self.evals_by_domain.values()):
             summary |= self._domain_summary()
         (self.path / "summary.json").write_text(json.dumps(summary, indent=2))
