@@ -26,6 +26,10 @@ def test_exports_are_pinned():
         "SGLangClientConfig",
         "SGLangEngine",
         "SGLangError",
+        "Sandbox",
+        "SandboxLimits",
+        "SandboxResult",
+        "SandboxUnavailable",
         "ScriptedEpisode",
         "SkyRLTextEnv",
         "StepResult",
@@ -37,9 +41,11 @@ def test_exports_are_pinned():
         "ToolCall",
         "ToolRegistry",
         "ToolResult",
+        "bash_tool",
         "chat_format",
         "function_tool",
         "parse_tool_calls",
+        "python_tool",
         "run_episodes",
     ]
 

@@ -17,6 +17,14 @@ from loong_agentflow.env import EnvAgent, Environment, GymTextEnv, SkyRLTextEnv,
 from loong_agentflow.proxy import ProxyConfig, ProxyServer
 from loong_agentflow.proxy.render import ChatMLRenderer, ChatRenderer, HFChatRenderer
 from loong_agentflow.proxy.session import ProxySession
+from loong_agentflow.sandbox import (
+    Sandbox,
+    SandboxLimits,
+    SandboxResult,
+    SandboxUnavailable,
+    bash_tool,
+    python_tool,
+)
 from loong_agentflow.sglang_client import SGLangClientConfig, SGLangEngine, SGLangError
 from loong_agentflow.tokens import TextCodec, TokenBuffer
 from loong_agentflow.tools import (
@@ -68,6 +76,13 @@ __all__ = [
     "ToolResult",
     "function_tool",
     "parse_tool_calls",
+    # model-written code
+    "Sandbox",
+    "SandboxLimits",
+    "SandboxResult",
+    "SandboxUnavailable",
+    "bash_tool",
+    "python_tool",
     # SGLang servers
     "SGLangClientConfig",
     "SGLangEngine",

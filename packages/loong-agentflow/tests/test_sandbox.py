@@ -1,0 +1,112 @@
+"""Hostile code against the sandbox: each case ends within its limit with a clear result, and the
+host is unharmed (no file written outside, no connection made, no process left behind)."""
+
+import asyncio
+import os
+import socket
+import threading
+import time
+
+import pytest
+
+from loong_agentflow import ToolCall, ToolRegistry
+from loong_agentflow.sandbox import Sandbox, SandboxLimits, SandboxUnavailable, python_tool
+
+LIMITS = SandboxLimits(wall_s=4, cpu_s=2, memory_mb=256, processes=16, output_bytes=4096)
+
+
+@pytest.fixture(scope="module")
+def box():
+    try:
+        return Sandbox(LIMITS)
+    except SandboxUnavailable as e:  # the sandbox says what this machine lacks
+        pytest.skip(str(e))
+
+
+def _processes() -> int:
+    return sum(1 for p in os.listdir("/proc") if p.isdigit())
+
+
+def test_well_behaved_code_runs(box):
+    r = box.run_python("import sys; print(sum(range(10))); print('warn', file=sys.stderr)")
+    assert r.ok and r.stdout == "45\n" and r.stderr == "warn\n" and r.cut_bytes == 0
+
+
+def test_an_infinite_loop_is_stopped_by_its_cpu_limit(box):
+    r = box.run_python("while True: pass")
+    assert not r.ok and r.returncode < 0 and r.wall_s < LIMITS.wall_s + 2  # SIGXCPU, then SIGKILL
+    assert "killed by signal" in r.report()
+
+
+def test_a_memory_hog_gets_a_memory_error(box):
+    r = box.run_python("chunks = []\nwhile True:\n    chunks.append(bytearray(16 << 20))")
+    assert not r.ok and "MemoryError" in r.stderr
+
+
+def test_a_fork_bomb_is_held_to_its_process_count_and_cleaned_up(box):
+    before, peak, done = _processes(), [0], threading.Event()
+
+    def watch():  # the host's process count while the bomb runs
+        while not done.is_set():
+            peak[0] = max(peak[0], _processes())
+            time.sleep(0.02)
+
+    watcher = threading.Thread(target=watch)
+    watcher.start()
+    start = time.monotonic()
+    r = box.run_python(
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+    )
+    done.set()
+    watcher.join()
+    assert not r.ok and time.monotonic() - start < LIMITS.wall_s + 3
+    assert peak[0] <= before + LIMITS.processes + 3, (before, peak[0])  # the launcher, its init, the bomb
+    time.sleep(0.5)
+    assert _processes() <= before + 3  # nothing the bomb forked outlives the call
+
+
+def test_no_network_even_to_a_loopback_server_on_the_host(box):
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        port = server.getsockname()[1]
+        code = (
+            f"import socket\nsocket.create_connection(('127.0.0.1', {port}), timeout=2)\nprint('connected')"
+        )
+        r = box.run_python(code)
+        server.settimeout(0.2)
+        with pytest.raises(TimeoutError):
+            server.accept()  # no connection ever arrived
+    assert not r.ok and "connected" not in r.stdout and "Network is unreachable" in r.stderr
+
+
+def test_writes_outside_its_directory_are_refused(box, tmp_path):
+    target = tmp_path / "escaped.txt"
+    r = box.run_python(
+        f"open('inside.txt', 'w').write('ok')\nprint(open('inside.txt').read())\nopen({str(target)!r}, 'w').write('x')"
+    )
+    assert r.stdout == "ok\n" and "PermissionError" in r.stderr and not target.exists()
+
+
+def test_a_flood_of_output_is_cut_with_a_marker(box):
+    r = box.run_python("import sys\nfor _ in range(100):\n    sys.stdout.write('x' * (1 << 20))")
+    assert r.ok and r.cut_bytes == (100 << 20) - LIMITS.output_bytes
+    assert r.stdout.startswith("x" * LIMITS.output_bytes) and r.stdout.endswith(
+        f"[output cut: {r.cut_bytes} more bytes]"
+    )
+
+
+def test_a_program_that_ignores_sigterm_is_killed_at_the_wall_clock(box):
+    start = time.monotonic()
+    r = box.run_python("import signal, time\nsignal.signal(signal.SIGTERM, signal.SIG_IGN)\ntime.sleep(60)")
+    assert r.timed_out and time.monotonic() - start < LIMITS.wall_s + 2
+    assert "[killed: wall-clock limit]" in r.report()
+
+
+def test_the_python_tool_runs_model_code_in_the_sandbox(box):
+    registry = ToolRegistry([python_tool(box)])
+    result = asyncio.run(registry.call(ToolCall("python", {"code": "import os; print(os.getpid())"})))
+    assert result.ok and result.content.strip() == "1"  # the init of its own PID namespace
+
+
+def test_bad_limits_are_refused():
+    with pytest.raises(ValueError, match="sandbox limits must be positive"):
+        SandboxLimits(wall_s=0)
