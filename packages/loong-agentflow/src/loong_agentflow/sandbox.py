@@ -180,9 +180,11 @@ class Sandbox:
             if cgroup:
                 _remove_cgroup(cgroup)
 
-    def run_python(self, code: str, stdin: bytes = b"") -> SandboxResult:
-        """``code`` as ``main.py``, run by this interpreter in isolated mode (``-I``)."""
-        return self.run([sys.executable, "-I", "main.py"], stdin, {"main.py": code})
+    def run_python(
+        self, code: str, stdin: bytes = b"", files: dict[str, str | bytes] | None = None
+    ) -> SandboxResult:
+        """``code`` as ``main.py`` (beside ``files``), run by this interpreter in isolated mode (``-I``)."""
+        return self.run([sys.executable, "-I", "main.py"], stdin, {**(files or {}), "main.py": code})
 
     def run_bash(self, script: str, stdin: bytes = b"") -> SandboxResult:
         return self.run(["bash", "main.sh"], stdin, {"main.sh": script})
