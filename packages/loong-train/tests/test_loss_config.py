@@ -9,8 +9,8 @@ from loong_train.algo.config import LossConfig
 from loong_train.config import Recipe, load_recipe
 
 
-def test_shipped_recipe_uses_the_default_loss():
-    assert load_recipe("tiny-calc-agent").loss == LossConfig()
+def test_shipped_recipe_uses_the_default_loss_with_dual_clip():
+    assert load_recipe("tiny-calc-agent").loss == LossConfig(dual_clip=3.0)
 
 
 @pytest.mark.parametrize(

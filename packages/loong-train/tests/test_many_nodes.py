@@ -5,6 +5,7 @@ one-process torch backend at the same seed; a placement the cluster cannot satis
 what is missing; shared memory to a worker on another node, refused before any step."""
 
 import logging
+import os
 
 import pytest
 import ray
@@ -23,12 +24,17 @@ TCP = ['transport.type="tcp"', 'transport.address="0.0.0.0:0"', 'transport.key="
 
 @pytest.fixture(scope="module")
 def three_nodes():
+    before = os.environ.get("RAY_ADDRESS")
     cluster = Cluster()
     nodes = [cluster.add_node(num_cpus=1) for _ in range(3)]
     ray.init(address=cluster.address, logging_level=logging.WARNING)
     yield [n.node_id for n in nodes]
     ray.shutdown()
     cluster.shutdown()
+    if before is None:  # joining the cluster exported its address: later tests start their own
+        os.environ.pop("RAY_ADDRESS", None)
+    else:
+        os.environ["RAY_ADDRESS"] = before
 
 
 def _recipe(*overrides):
