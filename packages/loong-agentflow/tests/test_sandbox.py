@@ -107,6 +107,13 @@ def test_the_python_tool_runs_model_code_in_the_sandbox(box):
     assert result.ok and result.content.strip() == "1"  # the init of its own PID namespace
 
 
+def test_stdin_reaches_the_program_and_a_program_that_never_reads_it_still_ends(box):
+    r = box.run_python("import sys; print(len(sys.stdin.read()))", stdin=b"x" * 300_000)
+    assert r.ok and r.stdout == "300000\n"
+    r = box.run_python("print('done')", stdin=b"x" * (4 << 20))  # past any pipe buffer, unread
+    assert r.ok and r.stdout == "done\n"
+
+
 def test_bad_limits_are_refused():
     with pytest.raises(ValueError, match="sandbox limits must be positive"):
         SandboxLimits(wall_s=0)

@@ -126,13 +126,13 @@ class Sandbox:
         self._check()
 
     def _check(self) -> None:
-        """Launch ``true`` once under the limits: what the kernel refuses, refused here."""
+        """Launch this interpreter once under the limits: what the kernel refuses, refused here."""
         if self._root and self.limits.processes and self._pids is None:
             raise SandboxUnavailable(
                 "sandbox: as root the process-count limit needs a pids cgroup, and none can be made "
                 "here (/sys/fs/cgroup): set processes = 0 to run without a process-count limit"
             )
-        result = self.run(["/bin/true"])
+        result = self.run([sys.executable, "-I", "-c", "pass"])
         if result.returncode == 126 and result.stderr.startswith("sandbox:"):
             what = result.stderr.strip()
             hint = []
@@ -206,9 +206,8 @@ class Sandbox:
             env={"PYTHONPATH": os.pathsep.join(sys.path)},
         )
         out, err = _Capped(proc.stdout, lim.output_bytes), _Capped(proc.stderr, lim.output_bytes)
-        with contextlib.suppress(BrokenPipeError, OSError):
-            proc.stdin.write(stdin)
-            proc.stdin.close()
+        feed = threading.Thread(target=_feed, args=(proc.stdin, stdin), daemon=True)  # never blocks us
+        feed.start()
         timed_out = False
         try:
             proc.wait(timeout=lim.wall_s)
@@ -217,7 +216,7 @@ class Sandbox:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # the launcher's group: the PID namespace dies with it
         proc.wait()
-        out.join(), err.join()
+        out.join(), err.join(), feed.join()
         return SandboxResult(
             returncode=proc.returncode,  # the launcher ends as the program did
             stdout=out.text(),
@@ -232,6 +231,15 @@ class Sandbox:
         os.mkdir(path)
         Path(path, "pids.max").write_text(str(self.limits.processes + 1))  # + the launcher
         return path
+
+
+def _feed(pipe, data: bytes) -> None:
+    """Write ``data`` to the program's stdin and close it (a program that never reads gets EOF
+    never; the write ends when the program does)."""
+    with contextlib.suppress(BrokenPipeError, OSError):
+        pipe.write(data)
+    with contextlib.suppress(BrokenPipeError, OSError):
+        pipe.close()
 
 
 class _Capped:
