@@ -191,3 +191,15 @@ def _step_without_update(backend: TorchBackend, batch: TrainBatch) -> dict[str, 
     backend.opt.step = backend.sched.step = lambda: None  # keep the gradients, leave the weights
     backend.grad_clip = float("inf")
     return backend.train_step(batch)
+
+
+def test_a_micro_batch_without_a_loss_token_adds_nothing():
+    """Rows that are all prompt (no loss token) packed into a micro-batch of their own: the step
+    runs, and its gradient is the whole batch's (float64)."""
+    batch = _batch(lens=(20, 3, 3), seed=1)  # the 3-token rows are prompt only
+    whole, split = (TorchBackend(_model().double(), lr=0.0, max_tokens_per_micro_batch=b) for b in (0, 20))
+    assert len(packing.micro_batches(batch.token_ids, batch.row_lens, 20)) == 2
+    a, b = _step_without_update(whole, batch), _step_without_update(split, batch)
+    assert a["loss"] == pytest.approx(b["loss"], abs=1e-12)
+    for (name, p), q in zip(whole.model.named_parameters(), split.model.parameters(), strict=True):
+        assert torch.allclose(p.grad, q.grad, atol=1e-12), name

@@ -182,6 +182,8 @@ class TorchBackend:
                     distill_stats = {k: distill_stats.get(k, 0.0) + v for k, v in stats.items()}
             if not counts:  # a data-parallel rank keeping step with the others: no gradient
                 loss = loss * 0.0
+            if not loss.requires_grad:  # no loss token in these rows: a zero gradient all the same
+                loss = loss + 0.0 * hidden.sum()  # (a sharded model's backward is a collective)
             loss.backward()
             if counts:
                 total += loss.item()
