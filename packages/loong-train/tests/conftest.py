@@ -13,6 +13,9 @@ from pathlib import Path
 from loong_train.ray_env import prepare_local_ray
 
 prepare_local_ray()  # as loong-train run does, before anything imports Ray
+# every ray.init without an address starts a cluster of its own, here and in the runs' subprocesses,
+# never joining one another test started (test_many_nodes' Cluster is found by its address file)
+os.environ.setdefault("RAY_ADDRESS", "local")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -16,6 +16,7 @@ The driver is the loop of docs/architecture.md, "The asynchronous loop":
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -253,11 +254,13 @@ def _start(
     reserves its torch threads as CPUs (``threads``; the trainer's ``train.threads``) and its GPUs,
     so Ray places them by resources."""
     if not ray.is_initialized():
+        # --address, or RAY_ADDRESS as Ray reads it; else a cluster of the run's own, never one
+        # Ray would find by chance on this machine (another user's `ray start`, say)
+        address = recipe.ray_address or os.environ.get("RAY_ADDRESS") or "local"
+        local = address == "local"
         ray.init(
-            address=recipe.ray_address or None,
-            num_cpus=None
-            if recipe.ray_address
-            else recipe.rollout.workers * recipe.threads + recipe.trainer_cpus,
+            address=address,
+            num_cpus=recipe.rollout.workers * recipe.threads + recipe.trainer_cpus if local else None,
             include_dashboard=False,
             logging_level=logging.WARNING,
             log_to_driver=True,
