@@ -4,6 +4,7 @@ host is unharmed (no file written outside, no connection made, no process left b
 import asyncio
 import os
 import socket
+import tempfile
 import threading
 import time
 
@@ -24,7 +25,17 @@ def box():
 
 
 def _processes() -> int:
-    return sum(1 for p in os.listdir("/proc") if p.isdigit())
+    """Processes running in a sandbox's working directory (others on the host are not counted:
+    tests beside this one start processes of their own)."""
+    n = 0
+    for p in os.listdir("/proc"):
+        try:
+            n += p.isdigit() and os.readlink(f"/proc/{p}/cwd").startswith(
+                tempfile.gettempdir() + "/loong-sandbox-"
+            )
+        except OSError:
+            continue
+    return n
 
 
 def test_well_behaved_code_runs(box):

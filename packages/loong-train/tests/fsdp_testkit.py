@@ -4,7 +4,6 @@ same seeded model and runs the same calls; rank 0 reports what the test compares
 from __future__ import annotations
 
 import io
-import os
 from pathlib import Path
 
 import torch
@@ -39,7 +38,6 @@ def run_ranks(world: int, job: str, *args) -> dict:
 
 def _rank(rank: int, world: int, port: int, results, job: str, args: tuple) -> None:
     torch.set_num_threads(1)
-    os.environ["TORCH_NCCL_ASYNC_ERROR_HANDLING"] = "1"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     try:
         out = globals()[job](*args)
