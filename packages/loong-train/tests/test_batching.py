@@ -56,6 +56,7 @@ def test_only_dynamic_sampling_marks_groups_whose_samples_all_scored_the_same(dy
         _row("c-1", "c", 1.0, [0], status="failed"),  # a failed row is not in the statistics
     ]
     out = sort_groups(["a", "b", "c"], rows, fallback_version=0, dynamic_sampling=dynamic_sampling)
+    assert [g.no_signal for g in out] == [True, False, True]  # counted either way
     assert [g.drop for g in out] == ([True, False, True] if dynamic_sampling else [False] * 3)
 
 

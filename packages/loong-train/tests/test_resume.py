@@ -11,7 +11,7 @@ import shutil
 
 import pytest
 import ray
-from train_testkit import SMALL_RUN, assert_same_run, ledger
+from train_testkit import SMALL_RUN, assert_same_run, ledger, write_jsonl
 
 from loong_core.config import ConfigError
 from loong_core.telemetry import read_metrics
@@ -85,6 +85,38 @@ def test_resume_keeps_the_staleness_bound(tmp_path, cluster):
         checkpoint.latest(out, _recipe("train.max_staleness=1", "train.steps=9", "train.batch_groups=3"))
     with pytest.raises(ConfigError, match="nothing to train"):
         checkpoint.latest(out, _recipe("train.max_staleness=1", "train.steps=5"))
+
+
+@pytest.mark.integration
+def test_a_resumed_run_keeps_the_curriculums_statistics_and_draw(tmp_path, cluster):
+    """``[curriculum]`` on five data prompts that an untrained model always fails: each becomes
+    hopeless after its first group, and the draw passes over them, takes one by a seeded coin or,
+    once it passed over as many as rest, anyway. A run resumed from step 2
+    draws what the uninterrupted one draws (same rewards, weights and counts: the statistics and
+    the coin's state came back)."""
+    rows = [{"prompt": f"what is {i}+1?", "answer": str(i + 1)} for i in range(7)]
+    data = write_jsonl(tmp_path / "data.jsonl", rows)
+    sets = [
+        "task=data",
+        f"data.train_files=['{data}']",
+        "data.eval_fraction=0.25",  # 2 held out, 5 to train on
+        "eval.num_tasks=2",
+        "curriculum.enabled=true",
+        "curriculum.return_prob=0.3",
+        "train.max_staleness=0",
+    ]
+    cache = tmp_path / "cache"
+    full = run(_recipe(*sets, "train.steps=5"), tmp_path / "full", cache)
+    split = run(_recipe(*sets, "train.steps=2"), tmp_path / "split", cache)
+    run(_recipe(*sets, "train.steps=5"), split, cache, resume=True)
+    a, b = read_metrics(full / "metrics.jsonl"), read_metrics(split / "metrics.jsonl")
+    assert_same_run(a, b, full, split)
+    counts = ["prompts_active", "prompts_hopeless", "prompts_skipped", "prompts_returned", "prompts_forced"]
+    assert [[r[k] for k in counts] for r in a] == [[r[k] for k in counts] for r in b]
+    last = a[-1]
+    assert last["prompts_hopeless"] == 5 and last["prompts_active"] == 0
+    assert last["prompts_skipped"] > 0 and last["prompts_returned"] > 0 and last["prompts_forced"] > 0
+    assert all(r["no_signal_share"] == 1.0 for r in a)  # every group failed: nothing to learn
 
 
 @pytest.mark.slow

@@ -57,6 +57,7 @@ def test_short_run_writes_the_run_directory(tmp_path, window):
         # a forward runs only inside a call; a decode step holds 1 to all admitted rows
         assert 0 < row["engine_busy_frac"] <= row["rollout_busy_frac"] <= 1
         assert 1 <= row["engine_rows_per_step"] <= 4 * 2 * 2
+    assert all(r["no_signal_share"] == 1.0 for r in rows)  # untrained: every sample scores 0
     assert rows[0]["mismatch_kl"] < 1e-9  # first step: same weights in engine and trainer
     assert any("eval_reward_mean" in r for r in rows)
     summary = json.loads((out / "summary.json").read_text())
@@ -69,6 +70,7 @@ def test_short_run_writes_the_run_directory(tmp_path, window):
         "staleness.png",
         "utilization.png",
         "mismatch.png",
+        "signal.png",
     }
     assert "max_staleness" in (out / "config.toml").read_text()
     assert (out / "checkpoints" / "final" / "model.safetensors").exists()

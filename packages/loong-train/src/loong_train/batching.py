@@ -22,11 +22,12 @@ __all__ = ["GroupOutcome", "assemble", "sort_groups"]
 @dataclass(frozen=True, slots=True)
 class GroupOutcome:
     """One group of a finished rollout call: its trajectories, the oldest weight version among
-    their model tokens and whether it carries no signal (``drop``)."""
+    their model tokens, whether it carries no signal and whether dynamic sampling drops it."""
 
     group_id: str
     trajectories: list[Trajectory]
     oldest: int
+    no_signal: bool
     drop: bool
 
 
@@ -38,8 +39,8 @@ def sort_groups(
     dynamic_sampling: bool,
 ) -> list[GroupOutcome]:
     """Sort a call's rows into its ``groups`` (in the call's order). A group none of whose rows
-    produced a model token counts as run at ``fallback_version``; with ``dynamic_sampling`` a
-    group whose samples all scored the same is marked ``drop``."""
+    produced a model token counts as run at ``fallback_version``; a group whose samples all scored
+    the same is marked ``no_signal``, and with ``dynamic_sampling`` ``drop``."""
     by_group: dict[str, list[Trajectory]] = {g: [] for g in groups}
     for t in trajectories:
         by_group[t.group_id].append(t)
@@ -47,7 +48,8 @@ def sort_groups(
     for group_id, trajs in by_group.items():
         versions = [t.oldest_version for t in trajs if t.oldest_version >= 0]
         oldest = min(versions) if versions else fallback_version
-        outcomes.append(GroupOutcome(group_id, trajs, oldest, dynamic_sampling and no_signal(trajs)))
+        flat = no_signal(trajs)
+        outcomes.append(GroupOutcome(group_id, trajs, oldest, flat, dynamic_sampling and flat))
     return outcomes
 
 

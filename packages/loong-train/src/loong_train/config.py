@@ -10,7 +10,8 @@ every backend choice is a table with a ``type``:
 - ``[train.backend]``: :mod:`loong_train.backends.config` (``torch``, ``megatron``);
 - ``[agent]``: :mod:`loong_train.workers.agent` (``whitebox``, ``blackbox``);
 - ``[transport]``: :class:`loong_transfermesh.TransportConfig` (``shm``, ...);
-- ``[loss]``, ``[opd]``: :mod:`loong_train.algo.config`.
+- ``[loss]``, ``[opd]``: :mod:`loong_train.algo.config`;
+- ``[curriculum]``: :mod:`loong_train.curriculum`.
 
 Loading a recipe imports no torch. A key from an older layout is an error naming its new place
 (:data:`RENAMED`).
@@ -30,6 +31,7 @@ from loong_core.config import ConfigError, apply_override, load_config
 from loong_train import recipe_checks
 from loong_train.algo.config import LossConfig, OPDConfig
 from loong_train.backends.config import BackendConfig, FsdpBackendConfig, LoraConfig, TorchBackendConfig
+from loong_train.curriculum import CurriculumConfig
 from loong_train.engines.config import EmbeddedEngineConfig, EngineConfig
 from loong_train.tasks import TaskTables
 from loong_train.tasks.config import (
@@ -250,6 +252,7 @@ class Recipe(_Section):
         return self.trainer_threads * (b.ranks if isinstance(b, FsdpBackendConfig) else 1)
 
     agent: AgentConfig = WhiteboxAgentConfig()
+    curriculum: CurriculumConfig = CurriculumConfig()
     data: DataConfig = DataConfig()
     reward: RewardConfig = RewardConfig()
     reasoning_gym: ReasoningGymConfig = ReasoningGymConfig()

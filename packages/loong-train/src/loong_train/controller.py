@@ -31,6 +31,7 @@ from loong_train import plugins
 from loong_train.backends.base import BackendOptions, backend_problem
 from loong_train.backends.config import FsdpBackendConfig, TorchBackendConfig, require_installed
 from loong_train.config import Recipe
+from loong_train.curriculum import Curriculum
 from loong_train.engines.config import SGLangEngineConfig
 from loong_train.evaluator import Evaluator
 from loong_train.messages import ApplyResult, Published, RolloutDone
@@ -70,8 +71,12 @@ def run(recipe: Recipe, out: Path, cache: Path, resume: bool = False) -> Path:
     run_dir = RunDir(out, recipe, recipe.rollout.workers)
     started_ray = not ray.is_initialized()
     transport = msgspec.structs.replace(recipe.transport, name=run_dir.name).with_free_port()
+    curriculum = Curriculum(recipe.curriculum, recipe.seed) if recipe.curriculum.enabled else None
     source = GroupSource(  # the warm start used seed + 1
-        task.train_stream(recipe.seed + 2, held_out), recipe.rollout.group_size, seed=recipe.seed
+        task.train_stream(recipe.seed + 2, held_out),
+        recipe.rollout.group_size,
+        seed=recipe.seed,
+        curriculum=curriculum,
     )
     pipe = _start(recipe, model_path, transport, run_dir.path / "logs", ckpt, source)
     try:
@@ -126,7 +131,7 @@ def _train(
                     bar.update(1)
                     bar.set_postfix(run_dir.postfix())
         if (trajs := pipe.start_train_step()) is not None:
-            run_dir.on_batch(trajs, pipe.window.last_batch_staleness, pipe.take_dropped())
+            run_dir.on_batch(trajs, pipe.window.last_batch_staleness, pipe.take_draw())
     bar.close()
 
 

@@ -108,6 +108,19 @@ class EvalResult(msgspec.Struct, frozen=True, kw_only=True):
     end: float
 
 
+class DrawReport(msgspec.Struct, frozen=True, kw_only=True):
+    """Pipeline -> run directory, with each batch: where generation went since the previous one.
+    ``dropped``: the groups dynamic sampling dropped; ``generated_tokens``: model tokens of every
+    group that came back; ``no_signal_tokens``: those of the groups whose samples all scored the
+    same (nothing to learn, trained or not); ``curriculum``: the prompt curriculum's counts
+    (:meth:`loong_train.curriculum.Curriculum.counts`; empty without one)."""
+
+    dropped: list[str] = []
+    generated_tokens: int = 0
+    no_signal_tokens: int = 0
+    curriculum: dict[str, int] = {}
+
+
 class FaultCounters(msgspec.Struct, frozen=True, kw_only=True):
     """Pipeline -> run directory: what faults cost so far. ``worker_restarts``: worker processes
     Ray restarted; ``reissued_groups``: groups whose generation was lost and issued again;

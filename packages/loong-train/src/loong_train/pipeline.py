@@ -28,7 +28,7 @@ from loong_core.records import Trajectory, WeightManifest
 from loong_core.window import StalenessWindow
 from loong_train.batching import assemble, sort_groups
 from loong_train.config import Recipe
-from loong_train.messages import ApplyResult, FaultCounters, Published, RolloutDone
+from loong_train.messages import ApplyResult, DrawReport, FaultCounters, Published, RolloutDone
 from loong_train.models.tokenizer import copy_model_files
 from loong_train.scheduler import Scheduler
 from loong_train.source import GroupSource
@@ -48,7 +48,8 @@ class Pipeline:
     """In-flight work: rollout calls per worker, the one train step, pending weight applies.
 
     ``vocab_size`` (the model's, from ``model_path``'s config.json): token ids past it fail their
-    row. ``dropped``: groups dynamic sampling dropped since the last step.
+    row. ``dropped``: groups dynamic sampling dropped since the last step; ``generated``: model
+    tokens of the groups that came back since then, in all and in groups with no signal.
     """
 
     def __init__(
@@ -72,6 +73,7 @@ class Pipeline:
         self.reissued = 0  # groups whose generation was lost and issued again
         self.restarted = 0  # episodes a weight update restarted (rollout.engine.partial = "restart")
         self.dropped: list[str] = []
+        self.generated = [0, 0]  # model tokens: all, in groups with no signal
         self.stopped: str | None = None  # why the run ends before its last step
         config = Path(model_path) / "config.json"
         if model_path and config.is_file():
@@ -154,7 +156,11 @@ class Pipeline:
             dynamic_sampling=self.recipe.loss.dynamic_sampling,
         )
         for g in outcomes:
+            tokens = sum(t.num_model_tokens for t in g.trajectories)
+            self.generated[0] += tokens
+            self.generated[1] += tokens if g.no_signal else 0
             if self.scheduler.finish(g.group_id, g.oldest, g.drop):
+                self.source.observe(g.group_id, g.trajectories)
                 if g.drop:
                     self._dropped(g.group_id)
                 else:
@@ -184,10 +190,17 @@ class Pipeline:
                 "by this policy"
             )
 
-    def take_dropped(self) -> list[str]:
-        """The groups dropped since the last call (for the ledger)."""
-        dropped, self.dropped = self.dropped, []
-        return dropped
+    def take_draw(self) -> DrawReport:
+        """Where generation went since the last call: groups dropped, tokens with no signal."""
+        curriculum = self.source.curriculum
+        report = DrawReport(
+            dropped=self.dropped,
+            generated_tokens=self.generated[0],
+            no_signal_tokens=self.generated[1],
+            curriculum=curriculum.counts() if curriculum is not None else {},
+        )
+        self.dropped, self.generated = [], [0, 0]
+        return report
 
     def _lost(self, w: int, groups: list[str], why: object) -> None:
         """A rollout call's generations are lost: its groups wait in ``window.reissue``."""

@@ -1,5 +1,5 @@
-"""End-of-run plots: reward and held-out eval reward, staleness, and utilization over steps;
-for task sets with domains, held-out success per domain beside a baseline run and the teachers."""
+"""End-of-run plots: reward and held-out eval reward, staleness, utilization, train-inference
+mismatch and the generation spent on groups with no signal over steps; for task sets with domains, held-out success per domain beside a baseline run and the teachers."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ __all__ = ["plot_domains", "plot_run"]
 
 
 def plot_run(run_dir: Path, evals: dict[int, float]) -> list[Path]:
-    """Write ``plots/{reward,staleness,utilization,mismatch}.png``."""
+    """Write ``plots/{reward,staleness,utilization,mismatch,signal}.png``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -26,6 +26,7 @@ def plot_run(run_dir: Path, evals: dict[int, float]) -> list[Path]:
         ("staleness.png", (7, 3.5), _staleness),
         ("utilization.png", (7, 3.5), _utilization),
         ("mismatch.png", (7, 3.5), _mismatch),
+        ("signal.png", (7, 3.5), _signal),
     ):
         fig, ax = plt.subplots(figsize=size)
         draw(ax, rows, evals)
@@ -77,6 +78,18 @@ def _mismatch(ax, rows: list[dict], evals: dict[int, float]) -> None:
         title="Train-inference mismatch (k3, before update)",
     )
     ax.set_yscale("symlog", linthresh=1e-8)
+
+
+def _signal(ax, rows: list[dict], evals: dict[int, float]) -> None:
+    """The share of each step's generation in groups with nothing to learn and, with a
+    curriculum, the share of prompts seen that rest as solved or hopeless."""
+    steps = [r["step"] for r in rows]
+    ax.plot(steps, [r.get("no_signal_share", 0.0) for r in rows], label="generation with no signal")
+    if rows and "prompts_active" in rows[-1]:
+        seen = [max(1, r["prompts_active"] + r["prompts_solved"] + r["prompts_hopeless"]) for r in rows]
+        for key, label in (("prompts_solved", "prompts resting: solved"), ("prompts_hopeless", "hopeless")):
+            ax.plot(steps, [r[key] / n for r, n in zip(rows, seen, strict=True)], "--", label=label)
+    ax.set(xlabel="train step", ylabel="share", ylim=(-0.02, 1.02), title="Generation without signal")
 
 
 def plot_domains(run_dir: Path, summary: dict[str, Any], baseline: Path | None = None) -> Path:

@@ -40,6 +40,7 @@ from loong_train import plugins
 from loong_train.config import Recipe
 from loong_train.messages import (
     ApplyResult,
+    DrawReport,
     EngineCounts,
     EvalResult,
     FaultCounters,
@@ -167,17 +168,20 @@ class RunDir:
             {"episodes": len(result.trajectories), "version": result.version},
         )
 
-    def on_batch(self, trajs: list[Trajectory], staleness: list[int], dropped: list[str]) -> None:
-        """A batch was taken: its trajectories, each one's staleness, and the groups dynamic
-        sampling dropped since the previous batch."""
+    def on_batch(self, trajs: list[Trajectory], staleness: list[int], draw: DrawReport) -> None:
+        """A batch was taken: its trajectories, each one's staleness, and where generation went
+        since the previous batch (``no_signal_share``: the share of generated tokens in groups
+        with nothing to learn; the groups dynamic sampling dropped; the curriculum's counts)."""
         self.batch = batch_row(trajs, staleness)
         self.batch_ids = {
             "groups": list(dict.fromkeys(t.group_id for t in trajs)),
             "sample_ids": [t.sample_id for t in trajs],
         }
+        self.batch["no_signal_share"] = draw.no_signal_tokens / max(draw.generated_tokens, 1)
         if self.recipe.loss.dynamic_sampling:  # the groups dropped since the previous line
-            self.batch_ids["dropped"] = dropped
-            self.batch["dropped_groups"] = len(dropped)
+            self.batch_ids["dropped"] = draw.dropped
+            self.batch["dropped_groups"] = len(draw.dropped)
+        self.batch |= draw.curriculum
 
     def on_train_step(self, version: int, p: Published, counters: FaultCounters) -> None:
         """Step ``version`` was published: its metrics line, ledger line and trace spans."""
