@@ -170,16 +170,41 @@ def test_sglang_fields_this_server_does_not_implement_are_refused_by_name(model_
     assert "not supported" in refused.json()["message"] and empty.status_code == 200
 
 
-def test_top_logprobs_as_sglang_shapes_them_and_refused_where_not_implemented(model_dir):
+def test_top_logprobs_as_sglang_shapes_them_on_both_sides(model_dir):
     """Issue 20 point 3 (test_srt_endpoint.py's top-logprob cases): with the default
-    logprob_start_len the input side is SGLang's [None]; output-side top logprobs are not
-    implemented here, so asking for them while generating is a 400 naming top_logprobs_num."""
-    with serve_engine(EmbeddedEngine(CausalLM.from_pretrained(model_dir))) as (url, _):
-        body = {"input_ids": PROMPT_IDS, "return_logprob": True, "top_logprobs_num": 3}
+    logprob_start_len the input side is SGLang's [None]; while generating, each output token has
+    its k most likely tokens at the sampling temperature, most likely first, against a float64
+    forward pass, the sampled token's entry equal to its output logprob; streamed, the last event
+    carries the same lists as the unstreamed answer of the same seed."""
+    temperature, k = 0.7, 4
+    body = {"input_ids": PROMPT_IDS, "return_logprob": True, "top_logprobs_num": k}
+    sampling = {"max_new_tokens": 6, "temperature": temperature}
+    with serve_engine(EmbeddedEngine(CausalLM.from_pretrained(model_dir), seed=3)) as (url, _):
         last = httpx.post(f"{url}/generate", json={**body, "sampling_params": {"max_new_tokens": 0}}).json()
-        generating = httpx.post(f"{url}/generate", json={**body, "sampling_params": {"max_new_tokens": 2}})
+        one = httpx.post(f"{url}/generate", json={**body, "sampling_params": sampling, "rid": "a"}).json()
+    streaming = {**body, "sampling_params": sampling, "stream": True}
+    with (
+        serve_engine(EmbeddedEngine(CausalLM.from_pretrained(model_dir), seed=3)) as (url, _),
+        httpx.stream("POST", f"{url}/generate", json=streaming) as r,
+    ):
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
     assert last["meta_info"]["input_top_logprobs"] == [None]
-    assert generating.status_code == 400 and generating.json()["param"] == "top_logprobs_num"
+    meta, out = one["meta_info"], one["output_ids"]
+    tops = meta["output_top_logprobs"]
+    assert len(tops) == len(out) == len(meta["output_token_logprobs"]) and all(len(t) == k for t in tops)
+    model = CausalLM.from_pretrained(model_dir)
+    with torch.no_grad():
+        logits = model(torch.tensor([PROMPT_IDS + out])).double()[0, len(PROMPT_IDS) - 1 : -1]
+    want = torch.log_softmax(logits / temperature, -1).topk(k, dim=-1)
+    for i, top in enumerate(tops):
+        assert [t for _, t, _ in top] == want.indices[i].tolist()
+        got = torch.tensor([lp for lp, _, _ in top], dtype=torch.float64)
+        torch.testing.assert_close(got, want.values[i], rtol=0, atol=1e-5)
+        sampled = dict((t, lp) for lp, t, _ in top).get(out[i])
+        assert sampled is None or sampled == meta["output_token_logprobs"][i][0]
+    streamed = msgspec.json.decode(events[-2])  # then [DONE]
+    assert streamed["output_ids"] == out
+    assert streamed["meta_info"]["output_top_logprobs"] == tops
 
 
 def test_pause_holds_requests_until_continue(model_dir):

@@ -189,7 +189,8 @@ class MetaInfo(_Response):
     covers ``input_ids[start:]`` (``start`` the request's ``logprob_start_len``) and its entry ``i``
     is ``log p(x[start+i] | x[:start+i])``; ``input_top_logprobs``, when asked for, has one entry
     per ``input_token_logprobs`` entry (``None`` or empty where there is no logprob), most likely
-    first. The logprob lists are ``UNSET`` unless the request set ``return_logprob``.
+    first; ``output_top_logprobs`` likewise one entry per output token. The logprob lists are
+    ``UNSET`` unless the request set ``return_logprob`` (the top ones: and ``top_logprobs_num``).
     ``weight_version`` is SGLang's label, ``"default"`` before the first update.
     """
 
@@ -203,6 +204,7 @@ class MetaInfo(_Response):
     input_token_logprobs: list[LogprobEntry] | UnsetType = UNSET
     output_token_logprobs: list[LogprobEntry] | UnsetType = UNSET
     input_top_logprobs: list[list[LogprobEntry] | None] | UnsetType = UNSET
+    output_top_logprobs: list[list[LogprobEntry] | None] | UnsetType = UNSET
 
 
 class GenerateResponse(_Response):

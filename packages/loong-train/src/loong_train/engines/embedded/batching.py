@@ -24,7 +24,8 @@ Sampling: each request owns a ``torch.Generator``; a token is drawn by inverse C
 uniform ``u`` of that generator: the first token whose cumulative probability exceeds
 ``u * total``. A row's tokens therefore depend only on its own logits and generator, never on
 which other rows share its steps. Its logprob is ``log_softmax(logits / T)`` of the sampled token
-(top-p zeroes the tail before the draw but does not renormalise the reported logprob).
+(top-p zeroes the tail before the draw but does not renormalise the reported logprob); a request
+with ``top_k`` also keeps the ``top_k`` largest entries of that distribution at every step.
 
 Weight versions: a step samples with the version it is given and stamps it on each token. When
 the weights changed since the previous step (a new ``epoch``), every running row is first
@@ -74,6 +75,8 @@ class Request:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     on_token: Callable[[], None] | None = None  # called (in the stepping thread) after each sampled token
+    top_k: int = 0  # also keep the top_k most likely tokens of each step's distribution
+    top: list[list[tuple[float, int]]] = field(default_factory=list)  # per token, most likely first
 
     @property
     def finished(self) -> bool:
@@ -244,6 +247,19 @@ class RunningBatch:
         self.logits = self.logits[torch.tensor(order, device=self._device)]
         return order
 
+    def _keep_top(self, z: torch.Tensor, total: torch.Tensor) -> None:
+        """The ``top_k`` most likely tokens of this step's ``log_softmax(logits / T)`` for the rows
+        that asked (before top-p, as the reported logprobs), appended to their ``top``."""
+        asking = [i for i, r in enumerate(self.rows) if r.top_k]
+        if not asking:
+            return
+        k = min(max(self.rows[i].top_k for i in asking), z.shape[-1])
+        sel = torch.tensor(asking, device=z.device)
+        values, ids = (z[sel] - total[sel, None].log()).topk(k, dim=-1)
+        for i, vals, toks in zip(asking, values.tolist(), ids.tolist(), strict=True):
+            r = self.rows[i]
+            r.top.append(list(zip(vals[: r.top_k], toks[: r.top_k], strict=True)))
+
     def _sample(self, version: int) -> torch.Tensor:
         rows, device = self.rows, self._device
         temps = torch.tensor([r.sampling.temperature for r in rows], device=device)[:, None]
@@ -262,6 +278,7 @@ class RunningBatch:
         tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
         tokens = tokens.clamp_(max=weights.shape[-1] - 1)
         picked = z.gather(-1, tokens[:, None]).squeeze(-1) - total.log()  # log_softmax of the token
+        self._keep_top(z, total)
         for r, token, lp in zip(rows, tokens.tolist(), picked.tolist(), strict=True):
             r.token_ids.append(token)
             r.logprobs.append(lp)

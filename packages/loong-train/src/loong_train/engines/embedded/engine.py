@@ -40,6 +40,7 @@ until its longest row finishes); it exists as the benchmark's baseline.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -56,11 +57,12 @@ __all__ = ["EmbeddedEngine", "RequestAborted"]
 
 
 class RequestAborted(Exception):
-    """``abort_all`` ended the request; ``span``: the tokens it had sampled (possibly none)."""
+    """``abort_all`` ended the request; ``span``: the tokens it had sampled (possibly none);
+    ``top``: their top logprobs, when the request asked for them."""
 
-    def __init__(self, span: TokenSpan) -> None:
+    def __init__(self, span: TokenSpan, top: list[list[tuple[float, int]]] | None = None) -> None:
         super().__init__(f"request aborted after {len(span.token_ids)} tokens")
-        self.span = span
+        self.span, self.top = span, top or []
 
 
 class EmbeddedEngine:
@@ -131,13 +133,13 @@ class EmbeddedEngine:
         many were aborted."""
         live = [r for r in [*self._batch.rows, *self._queue] if not r.future.done()]
         for r in live:
-            n = len(r.versions)  # appended last of a token's three lists
+            n = len(r.versions)  # appended last of a token's lists
             partial = (
                 _delta(r, 0, n)
                 if n
                 else TokenSpan(token_ids=[], source=SpanSource.MODEL, weight_version=self._version)
             )
-            r.future.set_exception(RequestAborted(partial))
+            r.future.set_exception(RequestAborted(partial, r.top[:n]))
         return len(live)
 
     def retract(self) -> None:
@@ -233,7 +235,9 @@ class EmbeddedEngine:
             params[name].copy_(tensor)
         self.set_version(version)
 
-    def _request(self, input_ids: list[int], sampling: SamplingParams, seed: int | None) -> Request:
+    def _request(
+        self, input_ids: list[int], sampling: SamplingParams, seed: int | None, top_k: int = 0
+    ) -> Request:
         """A request, after refusing a prompt the model cannot take (:class:`RequestRefused`: it
         fails alone, before it joins a batch) and capping ``max_new_tokens`` at the model's positions."""
         vocab, positions = self.model.config.vocab_size, self.model.config.max_position_embeddings
@@ -249,7 +253,7 @@ class EmbeddedEngine:
             sampling = msgspec.structs.replace(sampling, max_new_tokens=positions - len(input_ids))
         seed = self.request_seed(self._requests) if seed is None else seed
         self._requests += 1
-        return Request(list(input_ids), sampling, torch.Generator().manual_seed(seed))
+        return Request(list(input_ids), sampling, torch.Generator().manual_seed(seed), top_k=top_k)
 
     def _admit(self, queue: list[Request], running: int) -> tuple[list[Request], list[Request]]:
         """Split ``queue`` into the requests that join now and those that wait."""
@@ -259,12 +263,20 @@ class EmbeddedEngine:
     async def generate(
         self, input_ids: list[int], sampling: SamplingParams, *, seed: int | None = None
     ) -> TokenSpan:
-        request = self._request(input_ids, sampling, seed)
+        span, _ = await self.generate_top(input_ids, sampling, 0, seed=seed)
+        return span
+
+    async def generate_top(
+        self, input_ids: list[int], sampling: SamplingParams, top_k: int, *, seed: int | None = None
+    ) -> tuple[TokenSpan, list[list[tuple[float, int]]]]:
+        """``generate``, and for each sampled token the ``top_k`` most likely ``(logprob, id)`` of
+        the distribution it was drawn from, most likely first (SGLang's ``output_top_logprobs``)."""
+        request = self._request(input_ids, sampling, seed, top_k)
         request.future = asyncio.get_running_loop().create_future()
         self._queue.append(request)
         if self._driver is None or self._driver.done():
             self._driver = asyncio.create_task(self._drive())
-        return await request.future
+        return await request.future, request.top
 
     async def stream(
         self, input_ids: list[int], sampling: SamplingParams, *, seed: int | None = None
@@ -273,7 +285,15 @@ class EmbeddedEngine:
         new since the previous one (together: the span ``generate`` returns; same seed, same
         tokens). Closing the iterator early cancels the request: its row leaves the batch
         after the decode step in flight."""
-        request = self._request(input_ids, sampling, seed)
+        async with contextlib.aclosing(self.stream_top(input_ids, sampling, 0, seed=seed)) as deltas:
+            async for delta, _ in deltas:
+                yield delta
+
+    async def stream_top(
+        self, input_ids: list[int], sampling: SamplingParams, top_k: int, *, seed: int | None = None
+    ) -> AsyncIterator[tuple[TokenSpan, list[list[tuple[float, int]]]]]:
+        """``stream``, each delta with its tokens' ``top_k`` most likely (as ``generate_top``)."""
+        request = self._request(input_ids, sampling, seed, top_k)
         loop = asyncio.get_running_loop()
         request.future = loop.create_future()
         ready = asyncio.Event()
@@ -287,9 +307,9 @@ class EmbeddedEngine:
                 finished = request.future.done()
                 if finished:
                     request.future.result()  # the engine's failure is the stream's
-                n = len(request.versions)  # appended last of a token's three lists
+                n = len(request.versions)  # appended last of a token's lists
                 if n > sent:
-                    yield _delta(request, sent, n)
+                    yield _delta(request, sent, n), request.top[sent:n]
                     sent = n
                 if finished:
                     return

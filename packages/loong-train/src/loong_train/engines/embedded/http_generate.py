@@ -9,9 +9,10 @@ id}``), ``prompt_tokens``, ``completion_tokens``, ``cached_tokens``, ``weight_ve
 ``input_ids[start:]`` (``start = logprob_start_len``, ``-1`` means the last prompt token); entry
 0 is always ``None`` and entry ``i`` is ``log p(x[start+i] | x[:start+i])`` at T = 1. With
 ``top_logprobs_num = k`` too, ``input_top_logprobs`` holds, per input entry (``None`` first), the
-``k`` most likely ``[logprob, token_id, None]`` at that position, most likely first (prefill
-requests only: there are no ``output_top_logprobs``, so a ``top_logprobs_num`` with
-``max_new_tokens > 0`` is a 400). ``max_new_tokens = 0`` is prefill only (how teachers score).
+``k`` most likely ``[logprob, token_id, None]`` at that position (at T = 1), most likely first,
+and ``output_top_logprobs`` the same per output token, from the distribution it was sampled from
+(``log_softmax(logits / T)``, so the sampled token's entry equals its output logprob).
+``max_new_tokens = 0`` is prefill only (how teachers score).
 Output logprobs are ``log_softmax(logits / T)`` of the sampled tokens; a matched stop token is in
 ``output_ids``. ``stream: true`` answers server-sent events, each the answer so far
 (``finish_reason`` on the last), then ``data: [DONE]``; a client that hangs up cancels the request.
@@ -141,12 +142,6 @@ class GenerateRoutes:
                 f"than the model's context length of {positions}",
             )
         top_k = body.top_logprobs_num or 0
-        if top_k and max_new > 0:
-            raise BadRequest(
-                "top_logprobs_num",
-                "gives input_top_logprobs only here (prefill, max_new_tokens = 0): output_top_logprobs "
-                "are not implemented",
-            )
         start = body.logprob_start_len
         first = len(prompt) - 1 if start in (None, -1) else start
         if not 0 <= first < len(prompt):
@@ -173,11 +168,13 @@ class GenerateRoutes:
             ]
         return logprobs, version
 
-    def _answer(self, prompt, rid, out, lps, version, logprobs, finish, t0) -> GenerateResponse:
+    def _answer(self, prompt, rid, out, lps, top, version, logprobs, finish, t0) -> GenerateResponse:
         if "input_token_logprobs" in logprobs:
             logprobs = logprobs | {
                 "output_token_logprobs": [(lp, t, None) for lp, t in zip(lps, out, strict=True)]
             }
+        if "input_top_logprobs" in logprobs:
+            logprobs["output_top_logprobs"] = [[(lp, t, None) for lp, t in step] for step in top]
         meta = MetaInfo(
             id=rid, finish_reason=finish, prompt_tokens=len(prompt), completion_tokens=len(out),
             cached_tokens=0, weight_version=self._server.label_of(version),
@@ -200,15 +197,17 @@ class GenerateRoutes:
         logprobs, version = await self._prompt_logprobs(prompt, logprob, start, top_k)
         out: list[int] = []
         lps: list[float] = []
+        top: list[list[tuple[float, int]]] = []
         aborted = False
         if max_new > 0:
+            k = top_k if logprob else 0
             try:
-                span = await self.engine.generate(prompt, sampling)
+                span, top = await self.engine.generate_top(prompt, sampling, k)
             except RequestAborted as e:
-                span, aborted = e.span, True
+                span, top, aborted = e.span, e.top, True
             out, lps, version = span.token_ids, span.logprobs, span.weight_version
         finish = self._finish(out, sampling, max_new, aborted)
-        return self._answer(prompt, rid, out, lps, version, logprobs, finish, t0)
+        return self._answer(prompt, rid, out, lps, top, version, logprobs, finish, t0)
 
     async def _stream(
         self, prompt, sampling: SamplingParams, max_new: int, logprob: bool, start: int, rid, top_k: int
@@ -221,17 +220,21 @@ class GenerateRoutes:
         logprobs, version = await self._prompt_logprobs(prompt, logprob, start, top_k)
         out: list[int] = []
         lps: list[float] = []
+        top: list[list[tuple[float, int]]] = []
         aborted = False
         if max_new > 0:
+            stream = self.engine.stream_top(prompt, sampling, top_k if logprob else 0)
             try:
-                async with contextlib.aclosing(self.engine.stream(prompt, sampling)) as deltas:
-                    async for delta in deltas:
+                async with contextlib.aclosing(stream) as deltas:
+                    async for delta, tops in deltas:
                         out, lps, version = out + delta.token_ids, lps + delta.logprobs, delta.weight_version
-                        answer = self._answer(prompt, rid, out, lps, version, logprobs, None, t0)
+                        top = top + tops
+                        answer = self._answer(prompt, rid, out, lps, top, version, logprobs, None, t0)
                         yield b"data: " + msgspec.json.encode(answer) + b"\n\n"
             except RequestAborted as e:
-                out, lps, version, aborted = e.span.token_ids, e.span.logprobs, e.span.weight_version, True
+                span, top, aborted = e.span, e.top, True
+                out, lps, version = span.token_ids, span.logprobs, span.weight_version
         finish = self._finish(out, sampling, max_new, aborted)
-        answer = self._answer(prompt, rid, out, lps, version, logprobs, finish, t0)
+        answer = self._answer(prompt, rid, out, lps, top, version, logprobs, finish, t0)
         yield b"data: " + msgspec.json.encode(answer) + b"\n\n"
         yield b"data: [DONE]\n\n"
