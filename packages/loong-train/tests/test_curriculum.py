@@ -58,7 +58,7 @@ def test_the_coin_draws_a_resting_prompt_as_an_independent_seeded_coin_says():
         c.observe(key, SOLVED, drawn=0)
     coin = random.Random(7)
     for drawn in range(200):
-        assert c.admits("a", drawn, passed=0) == (coin.random() < 0.3)
+        assert c.admits("a", drawn, passed=0, any_item=c.takes_any()) == (coin.random() < 0.3)
     assert c.counts()["prompts_returned"] + c.counts()["prompts_skipped"] == 200
     # drawn by the coin, still resting: a solved group restarts its rest, a mixed one wakes it
     c.observe("a", SOLVED, drawn=200)

@@ -102,7 +102,7 @@ def test_a_resumed_run_keeps_the_curriculums_statistics_and_draw(tmp_path, clust
         "data.eval_fraction=0.25",  # 2 held out, 5 to train on
         "eval.num_tasks=2",
         "curriculum.enabled=true",
-        "curriculum.return_prob=0.3",
+        "curriculum.return_prob=0.5",
         "train.max_staleness=0",
     ]
     cache = tmp_path / "cache"

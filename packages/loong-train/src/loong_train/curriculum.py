@@ -15,9 +15,11 @@ sampling; not one lost and issued again) is one observation of its prompt:
 
 The draw (:class:`~loong_train.source.GroupSource`) walks the task stream as before and passes
 over a resting prompt, unless ``cooldown`` groups were drawn since it began resting (it returns
-for good: it leaves again only after another ``after`` groups of one kind) or a seeded coin of
-``return_prob`` comes up (it is drawn once, still resting: a group that keeps its streak restarts
-its rest, one that breaks it wakes it).
+for good: it leaves again only after another ``after`` groups of one kind). A seeded coin of
+``return_prob``, flipped once per draw, makes that draw take the stream's next item whatever its
+state: resting prompts come back in proportion to how common they are, and at most a
+``return_prob`` share of the draws goes to them (one so drawn stays resting: a group that keeps
+its streak restarts its rest, one that breaks it wakes it).
 When more items in a row were passed over than there are resting prompts, every prompt the
 stream still offers rests: the draw takes the item at hand anyway (``forced``), so a task the
 policy masters never blocks the run; with dynamic sampling such groups are then dropped and the
@@ -50,8 +52,8 @@ class CurriculumConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     ``enabled``; ``after`` (consecutive groups of one kind before a prompt rests); ``solved`` and
     ``failed`` (reward thresholds; ``failed = -inf`` keeps hopeless prompts in the draw,
     ``solved = inf`` keeps solved ones); ``cooldown`` (groups drawn before a resting prompt
-    returns; 0: never by time); ``return_prob`` (the chance the draw takes a resting prompt it
-    reaches anyway)."""
+    returns; 0: never by time); ``return_prob`` (the share of draws that take the stream's next
+    item, resting or not)."""
 
     enabled: bool = False
     after: int = 1
@@ -124,23 +126,26 @@ class Curriculum:
             self._wake(p)
         return outcome
 
-    def admits(self, key: str, drawn: int, passed: int) -> bool:
+    def takes_any(self) -> bool:
+        """The coin, flipped once per draw: whether this draw takes the next item, resting or not."""
+        return bool(self.config.return_prob) and self.coin.random() < self.config.return_prob
+
+    def admits(self, key: str, drawn: int, passed: int, any_item: bool = False) -> bool:
         """Whether the draw takes prompt ``key`` now (``drawn``: groups drawn so far; ``passed``:
-        items passed over in a row just before this one)."""
+        items passed over in a row just before this one; ``any_item``: the draw's coin came up)."""
         p = self.prompts.get(key)
         if p is None or not p.resting:
             return True
-        c = self.config
-        if c.cooldown and drawn - p.since >= c.cooldown:
+        if self.config.cooldown and drawn - p.since >= self.config.cooldown:
             self._wake(p)
             p.streak = 0  # back for good: it rests again only after another `after` groups
             self.returned += 1
             return True
+        if any_item:
+            self.returned += 1
+            return True
         if passed >= self.resting:  # every prompt the stream still offers rests
             self.forced += 1
-            return True
-        if c.return_prob and self.coin.random() < c.return_prob:
-            self.returned += 1
             return True
         self.skipped += 1
         return False

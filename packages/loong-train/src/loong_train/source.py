@@ -53,11 +53,12 @@ class GroupSource:
 
     def _draw(self) -> dict[str, Any]:
         """The next item of the stream the curriculum admits."""
-        passed = 0
+        c, passed = self.curriculum, 0
+        any_item = c is not None and c.takes_any()
         while True:
             item = next(self.tasks)
             self.pulled += 1
-            if self.curriculum is None or self.curriculum.admits(prompt_key(item), self.count, passed):
+            if c is None or c.admits(prompt_key(item), self.count, passed, any_item):
                 return item
             passed += 1
 
