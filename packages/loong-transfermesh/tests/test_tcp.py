@@ -84,6 +84,27 @@ def test_a_late_receiver_gets_the_next_update(sender: TcpSender) -> None:
     assert out == {"version": 2} and _same(targets, _state(2))
 
 
+def test_catch_up_sends_the_newest_version_only_to_receivers_that_missed_it(sender: TcpSender) -> None:
+    """A restarted engine connects after version 2 was pushed: ``catch_up`` streams version 2 to
+    it alone (the receiver that had it gets nothing twice), then both take version 3 as usual."""
+    early = TcpReceiver(sender.address, timeout_s=10, background=True)
+    sender.wait_for_receivers(1)
+    sender.push(_state(1), version=1)
+    sender.push(_state(2), version=2)
+    late = TcpReceiver(sender.address, timeout_s=10, background=True)
+    sender.wait_for_receivers(2)
+    assert sender.catch_up(_state(2), version=2) == 1
+    assert sender.catch_up(_state(2), version=2) == 0  # nobody behind any more
+    targets = _zeros(_state(0))
+    assert late.apply(targets, version=2) == 2 and _same(targets, _state(2))
+    assert early.apply(_zeros(_state(0))) == 2  # it had it: caught up were the others only
+    sender.push(_state(3), version=3)
+    for receiver in (early, late):
+        got = _zeros(_state(0))
+        assert receiver.apply(got, version=3) == 3 and _same(got, _state(3))
+        receiver.close()
+
+
 def test_apply_with_a_version_skips_older_updates(sender: TcpSender) -> None:
     receiver = TcpReceiver(sender.address, timeout_s=10)
     sender.wait_for_receivers(1)

@@ -78,7 +78,7 @@ def run(recipe: Recipe, out: Path, cache: Path, resume: bool = False) -> Path:
         seed=recipe.seed,
         curriculum=curriculum,
     )
-    pipe = _start(recipe, model_path, transport, run_dir.path / "logs", ckpt, source)
+    pipe = _start(recipe, model_path, transport, run_dir.path, ckpt, source)
     try:
         if ckpt:
             checkpoint.restore(_components(pipe, run_dir, evaluator), ckpt)
@@ -251,11 +251,12 @@ def _start(
     recipe: Recipe,
     model_path: str,
     transport: TransportConfig,
-    log_dir: Path,
+    run_path: Path,
     ckpt: Checkpoint | None,
     source: GroupSource,
 ) -> Pipeline:
-    """Ray, the rollout workers and the trainer; resumed, all three start from ``ckpt``. Each actor
+    """Ray, the rollout workers and the trainer (logs in ``run_path/logs``); resumed, all three
+    start from ``ckpt``. Each actor
     reserves its torch threads as CPUs (``threads``; the trainer's ``train.threads``) and its GPUs,
     so Ray places them by resources."""
     if not ray.is_initialized():
@@ -278,15 +279,16 @@ def _start(
         # the sender binds every interface of a node Ray picks: workers learn its address from it
         trainer = _start_trainer(recipe, model_path, transport, [])
         transport = msgspec.structs.replace(transport, address=ray.get(trainer.weights_address.remote()))
-        workers = _start_workers(recipe, engine_path, version, transport, log_dir, adapter)
+        workers = _start_workers(recipe, engine_path, version, transport, run_path / "logs", adapter)
     else:
-        workers = _start_workers(recipe, engine_path, version, transport, log_dir, adapter)
+        workers = _start_workers(recipe, engine_path, version, transport, run_path / "logs", adapter)
         trainer = _start_trainer(recipe, model_path, transport, workers)
     _check_reach(recipe, transport, trainer, workers)
     if ckpt:
         ray.get(trainer.load_checkpoint.remote(str(ckpt.path)))
     window = StalenessWindow(recipe.train.max_staleness, recipe.train.batch_groups)
-    return Pipeline(recipe, workers, trainer, Scheduler(window, steps=recipe.train.steps), source, model_path)
+    scheduler = Scheduler(window, steps=recipe.train.steps)
+    return Pipeline(recipe, workers, trainer, scheduler, source, model_path, run_path)
 
 
 _WILDCARD = ("0.0.0.0", "::", "")

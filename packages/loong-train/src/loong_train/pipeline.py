@@ -5,10 +5,12 @@ rollout calls is the run's :mod:`~loong_train.weight_sync` strategy; worker heal
 :class:`~loong_train.workers.pool.WorkerPool`'s; what happens to trajectories between a rollout
 and a train step is :mod:`~loong_train.batching`. This module connects them.
 
-Faults. For a rollout call whose worker died the pipeline aborts the call's groups in the
-window, so they wait in ``window.reissue`` and ``admit`` issues them again: same group ids, same
-prompts (``GroupSource.issued`` keeps them until trained), same sampling seeds. A failed weight
-apply is dropped. Either way the worker is marked down and probed. The restarted worker took the
+Faults. A trainer that died (its process or its node), or one of whose ranks did, stops the run
+with :class:`TrainerLost`, naming the node; ``--resume`` continues from the newest checkpoint.
+For a rollout call whose worker died the pipeline aborts the call's groups in the window, so
+they wait in ``window.reissue`` and ``admit`` issues them again: same group ids, same prompts
+(``GroupSource.issued`` keeps them until trained), same sampling seeds. A failed weight apply
+is dropped. Either way the worker is marked down and probed. The restarted worker took the
 newest weights in its constructor (see ``RolloutWorker``); when the probe answers, the newest
 update is queued on it too (skipped if it has it), so it serves at ``queued_version`` like the
 others.
@@ -26,6 +28,7 @@ import ray
 
 from loong_core.records import Trajectory, WeightManifest
 from loong_core.window import StalenessWindow
+from loong_train.backends.base import RankLost
 from loong_train.batching import assemble, sort_groups
 from loong_train.config import Recipe
 from loong_train.messages import ApplyResult, DrawReport, FaultCounters, Published, RolloutDone
@@ -35,13 +38,18 @@ from loong_train.source import GroupSource
 from loong_train.weight_sync import choose
 from loong_train.workers.pool import WorkerPool
 
-__all__ = ["Event", "Pipeline"]
+__all__ = ["Event", "Pipeline", "TrainerLost"]
 
 log = logging.getLogger("loong.pipeline")
 
 Event = RolloutDone | ApplyResult | Published
 """What :meth:`Pipeline.wait` yields: a rollout call finished, an engine applied an update, the
 trainer published a step."""
+
+
+class TrainerLost(RuntimeError):
+    """The trainer (or one of its ranks) died: the run cannot go on; the message names the node
+    and how to continue."""
 
 
 class Pipeline:
@@ -60,9 +68,11 @@ class Pipeline:
         scheduler: Scheduler,
         source: GroupSource,
         model_path: str = "",
+        run_path: Path | None = None,
     ) -> None:
         self.recipe, self.trainer, self.scheduler, self.source = recipe, trainer, scheduler, source
-        self.model_path = model_path
+        self.model_path, self.run_path = model_path, run_path
+        self.trainer_node: tuple[str, str] = ray.get(trainer.node.remote())  # (id, IP)
         self.pool = WorkerPool(workers, recipe.rollout.max_restarts)
         self.sync = choose(recipe.rollout.engine)
         self.rollouts: dict[Any, tuple[int, list[str]]] = {}  # call -> (worker, groups)
@@ -127,12 +137,32 @@ class Pipeline:
         for ref in ready:
             if ref is self.train_ref:
                 self.train_ref = None
-                events.append(ray.get(ref))
+                events.append(self.from_trainer(ref))
             elif ref in self.pool.probes:
                 self._probed(ref)
             elif (done := self._rollout_done(ref)) is not None:
                 events.append(done)
         return [*self.applied(), *events]  # a step's line sees them
+
+    def from_trainer(self, ref: Any) -> Any:
+        """``ray.get`` of a trainer call; :class:`TrainerLost` when the trainer or a rank died."""
+        try:
+            return ray.get(ref)
+        except ray.exceptions.RayActorError as e:
+            node, ip = self.trainer_node
+            raise self._lost_trainer(f"the trainer on node {ip} ({node[:12]}) died: {_first_line(e)}") from e
+        except ray.exceptions.RayTaskError as e:
+            if isinstance(e.cause, RankLost):
+                raise self._lost_trainer(str(e.cause)) from e
+            raise
+
+    def _lost_trainer(self, what: str) -> TrainerLost:
+        where = f" {self.run_path}" if self.run_path else ""
+        return TrainerLost(
+            f"{what}. The run stops at step {self.window.version}; `loong-train run RECIPE --resume"
+            f"{where}` continues it from its newest checkpoint (train.checkpoint_every sets how often "
+            "one is written)"
+        )
 
     def _rollout_done(self, ref: Any) -> RolloutDone | None:
         """A rollout call's result with every row checked (a row that breaks a record invariant
@@ -213,8 +243,11 @@ class Pipeline:
 
     def _probed(self, ref: Any) -> None:
         """A down worker's probe answered: queue the newest update on it (updates queued while it
-        was down skipped it)."""
+        was down skipped it). A streaming transport pushed that version before the worker
+        connected: the trainer sends it again to the receivers that missed it (after the call it
+        is running, so never weights ahead of their version)."""
         if (w := self.pool.probed(ref)) is not None and self.latest is not None:
+            self.trainer.catch_up_receivers.remote()
             self.applies.setdefault(self.latest.version, {})[w] = self._apply(w, self.latest)
 
     def start_train_step(self) -> list[Trajectory] | None:
@@ -278,14 +311,14 @@ class Pipeline:
 
     def save_checkpoint(self, path: Path) -> None:
         """The trainer's resumable state and the tokenizer into ``path`` (the trainer is idle)."""
-        ray.get(self.trainer.save_checkpoint.remote(str(path)))
+        self.from_trainer(self.trainer.save_checkpoint.remote(str(path)))
         copy_model_files(self.model_path, path)  # the tokenizer, so the directory loads as a model
 
     def save_final(self, path: Path) -> None:
         """The trained policy as a Hugging Face directory (weights, config, tokenizer); the trainer
         stops after writing it."""
-        ray.get(self.trainer.save.remote(str(path)))
-        ray.get(self.trainer.close.remote())
+        self.from_trainer(self.trainer.save.remote(str(path)))
+        self.from_trainer(self.trainer.close.remote())
         copy_model_files(self.model_path, path)
 
     def state_dict(self) -> dict[str, Any]:
@@ -321,3 +354,7 @@ class Pipeline:
             for ref in list(self.pool.probes):
                 self._probed(ref)  # a restarted worker gets the newest update: waited next round
             self.applied()
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__

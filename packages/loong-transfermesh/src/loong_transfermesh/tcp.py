@@ -76,7 +76,8 @@ def _tune(sock: socket.socket) -> None:
 class TcpSender:
     """Listens for receivers and streams every pushed version to all of them. ``receivers``: how
     many the owner expects; a push first waits up to ``wait_s`` for that many to be connected (one
-    that connects later gets only the versions pushed after it)."""
+    that connects later gets the versions pushed after it, and :meth:`catch_up` sends it the
+    newest one before that)."""
 
     def __init__(
         self,
@@ -95,6 +96,7 @@ class TcpSender:
         self._server = socket.create_server((host, port))
         self.address = f"{host}:{self._server.getsockname()[1]}"
         self._peers: list[socket.socket] = []
+        self._sent: dict[socket.socket, int] = {}  # the newest version streamed to each peer
         self._lock = threading.Lock()
         self._staging: list[torch.Tensor] = [torch.empty(0, dtype=torch.uint8)] * 2
         self._packer = ThreadPoolExecutor(1, thread_name_prefix="tcp-send")
@@ -137,17 +139,33 @@ class TcpSender:
                 continue
             with self._lock:
                 self._peers.append(conn)
+                self._sent[conn] = -1
 
-    @torch.no_grad()
     def push(self, named: Mapping[str, torch.Tensor], version: int) -> WeightManifest:
         """Stream ``version`` to every connected receiver; returns its manifest (with checksums).
         A receiver that fails during the update is dropped (it reconnects on its next apply)."""
-        manifest = build_manifest(named, version, self.bucket_bytes)
         if self.receivers < self.expected:  # a receiver still connecting would miss this version
             with contextlib.suppress(TimeoutError):  # one gone for good must not stop the others
                 self.wait_for_receivers(self.expected, self.wait_s)
         with self._lock:
             peers = list(self._peers)
+        return self._stream(named, version, peers)
+
+    def catch_up(self, named: Mapping[str, torch.Tensor], version: int) -> int:
+        """Stream ``version`` (``named`` must hold it) to the receivers that connected after it
+        was pushed, such as a restarted engine's; returns how many it reached."""
+        with self._lock:
+            behind = [p for p in self._peers if self._sent.get(p, -1) < version]
+        if behind:
+            self._stream(named, version, behind)
+        with self._lock:
+            return sum(1 for p in behind if self._sent.get(p) == version)
+
+    @torch.no_grad()
+    def _stream(
+        self, named: Mapping[str, torch.Tensor], version: int, peers: list[socket.socket]
+    ) -> WeightManifest:
+        manifest = build_manifest(named, version, self.bucket_bytes)
         blob = encode(manifest)
         dead: set[socket.socket] = set(self._send(peers, [_HEAD.pack(len(blob), int(self.checksum)), blob]))
         self._reserve(max(manifest.bucket_sizes, default=0))
@@ -171,6 +189,10 @@ class TcpSender:
             if pending is not None:
                 dead.update(pending.result())
         self._drop(dead)
+        with self._lock:
+            for peer in peers:
+                if peer in self._sent:
+                    self._sent[peer] = max(self._sent[peer], version)
         if self.checksum:
             manifest.checksums = sums
         return manifest
@@ -200,13 +222,15 @@ class TcpSender:
             return
         with self._lock:
             self._peers = [p for p in self._peers if p not in dead]
+            for peer in dead:
+                self._sent.pop(peer, None)
         for peer in dead:
             peer.close()
 
     def close(self) -> None:
         self._server.close()
         with self._lock:
-            peers, self._peers = self._peers, []
+            peers, self._peers, self._sent = self._peers, [], {}
         for peer in peers:
             peer.close()
         self._packer.shutdown(wait=False)

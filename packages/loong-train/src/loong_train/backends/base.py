@@ -18,7 +18,7 @@ optimizer state lives on many ranks: each rank writes and reads its own files th
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 import torch
@@ -37,7 +37,7 @@ from loong_train.backends.config import (
 if TYPE_CHECKING:
     from loong_train.models.decoder import DecoderConfig
 
-__all__ = ["BackendOptions", "TrainBackend", "backend_problem", "build_backend"]
+__all__ = ["BackendOptions", "RankDriver", "RankLost", "TrainBackend", "backend_problem", "build_backend"]
 
 
 class TrainBackend(Protocol):
@@ -69,6 +69,38 @@ class TrainBackend(Protocol):
         ...
 
     def close(self) -> None: ...
+
+
+class RankLost(RuntimeError):
+    """A rank of a :class:`RankDriver` died during a call (its process, or its node): the
+    trainer cannot go on. The message names the rank and its node."""
+
+
+class RankDriver:
+    """A :class:`TrainBackend` whose ranks run elsewhere (followers of this process, Ray actors):
+    every call goes to all of them through ``_call(name, *args)``, which returns rank 0's result.
+    A subclass defines ``_call`` and ``close``."""
+
+    def _call(self, name: str, *args: object) -> Any:
+        raise NotImplementedError(f"{type(self).__name__}._call")
+
+    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
+        return self._call("logprobs", batch)
+
+    def train_step(self, batch: TrainBatch) -> dict[str, float]:
+        return self._call("train_step", batch)
+
+    def named_weights(self) -> dict[str, torch.Tensor]:
+        return self._call("named_weights")
+
+    def save_pretrained(self, path: str | Path) -> None:
+        self._call("save_pretrained", path)
+
+    def save_state(self, path: str | Path) -> None:
+        self._call("save_state", path)
+
+    def load_state(self, path: str | Path) -> None:
+        self._call("load_state", path)
 
 
 class BackendOptions(msgspec.Struct, frozen=True, kw_only=True):

@@ -28,7 +28,7 @@ from typing import Any
 import ray
 import torch
 
-from loong_core.records import TrainBatch
+from loong_train.backends.base import RankDriver, RankLost
 
 __all__ = ["FsdpDriver", "FsdpRank"]
 
@@ -78,7 +78,7 @@ class FsdpRank:
             dist.destroy_process_group()
 
 
-class FsdpDriver:
+class FsdpDriver(RankDriver):
     """``ranks`` :class:`FsdpRank` actors in a placement group; ``backend_kwargs`` go to
     :class:`~loong_train.backends.fsdp.FsdpBackend` (the torch backend's settings)."""
 
@@ -140,25 +140,7 @@ class FsdpDriver:
         except ray.exceptions.RayActorError as e:
             dead = [i for i, ref in enumerate(refs) if _failed(ref)]
             where = ", ".join(f"rank {i} on node {self.nodes[i]}" for i in dead) or "a rank"
-            raise RuntimeError(f"FSDP {name}: {where} died ({e.__class__.__name__})") from e
-
-    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        return self._call("logprobs", batch)
-
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        return self._call("train_step", batch)
-
-    def named_weights(self) -> dict[str, torch.Tensor]:
-        return self._call("named_weights")
-
-    def save_pretrained(self, path: str | Path) -> None:
-        self._call("save_pretrained", path)
-
-    def save_state(self, path: str | Path) -> None:
-        self._call("save_state", path)
-
-    def load_state(self, path: str | Path) -> None:
-        self._call("load_state", path)
+            raise RankLost(f"FSDP {name}: {where} died ({e.__class__.__name__})") from e
 
     def close(self) -> None:
         from ray.util.placement_group import remove_placement_group

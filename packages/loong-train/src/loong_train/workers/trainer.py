@@ -98,9 +98,21 @@ class TrainerWorker:
             self.version += 1
             if self.servers is None:
                 manifest = self.sender.push(self.backend.named_weights(), self.version)
+                self._unpublished = False
             else:
                 manifest = self._push_to_servers()
         return Published(step=step, manifest=manifest, push_start=start, push_end=time.time())
+
+    def catch_up_receivers(self) -> int:
+        """Send the newest published version to receivers that connected after it was pushed (a
+        restarted rollout worker, over a streaming transport: ``shm`` workers read it from the
+        slots themselves); returns how many it reached. Between a step and its push the weights
+        are ahead of the version: then the push brings them up to date instead."""
+        catch_up = getattr(self.sender, "catch_up", None)
+        with self._lock:
+            if catch_up is None or self._unpublished or self.version == 0:
+                return 0
+            return catch_up(self.backend.named_weights(), self.version)
 
     def _push_to_servers(self) -> WeightManifest:
         """Push ``version`` into every server; one that fails is caught up later."""

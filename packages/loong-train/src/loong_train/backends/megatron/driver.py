@@ -23,14 +23,14 @@ import torch
 import torch.distributed as dist
 
 from loong_core.net import free_port
-from loong_core.records import TrainBatch
+from loong_train.backends.base import RankDriver
 from loong_train.backends.megatron.backend import MegatronBackend
 from loong_train.backends.megatron.cpu import cpu_compat
 
 __all__ = ["MegatronDriver", "init_model_parallel"]
 
 
-class MegatronDriver:
+class MegatronDriver(RankDriver):
     """Rank 0 of a ``tp * pp * dp`` Megatron world; ``backend_kwargs`` go to MegatronBackend."""
 
     def __init__(
@@ -55,24 +55,6 @@ class MegatronDriver:
         if self._followers:
             dist.broadcast_object_list([(name, args)], src=0)
         return getattr(self.backend, name)(*args)
-
-    def logprobs(self, batch: TrainBatch) -> torch.Tensor:
-        return self._call("logprobs", batch)
-
-    def train_step(self, batch: TrainBatch) -> dict[str, float]:
-        return self._call("train_step", batch)
-
-    def named_weights(self) -> dict[str, torch.Tensor]:
-        return self._call("named_weights")
-
-    def save_pretrained(self, path: str | Path) -> None:
-        self._call("save_pretrained", path)
-
-    def save_state(self, path: str | Path) -> None:
-        self._call("save_state", path)
-
-    def load_state(self, path: str | Path) -> None:
-        self._call("load_state", path)
 
     def close(self) -> None:
         if self._followers:
