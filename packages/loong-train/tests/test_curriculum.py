@@ -101,6 +101,13 @@ def test_the_source_passes_over_resting_prompts_of_a_cycling_stream():
     assert curriculum.counts()["prompts_skipped"] == 4
 
 
+def test_a_prompt_is_its_messages_or_else_its_whole_item():
+    question = [{"role": "user", "content": "q"}]
+    assert prompt_key({"messages": question, "id": "a"}) == prompt_key({"messages": question, "id": "b"})
+    env_rows = [{"id": f"r{i}", "messages": [], "row": {"seed": i}} for i in range(2)]  # env items
+    assert prompt_key(env_rows[0]) != prompt_key(env_rows[1])
+
+
 def test_a_failed_episode_is_no_evidence_and_a_black_box_episode_counts_once():
     curriculum = Curriculum(CurriculumConfig(enabled=True), seed=0)
     source = GroupSource(_items(2), group_size=3, curriculum=curriculum)

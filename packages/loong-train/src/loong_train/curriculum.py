@@ -2,7 +2,8 @@
 failing, leave the draw, and come back after a cool-down or by chance.
 
 A prompt is its chat messages (:func:`prompt_key`: the same question drawn twice is one prompt,
-whatever else its item carries). Every group the run finishes (trained or dropped by dynamic
+whatever else its item carries; an item without messages, an environment's row, is its whole
+item). Every group the run finishes (trained or dropped by dynamic
 sampling; not one lost and issued again) is one observation of its prompt:
 
 - *solved* when every trainable episode scored ``>= solved``, *failed* when every one scored
@@ -76,8 +77,10 @@ class CurriculumConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
 
 
 def prompt_key(item: dict[str, Any]) -> str:
-    """The curriculum's name for an item's prompt: a hash of its chat messages."""
-    text = json.dumps(item["messages"], sort_keys=True, ensure_ascii=False)
+    """The curriculum's name for an item's prompt: a hash of its chat messages, or of the whole
+    item when it has none (an environment's row, whose prompt its ``reset`` writes)."""
+    what = item.get("messages") or item
+    text = json.dumps(what, sort_keys=True, ensure_ascii=False, default=str)
     return hashlib.blake2b(text.encode(), digest_size=12).hexdigest()
 
 
