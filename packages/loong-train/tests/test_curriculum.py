@@ -74,6 +74,10 @@ def test_when_every_prompt_offered_rests_the_draw_takes_one_anyway():
     assert not c.admits("a", 3, passed=2)
     assert c.admits("a", 3, passed=3)  # passed over as many in a row as there are resting prompts
     assert c.counts()["prompts_forced"] == 1
+    capped = Curriculum(CurriculumConfig(enabled=True, return_prob=0.0, max_skips=2), seed=0)
+    for key in ("a", "b", "c"):
+        capped.observe(key, FAILED, drawn=0)
+    assert not capped.admits("a", 3, passed=1) and capped.admits("a", 3, passed=2)  # the cap
 
 
 def _group(group_id: str, rewards: list[float]) -> list[Trajectory]:
@@ -159,6 +163,7 @@ def test_a_restored_source_draws_exactly_what_the_uninterrupted_one_draws():
         ("curriculum.return_prob=1.5", "return_prob must be in [0, 1]"),
         ("curriculum.failed=1.0", "failed (1.0) must be below solved (1.0)"),
         ("curriculum.cooldown=-1", "cooldown must be >= 0"),
+        ("curriculum.max_skips=-1", "max_skips must be >= 0"),
         ("curriculum.rest=3", "rest"),
     ],
 )

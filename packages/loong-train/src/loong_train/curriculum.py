@@ -21,10 +21,12 @@ for good: it leaves again only after another ``after`` groups of one kind). A se
 state: resting prompts come back in proportion to how common they are, and at most a
 ``return_prob`` share of the draws goes to them (one so drawn stays resting: a group that keeps
 its streak restarts its rest, one that breaks it wakes it).
-When more items in a row were passed over than there are resting prompts, every prompt the
-stream still offers rests: the draw takes the item at hand anyway (``forced``), so a task the
-policy masters never blocks the run; with dynamic sampling such groups are then dropped and the
-run ends as finished (:mod:`loong_train.pipeline`).
+Passing over costs what the stream costs to produce an item (a reasoning-gym item: about 40 us,
+measured), so a draw passes over at most ``max_skips`` items (and never more than there are
+resting prompts, when every prompt the stream still offers rests): then it takes the item at hand
+anyway (``forced``). A task the policy masters never blocks the run, nor makes a draw scan the
+stream; with dynamic sampling such groups are dropped and the run ends as finished
+(:mod:`loong_train.pipeline`).
 
 Everything here is pure Python, deterministic given the outcomes and the seed; the statistics,
 the coin's state and the counters are part of a checkpoint (:meth:`Curriculum.state_dict`).
@@ -54,7 +56,7 @@ class CurriculumConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     ``failed`` (reward thresholds; ``failed = -inf`` keeps hopeless prompts in the draw,
     ``solved = inf`` keeps solved ones); ``cooldown`` (groups drawn before a resting prompt
     returns; 0: never by time); ``return_prob`` (the share of draws that take the stream's next
-    item, resting or not)."""
+    item, resting or not); ``max_skips`` (items one draw may pass over)."""
 
     enabled: bool = False
     after: int = 1
@@ -62,8 +64,11 @@ class CurriculumConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     failed: float = 0.0
     cooldown: int = 0
     return_prob: float = 0.05
+    max_skips: int = 256
 
     def __post_init__(self) -> None:
+        if self.max_skips < 0:
+            raise ValueError(f"max_skips must be >= 0 items passed over per draw, got {self.max_skips}")
         if self.after < 1:
             raise ValueError(f"after must be >= 1 (groups in a row before a prompt rests), got {self.after}")
         if self.cooldown < 0:
@@ -147,7 +152,7 @@ class Curriculum:
         if any_item:
             self.returned += 1
             return True
-        if passed >= self.resting:  # every prompt the stream still offers rests
+        if passed >= min(self.resting, self.config.max_skips):  # nearly every prompt offered rests
             self.forced += 1
             return True
         self.skipped += 1
