@@ -17,7 +17,7 @@ SOLVED, FAILED, MIXED = [1.0, 1.0], [0.0, 0.0], [0.0, 1.0]
 
 
 def test_a_prompt_rests_after_k_groups_of_one_kind_and_returns_after_the_cooldown():
-    c = Curriculum(CurriculumConfig(enabled=True, after=2, cooldown=5, return_prob=0.0), seed=0)
+    c = Curriculum(CurriculumConfig(enabled=True, failed=0.0, after=2, cooldown=5, return_prob=0.0), seed=0)
     # hand-worked: (outcome observed at `drawn`, then what a draw at `drawn` decides)
     assert c.observe("a", SOLVED, drawn=1) == "solved" and c.admits("a", 1, 0)  # streak 1 < 2
     assert c.observe("a", MIXED, drawn=2) == "mixed" and c.admits("a", 2, 0)  # streak broken
@@ -47,7 +47,7 @@ def test_failed_below_its_threshold_and_an_empty_group_are_not_observations():
     assert c.outcome([0.2, 0.1]) == "failed"
     assert c.outcome([0.95, 0.5]) == "mixed"
     assert c.observe("a", [], drawn=0) is None and not c.prompts  # no trainable episode
-    keep_hopeless = Curriculum(CurriculumConfig(enabled=True, failed=float("-inf")), seed=0)
+    keep_hopeless = Curriculum(CurriculumConfig(enabled=True), seed=0)
     keep_hopeless.observe("a", FAILED, drawn=0)
     assert keep_hopeless.admits("a", 1, 0) and keep_hopeless.counts()["prompts_hopeless"] == 0
 
@@ -68,13 +68,13 @@ def test_the_coin_draws_a_resting_prompt_as_an_independent_seeded_coin_says():
 
 
 def test_when_every_prompt_offered_rests_the_draw_takes_one_anyway():
-    c = Curriculum(CurriculumConfig(enabled=True, return_prob=0.0), seed=0)
+    c = Curriculum(CurriculumConfig(enabled=True, failed=0.0, return_prob=0.0), seed=0)
     for key in ("a", "b", "c"):
         c.observe(key, FAILED, drawn=0)
     assert not c.admits("a", 3, passed=2)
     assert c.admits("a", 3, passed=3)  # passed over as many in a row as there are resting prompts
     assert c.counts()["prompts_forced"] == 1
-    capped = Curriculum(CurriculumConfig(enabled=True, return_prob=0.0, max_skips=2), seed=0)
+    capped = Curriculum(CurriculumConfig(enabled=True, failed=0.0, return_prob=0.0, max_skips=2), seed=0)
     for key in ("a", "b", "c"):
         capped.observe(key, FAILED, drawn=0)
     assert not capped.admits("a", 3, passed=1) and capped.admits("a", 3, passed=2)  # the cap
@@ -93,7 +93,7 @@ def _items(n: int) -> itertools.cycle:
 
 def test_the_source_passes_over_resting_prompts_of_a_cycling_stream():
     """Four prompts cycling; q1 solved and q2 hopeless after one group each (after = 1)."""
-    curriculum = Curriculum(CurriculumConfig(enabled=True, return_prob=0.0), seed=0)
+    curriculum = Curriculum(CurriculumConfig(enabled=True, failed=0.0, return_prob=0.0), seed=0)
     source = GroupSource(_items(4), group_size=2, curriculum=curriculum)
     first = [source.next_group() for _ in range(4)]
     for group_id, rewards in zip(first, [MIXED, SOLVED, FAILED, MIXED], strict=True):
@@ -131,7 +131,7 @@ def test_a_restored_source_draws_exactly_what_the_uninterrupted_one_draws():
     """Outcomes fed by a fixed rule (prompt n: solved when n % 3 == 0, failed when n % 3 == 1),
     a coin of 0.4 and a cool-down of 9: the source restored from a msgpack round trip of its state
     at group 20 draws the same 40 next prompts, with the same counts."""
-    config = CurriculumConfig(enabled=True, return_prob=0.4, cooldown=9)
+    config = CurriculumConfig(enabled=True, failed=0.0, return_prob=0.4, cooldown=9)
 
     def new_source() -> GroupSource:
         return GroupSource(_items(7), group_size=2, seed=3, curriculum=Curriculum(config, seed=3))

@@ -103,6 +103,7 @@ def test_a_resumed_run_keeps_the_curriculums_statistics_and_draw(tmp_path, clust
         "eval.num_tasks=2",
         "curriculum.enabled=true",
         "curriculum.return_prob=0.5",
+        "curriculum.failed=0.0",  # hopeless prompts rest too
         "train.max_staleness=0",
     ]
     cache = tmp_path / "cache"

@@ -53,18 +53,20 @@ class CurriculumConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     """The ``[curriculum]`` table (this module's docstring says what each key does).
 
     ``enabled``; ``after`` (consecutive groups of one kind before a prompt rests); ``solved`` and
-    ``failed`` (reward thresholds; ``failed = -inf`` keeps hopeless prompts in the draw,
-    ``solved = inf`` keeps solved ones); ``cooldown`` (groups drawn before a resting prompt
+    ``failed`` (reward thresholds; ``solved = inf`` keeps solved prompts in the draw; ``failed``
+    is ``-inf`` unless set, so hopeless prompts stay: resting them after one all-failed group
+    cost held-out success on tiny-reasoning, 0.62 against 0.75, since the policy still learns
+    many of them); ``cooldown`` (groups drawn before a resting prompt
     returns; 0: never by time); ``return_prob`` (the share of draws that take the stream's next
     item, resting or not); ``max_skips`` (items one draw may pass over)."""
 
     enabled: bool = False
     after: int = 1
     solved: float = 1.0
-    failed: float = 0.0
+    failed: float = float("-inf")
     cooldown: int = 0
     return_prob: float = 0.05
-    max_skips: int = 256
+    max_skips: int = 64
 
     def __post_init__(self) -> None:
         if self.max_skips < 0:
