@@ -256,9 +256,8 @@ def _start(
     source: GroupSource,
 ) -> Pipeline:
     """Ray, the rollout workers and the trainer (logs in ``run_path/logs``); resumed, all three
-    start from ``ckpt``. Each actor
-    reserves its torch threads as CPUs (``threads``; the trainer's ``train.threads``) and its GPUs,
-    so Ray places them by resources."""
+    start from ``ckpt``. Each actor reserves its torch threads as CPUs (``threads``; the
+    trainer's ``train.threads``) and its GPUs, so Ray places them by resources."""
     if not ray.is_initialized():
         # --address, or RAY_ADDRESS as Ray reads it; else a cluster of the run's own, never one
         # Ray would find by chance on this machine (another user's `ray start`, say)

@@ -3,8 +3,8 @@ failing, leave the draw, and come back after a cool-down or by chance.
 
 A prompt is its chat messages (:func:`prompt_key`: the same question drawn twice is one prompt,
 whatever else its item carries; an item without messages, an environment's row, is its whole
-item). Every group the run finishes (trained or dropped by dynamic
-sampling; not one lost and issued again) is one observation of its prompt:
+item). Every group the run finishes (trained or dropped by dynamic sampling; not one lost and
+issued again) is one observation of its prompt:
 
 - *solved* when every trainable episode scored ``>= solved``, *failed* when every one scored
   ``<= failed``, *mixed* otherwise (a group with no trainable episode is no observation);
@@ -21,6 +21,7 @@ for good: it leaves again only after another ``after`` groups of one kind). A se
 state: resting prompts come back in proportion to how common they are, and at most a
 ``return_prob`` share of the draws goes to them (one so drawn stays resting: a group that keeps
 its streak restarts its rest, one that breaks it wakes it).
+
 Passing over costs what the stream costs to produce an item (a reasoning-gym item: about 40 us,
 measured), so a draw passes over at most ``max_skips`` items (and never more than there are
 resting prompts, when every prompt the stream still offers rests): then it takes the item at hand
@@ -56,9 +57,9 @@ class CurriculumConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown
     ``failed`` (reward thresholds; ``solved = inf`` keeps solved prompts in the draw; ``failed``
     is ``-inf`` unless set, so hopeless prompts stay: resting them after one all-failed group
     cost held-out success on tiny-reasoning, 0.62 against 0.75, since the policy still learns
-    many of them); ``cooldown`` (groups drawn before a resting prompt
-    returns; 0: never by time); ``return_prob`` (the share of draws that take the stream's next
-    item, resting or not); ``max_skips`` (items one draw may pass over)."""
+    many of them); ``cooldown`` (groups drawn before a resting prompt returns; 0: never by
+    time); ``return_prob`` (the share of draws that take the stream's next item, resting or
+    not); ``max_skips`` (items one draw may pass over)."""
 
     enabled: bool = False
     after: int = 1
