@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -186,3 +187,46 @@ def test_a_program_that_cannot_start_fails_its_episode_only(tmp_path):
     (broken,), (healthy,) = asyncio.run(main())
     assert broken.status is EpisodeStatus.FAILED and missing in broken.info["error"]
     assert healthy.status is EpisodeStatus.OK
+
+
+def test_a_sandboxed_agent_reaches_the_proxy_and_nothing_else(tmp_path, monkeypatch):
+    """``AgentProgram.sandbox``: the episode's model calls pass (the proxy's loopback address is
+    carried into the sandbox's network namespace) and are recorded token-exact; another loopback
+    server, a write outside its directory and the parent's environment are out of reach; a
+    memory hog fails its episode alone."""
+    from loong_agentflow.sandbox import SandboxLimits
+
+    monkeypatch.setenv("LOONG_TEST_PARENT_SECRET", "visible")
+    engine = BigramEngine(ScriptedBigramPolicy(["The answer is 11."]))
+    other = socket.create_server(("127.0.0.1", 0))
+    other.settimeout(0.2)
+    escape = tmp_path / "escaped.txt"
+    agent = [sys.executable, str(Path(__file__).parent / "agents" / "confined_agent.py")]
+    task = {"messages": MESSAGES, "other": other.getsockname()[1], "escape": str(escape)}
+    seen = {}
+
+    def score(task, out):
+        seen.update(json.loads(out))
+        return float(seen["answer"] == "The answer is 11.")
+
+    async def main():
+        async with ProxyServer(engine, ChatMLRenderer(CODEC)) as proxy:
+            program = AgentProgram(agent, timeout_s=30, sandbox=SandboxLimits(memory_mb=1024))
+            runner = BlackBoxRunner(proxy, program, reward_fn=score)
+            episodes = await runner.run_many(
+                [EpisodeSpec("ok", "g", task), EpisodeSpec("hog", "g", {**task, "hog": True})]
+            )
+            await runner.close()
+            return episodes
+
+    (row,), (hog,) = asyncio.run(main())
+    assert row.status is EpisodeStatus.OK and row.reward == 1.0, row.info
+    with pytest.raises(TimeoutError):
+        other.accept()  # no connection ever arrived
+    other.close()
+    assert not escape.exists()
+    assert [s for s in row.spans if s.is_model] == [span for _, span in engine.log]
+    assert CODEC.decode(row.token_ids).endswith("The answer is 11.<|im_end|>")
+    assert seen["other"] == "ConnectionRefusedError" and seen["escape"] == "PermissionError"
+    assert seen["scratch"] == 2 and seen["cwd"] != os.getcwd() and seen["parent_env"] is None
+    assert hog.status is EpisodeStatus.FAILED and "MemoryError" in hog.info["error"]

@@ -25,7 +25,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from loong_agentflow import EpisodeSpec
+from loong_agentflow import EpisodeLimits, EpisodeSpec, SandboxLimits
+from loong_core.config import ConfigError
 from loong_core.records import EpisodeStatus, SpanSource, TokenSpan, Trajectory
 from loong_core.telemetry import read_metrics
 from loong_train.algo.losses import grpo_advantages, pack_batch
@@ -37,7 +38,7 @@ from loong_train.models.tokenizer import load_tokenizer
 from loong_train.tiny import calc
 from loong_train.tiny.calc_agent import run_tool
 from loong_train.tiny.warmstart import sft_loss
-from loong_train.workers.agent import BlackboxAgentConfig, WhiteboxAgentConfig
+from loong_train.workers.agent import BlackboxAgentConfig, WhiteboxAgentConfig, agent_program
 from loong_train.workers.rollout import RolloutWorker
 
 CHAT_AGENT = [sys.executable, str(Path(__file__).parent / "agents" / "chat_agent.py")]
@@ -88,6 +89,35 @@ def test_agent_type_defaults_to_whitebox_and_blackbox_needs_openai(monkeypatch, 
     assert own.agent.command == ["./my-agent"]  # an agent of one's own needs no openai here
 
 
+def test_agent_sandbox_keys(tmp_path, monkeypatch):
+    """``[agent] sandbox``: true or a table of limits; settings it would make dead are refused."""
+    blackbox = ["agent.type=blackbox"]
+    assert load_recipe("tiny-calc-agent", blackbox).agent.sandbox_limits is None
+    assert (
+        load_recipe("tiny-calc-agent", [*blackbox, "agent.sandbox=true"]).agent.sandbox_limits
+        == SandboxLimits()
+    )
+    table = load_recipe("tiny-calc-agent", [*blackbox, "agent.sandbox.memory_mb=512"]).agent
+    assert table.sandbox_limits == SandboxLimits(memory_mb=512)
+    for sets, named in [
+        (["agent.sandbox.wall_s=5"], "rollout.episode_timeout_s"),
+        (["agent.sandbox=true", 'agent.preload=["openai"]'], "agent.preload"),
+        (["agent.sandbox.cpu_s=0"], "cpu_s"),
+    ]:
+        with pytest.raises(ConfigError, match=named):
+            load_recipe("tiny-calc-agent", [*blackbox, *sets])
+    with pytest.raises(ConfigError, match="sandbox"):  # the white-box agent has no such key
+        load_recipe("tiny-calc-agent", ["agent.sandbox=true"])
+    # a command's file arguments are made absolute: the episode runs in a fresh directory
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "my_agent.py").write_text("")
+    agent = load_recipe(
+        "tiny-calc-agent", [*blackbox, "agent.sandbox=true", 'agent.command=["python", "my_agent.py"]']
+    )
+    program = agent_program(agent.agent, None, EpisodeLimits(max_turns=2, max_model_tokens=64, timeout_s=9))
+    assert program.argv == ["python", str(tmp_path / "my_agent.py")] and program.sandbox == SandboxLimits()
+
+
 def test_calc_agent_tool_results_and_errors():
     assert run_tool("calc", '{"expr": "12*34"}') == "408"
     assert run_tool("calc", '{"expr": "2**8"}').startswith("error: ValueError: unsupported expression")
@@ -95,8 +125,8 @@ def test_calc_agent_tool_results_and_errors():
     assert run_tool("add", "{}") == "error: unknown tool 'add' (known: ['calc'])"
 
 
-def _worker(tiny_dir: Path, command: list[str], max_new_tokens: int = 12) -> RolloutWorker:
-    agent = BlackboxAgentConfig(command=command, max_concurrency=4)
+def _worker(tiny_dir: Path, command: list[str], max_new_tokens: int = 12, sandbox=False) -> RolloutWorker:
+    agent = BlackboxAgentConfig(command=command, max_concurrency=4, sandbox=sandbox)
     sampling = {**SAMPLING, "max_new_tokens": max_new_tokens}
     return RolloutWorker(str(tiny_dir), seed=5, sampling=sampling, limits=LIMITS, agent=agent)
 
@@ -157,8 +187,14 @@ def test_sdk_agent_episodes_are_token_exact_on_the_tiny_policy(kind, request, tm
 
 
 @pytest.mark.integration
-def test_shipped_calc_agent_episodes_are_token_exact_on_the_tiny_policy(tiny_dir):
-    worker = _worker(tiny_dir, [])  # [] = python -m loong_train.tiny.calc_agent
+@pytest.mark.parametrize("sandbox", [False, True])
+def test_shipped_calc_agent_episodes_are_token_exact_on_the_tiny_policy(tiny_dir, sandbox):
+    """Also with ``[agent] sandbox = true``: each episode a fresh interpreter in the sandbox,
+    reaching the worker's proxy through its own network namespace."""
+    worker = _worker(tiny_dir, [], sandbox=sandbox)  # [] = python -m loong_train.tiny.calc_agent
+    program = worker.blackbox.runner.program
+    assert (program.sandbox is not None) == sandbox
+    assert list(program.preload) == ([] if sandbox else ["openai", "loong_train.tiny.calc"])
     tokenizer = worker.blackbox.proxy.renderer.tokenizer
     tasks = calc.eval_tasks(4)
     rows = _rollout(worker, [EpisodeSpec(f"c{i}", "g", t) for i, t in enumerate(tasks)])

@@ -8,7 +8,9 @@ otherwise; the process-count limit (root: a ``pids`` cgroup of its own; otherwis
 ``RLIMIT_NPROC`` above what the user already runs); writes confined to the working directory by
 Landlock (reads stay open, so interpreters and libraries load); every capability dropped and
 ``no_new_privs`` set; the resource limits; the working directory, a clean environment, and
-``execve``. A step the kernel refuses fails the launch with exit code 126 and its reason on
+``execve``. Loopback addresses the plan lets the program reach (``reach``) are listened on
+inside the new network namespace, and the listening sockets handed to the parent over
+``bridge_fd``, which carries each connection to the same address outside. A step the kernel refuses fails the launch with exit code 126 and its reason on
 stderr, unless the plan says that isolation may be skipped.
 
 Only the standard library, imported lazily nowhere else: this runs before the program, once per call.
@@ -17,16 +19,20 @@ Only the standard library, imported lazily nowhere else: this runs before the pr
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import json
 import os
 import resource
 import signal
+import socket
+import struct
 import sys
 
 CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 24, 38
 LANDLOCK_CREATE_RULESET, LANDLOCK_ADD_RULE, LANDLOCK_RESTRICT_SELF = 444, 445, 446
 CAPSET = {"x86_64": 126, "aarch64": 91}
+SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -57,6 +63,25 @@ def _enter_namespaces(root: bool, network: bool) -> None:
         f.write(f"{uid} {uid} 1")
     with open("/proc/self/gid_map", "w") as f:
         f.write(f"{gid} {gid} 1")
+
+
+def _open_reach(plan: dict) -> None:
+    """Bring the namespace's loopback up, listen on each address of ``reach`` and hand the
+    listening sockets to the parent (outside, it accepts and connects on)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        request = struct.pack("16sh22x", b"lo", 0)
+        flags = struct.unpack("16sh22x", fcntl.ioctl(s, SIOCGIFFLAGS, request))[1]
+        fcntl.ioctl(s, SIOCSIFFLAGS, struct.pack("16sh22x", b"lo", flags | IFF_UP))
+    listeners = []
+    for host, port in plan["reach"]:
+        listener = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        listener.bind((host, port))
+        listener.listen(64)
+        listeners.append(listener)
+    with socket.socket(fileno=plan["bridge_fd"]) as bridge:
+        socket.send_fds(bridge, [b"reach"], [listener.fileno() for listener in listeners])
+    for listener in listeners:
+        listener.close()
 
 
 # -- process count ------------------------------------------------------------------------------
@@ -170,6 +195,8 @@ def main() -> None:
     root, workdir = os.getuid() == 0, plan["workdir"]
     try:
         _enter_namespaces(root, plan["network"])
+        if plan["reach"]:
+            _open_reach(plan)
         _limit_processes(plan, root)
     except (Refused, OSError) as e:
         _refuse(f"sandbox: {e}")
@@ -186,6 +213,7 @@ def main() -> None:
         _refuse(f"sandbox: {e}")
     os.chdir(workdir)
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin", "HOME": workdir, "TMPDIR": workdir, "LANG": "C.UTF-8"}
+    env.update(plan["env"])
     try:
         os.execve(plan["argv"][0], plan["argv"], env)
     except OSError as e:

@@ -13,6 +13,11 @@ own process group) with this contract:
   Each scored row's ``metrics["from_agent"]`` says which won (1: the posted reward, 0: ``reward_fn``),
   logged by the trainer as ``reward/from_agent``, the share of episodes the agent scored itself.
 
+With ``sandbox`` limits the program runs in :class:`~loong_agentflow.sandbox.Sandbox` instead: a
+fresh private working directory, none of the parent's environment but the variables above and
+``env``, no network but the proxy (its loopback address, carried into the sandbox's network
+namespace), CPU, memory, file, process and output limits, and ``timeout_s`` as the wall clock.
+
 Outcome of an episode (never a silent 0): ``timeout`` when it runs past ``timeout_s`` (the whole
 process group is killed); ``failed`` when it exits non-zero, never calls the model, or leaves no
 reward; otherwise ``ok``, or ``truncated`` when the session ran out of tokens or its last call
@@ -30,18 +35,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import signal
 import time
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
+
+import msgspec
 
 from loong_agentflow.agent import EpisodeSpec
 from loong_agentflow.forkserver import ForkedProcess, ForkServer
 from loong_agentflow.proxy import ProxyServer
 from loong_agentflow.proxy.session import ProxySession
+from loong_agentflow.sandbox import Sandbox, SandboxLimits
 from loong_core.records import EpisodeStatus, Trajectory
 
 __all__ = ["AgentProgram", "BlackBoxRunner"]
@@ -57,6 +68,10 @@ class AgentProgram:
     forked from a warm process that imported them once (:class:`~loong_agentflow.forkserver.ForkServer`)
     instead of starting a new interpreter each; ``argv`` must then be ``[python, "-m", MODULE, ...]``
     or ``[python, SCRIPT, ...]``. The contract for the program is unchanged.
+
+    ``sandbox``: run each episode under these limits (its ``wall_s`` is ``timeout_s``), see the
+    module docstring; a sandboxed episode starts a fresh process in a fresh directory, so it
+    takes neither ``preload`` nor ``cwd``.
     """
 
     argv: Sequence[str]
@@ -64,6 +79,14 @@ class AgentProgram:
     cwd: str | None = None
     timeout_s: float = 120.0
     preload: Sequence[str] = ()
+    sandbox: SandboxLimits | None = None
+
+    def __post_init__(self) -> None:
+        if self.sandbox is not None and (self.preload or self.cwd):
+            raise ValueError(
+                "a sandboxed agent program starts a fresh process in a private directory: "
+                f"drop preload ({list(self.preload)}) and cwd ({self.cwd!r})"
+            )
 
 
 @dataclass
@@ -88,11 +111,17 @@ class BlackBoxRunner:
         self.proxy, self.program, self.reward_fn = proxy, program, reward_fn
         self._slots = asyncio.Semaphore(max_concurrency)
         self._forks = ForkServer(program.argv[0], program.preload) if program.preload else None
+        self._box = self._pool = None
+        if program.sandbox is not None:  # refuses here what this machine cannot enforce
+            self._box = Sandbox(msgspec.structs.replace(program.sandbox, wall_s=program.timeout_s))
+            self._pool = ThreadPoolExecutor(max_concurrency, thread_name_prefix="loong-sandbox")
 
     async def close(self) -> None:
         """Stop the fork server, if the program has one (it also ends with the runner's process)."""
         if self._forks is not None:
             await self._forks.close()
+        if self._pool is not None:
+            self._pool.shutdown(wait=False)
 
     async def run_many(self, specs: Sequence[EpisodeSpec]) -> list[list[Trajectory]]:
         """All episodes concurrently; one list of rows per spec, in ``specs`` order."""
@@ -109,7 +138,7 @@ class BlackBoxRunner:
             return self._trajectories(session, spec, done)
 
     def _env(self, session: ProxySession, spec: EpisodeSpec, task: str) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("OPENAI_")}
+        env = {} if self._box else {k: v for k, v in os.environ.items() if not k.startswith("OPENAI_")}
         env.update(self.program.env)
         env.update(
             OPENAI_BASE_URL=self.proxy.base_url,
@@ -123,6 +152,8 @@ class BlackBoxRunner:
 
     async def _execute(self, session: ProxySession, spec: EpisodeSpec) -> _Exit:
         task = json.dumps(spec.task)
+        if self._box is not None:
+            return await self._execute_sandboxed(self._env(session, spec, task), task)
         start = time.monotonic()
         try:
             proc = await self._launch(self._env(session, spec, task))
@@ -139,6 +170,18 @@ class BlackBoxRunner:
                 await proc.wait()
         text = out.decode(errors="replace")
         return _Exit(proc.returncode, text, err.decode(errors="replace"), timed_out, time.monotonic() - start)
+
+    async def _execute_sandboxed(self, env: dict[str, str], task: str) -> _Exit:
+        proxy = urlsplit(self.proxy.base_url)
+        run = functools.partial(
+            self._box.run,
+            list(self.program.argv),
+            task.encode(),
+            env=env,
+            reach=[(proxy.hostname, proxy.port)],
+        )
+        result = await asyncio.get_running_loop().run_in_executor(self._pool, run)
+        return _Exit(result.returncode, result.stdout, result.stderr, result.timed_out, result.wall_s)
 
     async def _launch(self, env: dict[str, str]) -> asyncio.subprocess.Process | ForkedProcess:
         """The episode's process, in a session of its own: forked when the program preloads."""

@@ -13,7 +13,10 @@ Each call gets a fresh temporary directory as its working directory (and ``HOME`
 (:mod:`loong_agentflow._sandbox_exec`) that confines itself first:
 
 - **no network**: a new network namespace (nothing but a downed loopback: even 127.0.0.1 is
-  unreachable); ``network = True`` turns this off, explicitly;
+  unreachable); ``network = True`` turns this off, explicitly. A call may name loopback
+  services it needs (``reach``, e.g. an agent's model endpoint): the program connects to the
+  same address inside its namespace and the sandbox carries each connection to it outside,
+  and to nothing else;
 - **processes**: a new PID namespace whose init is the program, so it cannot see or signal
   anything outside, and whatever it leaves running dies with it; at most ``processes`` of them
   (root: a ``pids`` cgroup of the call's own; otherwise ``RLIMIT_NPROC`` above what the user
@@ -40,12 +43,14 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -146,11 +151,21 @@ class Sandbox:
             )
 
     def run(
-        self, argv: list[str], stdin: bytes = b"", files: dict[str, str | bytes] | None = None
+        self,
+        argv: list[str],
+        stdin: bytes = b"",
+        files: dict[str, str | bytes] | None = None,
+        env: Mapping[str, str] | None = None,
+        reach: Sequence[tuple[str, int]] = (),
     ) -> SandboxResult:
         """Run ``argv`` (its first item a path or a name on PATH) in a fresh working directory
-        holding ``files`` (name -> content), ``stdin`` on its standard input."""
+        holding ``files`` (name -> content), ``stdin`` on its standard input. The program's
+        environment is ``PATH``, ``HOME``, ``TMPDIR`` and ``LANG`` and then ``env``; ``reach``:
+        loopback ``(host, port)`` services it may connect to."""
         lim = self.limits
+        for host, port in reach:
+            if not host.startswith("127.") or not 0 < port < 65536:
+                raise ValueError(f"sandbox reach {host}:{port}: a loopback address (127.x.x.x) and a port")
         workdir = Path(tempfile.mkdtemp(prefix="loong-sandbox-"))
         cgroup = self._make_cgroup() if self._pids else ""
         try:
@@ -165,7 +180,9 @@ class Sandbox:
             plan = {
                 "argv": [program, *argv[1:]],
                 "workdir": str(workdir),
+                "env": dict(env or {}),
                 "network": lim.network,
+                "reach": [] if lim.network else [list(address) for address in reach],
                 "writes_outside": lim.writes_outside,
                 "processes": lim.processes,
                 "cgroup": cgroup,
@@ -189,22 +206,29 @@ class Sandbox:
     def run_bash(self, script: str, stdin: bytes = b"") -> SandboxResult:
         return self.run(["bash", "main.sh"], stdin, {"main.sh": script})
 
-    async def arun(
-        self, argv: list[str], stdin: bytes = b"", files: dict[str, str | bytes] | None = None
-    ) -> SandboxResult:
+    async def arun(self, argv: list[str], stdin: bytes = b"", **kwargs) -> SandboxResult:
         """:meth:`run` on a thread: the event loop goes on meanwhile."""
-        return await asyncio.to_thread(self.run, argv, stdin, files)
+        return await asyncio.to_thread(self.run, argv, stdin, **kwargs)
 
     def _launch(self, plan: dict, stdin: bytes) -> SandboxResult:
         lim, start = self.limits, time.monotonic()
-        proc = subprocess.Popen(
-            [sys.executable, "-I", "-m", "loong_agentflow._sandbox_exec", json.dumps(plan)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            start_new_session=True,
-            env={"PYTHONPATH": os.pathsep.join(sys.path)},
-        )
+        relay = _Relay(plan) if plan["reach"] else None
+        try:
+            proc = subprocess.Popen(
+                [sys.executable, "-I", "-m", "loong_agentflow._sandbox_exec", json.dumps(plan)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                start_new_session=True,
+                env={"PYTHONPATH": os.pathsep.join(sys.path)},
+                pass_fds=relay.child_fds if relay else (),
+            )
+        except BaseException:
+            if relay:
+                relay.close()
+            raise
+        if relay:
+            relay.started()
         out, err = _Capped(proc.stdout, lim.output_bytes), _Capped(proc.stderr, lim.output_bytes)
         feed = threading.Thread(target=_feed, args=(proc.stdin, stdin), daemon=True)  # never blocks us
         feed.start()
@@ -216,6 +240,8 @@ class Sandbox:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # the launcher's group: the PID namespace dies with it
         proc.wait()
+        if relay:
+            relay.close()
         out.join(), err.join(), feed.join()
         return SandboxResult(
             returncode=proc.returncode,  # the launcher ends as the program did
@@ -231,6 +257,78 @@ class Sandbox:
         os.mkdir(path)
         Path(path, "pids.max").write_text(str(self.limits.processes + 1))  # + the launcher
         return path
+
+
+class _Relay:
+    """Carries the program's connections to its ``reach`` addresses: the launcher listens on them
+    inside the sandbox's network namespace and sends the listening sockets here (a socket pair),
+    where a thread accepts and connects each to the same address outside."""
+
+    def __init__(self, plan: dict) -> None:
+        self.targets = [tuple(address) for address in plan["reach"]]
+        self._here, self._child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        plan["bridge_fd"] = self._child.fileno()
+        self.child_fds = (self._child.fileno(),)
+        self._open: list[socket.socket] = [self._here]
+        self._lock = threading.Lock()
+        self._closed = False
+
+    def started(self) -> None:
+        """The launcher holds its end now: ours of it closes, so a launcher that dies before
+        sending ends the wait for its sockets."""
+        self._child.close()
+        threading.Thread(target=self._receive, daemon=True).start()
+
+    def _receive(self) -> None:
+        with contextlib.suppress(OSError):
+            _, fds, _, _ = socket.recv_fds(self._here, 16, len(self.targets))
+            for fd, target in zip(fds, self.targets, strict=False):
+                listener = socket.socket(fileno=fd)
+                if not self._keep(listener):
+                    return
+                threading.Thread(target=self._accept, args=(listener, target), daemon=True).start()
+
+    def _keep(self, sock: socket.socket) -> bool:
+        with self._lock:
+            if self._closed:
+                sock.close()
+                return False
+            self._open.append(sock)
+            return True
+
+    def _accept(self, listener: socket.socket, target: tuple[str, int]) -> None:
+        while True:
+            try:
+                inside, _ = listener.accept()
+            except OSError:
+                return  # closed: the call ended
+            try:
+                outside = socket.create_connection(target, timeout=10)
+                outside.settimeout(None)
+            except OSError:
+                inside.close()  # nothing listens there: the program sees a refused connection
+                continue
+            if not (self._keep(inside) and self._keep(outside)):
+                return
+            for a, b in ((inside, outside), (outside, inside)):
+                threading.Thread(target=_pump, args=(a, b), daemon=True).start()
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            opened, self._open = self._open, []
+        self._child.close()
+        for sock in opened:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+
+
+def _pump(source: socket.socket, sink: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        while data := source.recv(1 << 16):
+            sink.sendall(data)
+        sink.shutdown(socket.SHUT_WR)
 
 
 def _feed(pipe, data: bytes) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -26,6 +27,7 @@ from loong_agentflow import (
     HFChatRenderer,
     ProxyConfig,
     ProxyServer,
+    SandboxLimits,
 )
 from loong_core.config import ConfigError
 from loong_core.protocols import SamplingParams
@@ -62,15 +64,39 @@ class BlackboxAgentConfig(_Agent, tag="blackbox"):
       interpreter start and the imports (about a second for ``openai``) per episode. Unset: the
       task's agent preloads what it declares (the calc agent: ``openai``), another ``command`` runs
       as plain subprocesses; ``[]`` turns forking off.
+    - ``sandbox``: ``true`` (the default limits) or an ``[agent.sandbox]`` table of
+      :class:`~loong_agentflow.SandboxLimits`: every episode runs in the sandbox (no network but
+      the worker's proxy, writes only in a fresh private directory, none of the worker's
+      environment, CPU, memory, process and output limits); its wall clock is
+      ``rollout.episode_timeout_s``. Episodes start a fresh process (no preload), and ``command``
+      items that name files are made absolute first.
     """
 
     command: list[str] = []
     max_concurrency: int = 16
     preload: list[str] | None = None
+    sandbox: bool | SandboxLimits = False
 
     def __post_init__(self) -> None:
         if self.max_concurrency < 1:
             raise ValueError(f"max_concurrency must be >= 1, got {self.max_concurrency}")
+        if self.sandbox is not False and self.preload:
+            raise ValueError(
+                f"agent.preload = {self.preload}: a sandboxed episode starts a fresh process, so "
+                "nothing is preloaded; drop agent.preload or agent.sandbox"
+            )
+        if isinstance(self.sandbox, SandboxLimits) and self.sandbox.wall_s != SandboxLimits().wall_s:
+            raise ValueError(
+                f"agent.sandbox.wall_s = {self.sandbox.wall_s}: an episode's wall clock is "
+                "rollout.episode_timeout_s; set that instead"
+            )
+
+    @property
+    def sandbox_limits(self) -> SandboxLimits | None:
+        """The sandbox's limits, or None when episodes run as plain subprocesses."""
+        if self.sandbox is True:
+            return SandboxLimits()
+        return self.sandbox or None
 
 
 AgentConfig = WhiteboxAgentConfig | BlackboxAgentConfig
@@ -141,9 +167,15 @@ def agent_program(agent: BlackboxAgentConfig, task: Task, limits: EpisodeLimits)
             f"the task's agent program {' '.join(command.argv)} needs {', '.join(missing)}, not installed "
             f"for {sys.executable}: {command.install or 'install it'}, or set agent.command to your own program"
         )
+    sandbox = agent.sandbox_limits
+    if sandbox is None:
+        argv, preload = command.argv, command.preload if agent.preload is None else agent.preload
+    else:  # a fresh private directory: relative paths would name nothing there
+        argv, preload = [os.path.abspath(a) if os.path.isfile(a) else a for a in command.argv], []
     return AgentProgram(
-        command.argv,
+        argv,
         env={"LOONG_MAX_TURNS": str(limits.max_turns)},
         timeout_s=limits.timeout_s,
-        preload=command.preload if agent.preload is None else agent.preload,
+        preload=preload,
+        sandbox=sandbox,
     )
