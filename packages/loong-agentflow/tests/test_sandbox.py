@@ -2,11 +2,17 @@
 host is unharmed (no file written outside, no connection made, no process left behind)."""
 
 import asyncio
+import json
 import os
+import shutil
 import socket
+import subprocess
+import sys
+import sysconfig
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -128,3 +134,40 @@ def test_stdin_reaches_the_program_and_a_program_that_never_reads_it_still_ends(
 def test_bad_limits_are_refused():
     with pytest.raises(ValueError, match="sandbox limits must be positive"):
         SandboxLimits(wall_s=0)
+
+
+NOBODY = 65534
+
+
+def _unprivileged_python() -> str | None:
+    """An interpreter of this Python version that the unprivileged user can run (a virtual
+    environment's may live in root's home), or None."""
+    version = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    for candidate in (f"/usr/bin/{version}", f"/usr/local/bin/{version}"):
+        if os.path.exists(candidate) and _as_nobody([candidate, "-c", "pass"]).returncode == 0:
+            return candidate
+    return None
+
+
+def _as_nobody(argv: list[str]) -> subprocess.CompletedProcess:
+    setpriv = ["setpriv", f"--reuid={NOBODY}", f"--regid={NOBODY}", "--clear-groups"]
+    return subprocess.run([*setpriv, *argv], capture_output=True, text=True, timeout=120, cwd="/")
+
+
+@pytest.mark.skipif(os.getuid() != 0 or shutil.which("setpriv") is None, reason="needs root and setpriv")
+def test_the_unprivileged_path_confines_as_well():
+    """As an ordinary user the sandbox takes its other path (a user namespace; the process
+    count by RLIMIT_NPROC): the same refusals, and the fork bomb held to ``processes``."""
+    python = _unprivileged_python()
+    if python is None:
+        pytest.skip("no interpreter of this version that an unprivileged user can run")
+    probe = Path(__file__).with_name("sandbox_probe.py")
+    done = _as_nobody([python, "-I", str(probe), sysconfig.get_paths()["purelib"]])
+    if done.returncode and "Permission denied" in done.stderr and "sandbox" not in done.stderr:
+        pytest.skip(f"the unprivileged user cannot read the installed packages: {done.stderr[-200:]}")
+    assert done.returncode == 0, done.stderr
+    seen = json.loads(done.stdout)
+    assert (seen["uid"], seen["inner_uid"]) == (NOBODY, str(NOBODY))
+    assert seen["connect"].startswith("OSError: [Errno 101]")  # no route: no interface is up
+    assert seen["write"].startswith("PermissionError") and not seen["escaped"]
+    assert seen["forks"] == ["7", "BlockingIOError"]  # the program and 7 children: processes = 8

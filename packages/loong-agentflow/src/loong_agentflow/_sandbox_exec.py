@@ -5,7 +5,7 @@ In order: a new network namespace (no interface but a downed loopback) and a new
 (the program is its init: it sees and signals nothing outside it, and when it ends the kernel
 kills whatever it left behind), entered directly as root, or inside a new user namespace
 otherwise; the process-count limit (root: a ``pids`` cgroup of its own; otherwise
-``RLIMIT_NPROC`` above what the user already runs); writes confined to the working directory by
+``RLIMIT_NPROC``, which Linux counts within the new user namespace); writes confined to the working directory by
 Landlock (reads stay open, so interpreters and libraries load); every capability dropped and
 ``no_new_privs`` set; the resource limits; the working directory, a clean environment, and
 ``execve``. Loopback addresses the plan lets the program reach (``reach``) are listened on
@@ -88,7 +88,7 @@ def _open_reach(plan: dict) -> None:
 
 
 def _user_tasks(uid: int) -> int:
-    """Tasks (processes and threads) the user runs now: what RLIMIT_NPROC counts."""
+    """Tasks (processes and threads) the user runs now: what RLIMIT_NPROC counts before Linux 5.14."""
     n = 0
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
@@ -103,6 +103,13 @@ def _user_tasks(uid: int) -> int:
     return n
 
 
+def _counts_per_namespace() -> bool:
+    """Linux 5.14 and later count RLIMIT_NPROC per user namespace: in the new one, only the
+    launcher and what it starts."""
+    major, minor = (int(x) for x in os.uname().release.split(".")[:2])
+    return (major, minor) >= (5, 14)
+
+
 def _limit_processes(plan: dict, root: bool) -> None:
     limit = plan["processes"]
     if not limit:
@@ -114,7 +121,7 @@ def _limit_processes(plan: dict, root: bool) -> None:
         with open(os.path.join(cgroup, "cgroup.procs"), "w") as f:
             f.write(str(os.getpid()))
         return
-    soft = _user_tasks(os.getuid()) + limit
+    soft = 1 + limit if _counts_per_namespace() else _user_tasks(os.getuid()) + limit  # + the launcher
     resource.setrlimit(resource.RLIMIT_NPROC, (soft, soft))
 
 

@@ -19,8 +19,8 @@ Each call gets a fresh temporary directory as its working directory (and ``HOME`
   and to nothing else;
 - **processes**: a new PID namespace whose init is the program, so it cannot see or signal
   anything outside, and whatever it leaves running dies with it; at most ``processes`` of them
-  (root: a ``pids`` cgroup of the call's own; otherwise ``RLIMIT_NPROC`` above what the user
-  already runs);
+  (root: a ``pids`` cgroup of the call's own; otherwise ``RLIMIT_NPROC`` in a user namespace
+  of its own);
 - **files**: writes, creations and removals only inside the working directory (Landlock; reads
   stay open, so interpreters load); ``writes_outside = True`` turns this off, explicitly;
 - **privileges**: every capability dropped, no way to regain one;
@@ -59,6 +59,9 @@ import msgspec
 from loong_agentflow.tools import Tool
 
 __all__ = ["Sandbox", "SandboxLimits", "SandboxResult", "SandboxUnavailable", "bash_tool", "python_tool"]
+
+# run as a script (standard library only): it needs no installed package, whatever the interpreter
+_LAUNCHER = str(Path(__file__).with_name("_sandbox_exec.py"))
 
 
 class SandboxLimits(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -215,12 +218,12 @@ class Sandbox:
         relay = _Relay(plan) if plan["reach"] else None
         try:
             proc = subprocess.Popen(
-                [sys.executable, "-I", "-m", "loong_agentflow._sandbox_exec", json.dumps(plan)],
+                [sys.executable, "-I", _LAUNCHER, json.dumps(plan)],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 start_new_session=True,
-                env={"PYTHONPATH": os.pathsep.join(sys.path)},
+                env={},
                 pass_fds=relay.child_fds if relay else (),
             )
         except BaseException:
