@@ -84,6 +84,43 @@ def test_streamed_generate_is_the_same_answer_event_by_event(model_dir):
     assert all(a["meta_info"]["finish_reason"] is None for a in answers[:-1])
 
 
+def test_incremental_streaming_sends_each_token_once(model_dir):
+    """A server started with ``--incremental-streaming-output`` (SGLang's ``--stream-output``):
+    each event's ``output_ids`` and output logprob entries are only its new ones, so they join
+    to the unstreamed answer of the same seed (SGLang's own ``test_skip_tokenizer_init`` joins
+    them so); counts stay cumulative, the last event has the finish reason."""
+    sampling = SamplingParams(max_new_tokens=12, temperature=0.9)
+    want = EmbeddedEngine(CausalLM.from_pretrained(model_dir), seed=5).generate_batch(
+        [PROMPT_IDS], [sampling]
+    )[0]
+    engine = EmbeddedEngine(CausalLM.from_pretrained(model_dir), seed=5)
+    body = {
+        "input_ids": PROMPT_IDS,
+        "sampling_params": {"max_new_tokens": 12, "temperature": 0.9},
+        "return_logprob": True,
+        "top_logprobs_num": 2,
+        "logprob_start_len": 0,
+        "stream": True,
+    }
+    with serve_engine(engine, incremental_streaming=True) as (url, _):
+        raw = httpx.post(f"{url}/generate", json=body, timeout=60).text
+    events = [e[6:] for e in raw.split("\n\n") if e]
+    assert events[-1] == "[DONE]"
+    answers = [msgspec.json.decode(e) for e in events[:-1]]
+    assert sum(bool(a["output_ids"]) for a in answers) > 1
+    assert [t for a in answers for t in a["output_ids"]] == want.token_ids
+    entries = [e for a in answers for e in a["meta_info"]["output_token_logprobs"]]
+    assert [e[1] for e in entries] == want.token_ids and [e[0] for e in entries] == want.logprobs
+    for a in answers:
+        meta = a["meta_info"]
+        assert [e[1] for e in meta["output_token_logprobs"]] == a["output_ids"]
+        assert len(meta["output_top_logprobs"]) == len(a["output_ids"])
+        assert len(meta["input_token_logprobs"]) == len(PROMPT_IDS)  # the prompt's, on every event
+    counts = [a["meta_info"]["completion_tokens"] for a in answers]
+    assert counts == sorted(counts) and counts[-1] == 12
+    assert answers[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 12}
+
+
 def test_prefill_only_scoring_equals_forward_log_softmax(model_dir):
     model = CausalLM.from_pretrained(model_dir)
     ids = [*PROMPT_IDS, 40, 41, 2, 7]

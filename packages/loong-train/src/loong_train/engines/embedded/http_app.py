@@ -70,10 +70,12 @@ def build_app(
     model_path: str = "",
     api_key: str | None = None,
     group_timeout_s: float = 600.0,
+    incremental_streaming: bool = False,
 ):
     """The ASGI app serving ``engine`` (wrapped in API-key checking when ``api_key`` is set);
-    ``app.state.sglang`` is its :class:`~.http_control.SGLangServer`."""
-    s = SGLangServer(engine, model_path)
+    ``app.state.sglang`` is its :class:`~.http_control.SGLangServer`. ``incremental_streaming``:
+    streamed events carry only their new tokens (SGLang's ``--incremental-streaming-output``)."""
+    s = SGLangServer(engine, model_path, incremental_streaming)
     gen, weights = GenerateRoutes(s), WeightRoutes(s, group_timeout_s)
     routes = [
         Route("/generate", gen.generate, methods=["POST", "PUT"]),
@@ -102,13 +104,15 @@ def serve(
     port: int = 30000,
     api_key: str | None = None,
     model_path: str = "",
+    incremental_streaming: bool = False,
 ) -> None:
     """Serve ``engine`` until interrupted."""
     import uvicorn
 
-    uvicorn.run(
-        build_app(engine, model_path=model_path, api_key=api_key), host=host, port=port, log_level="warning"
+    app = build_app(
+        engine, model_path=model_path, api_key=api_key, incremental_streaming=incremental_streaming
     )
+    uvicorn.run(app, host=host, port=port, log_level="warning")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -129,6 +133,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--trust-remote-code", action="store_true", help="run a checkpoint's own modeling code (auto_map)"
     )
+    parser.add_argument(
+        "--incremental-streaming-output",
+        "--stream-output",
+        action="store_true",
+        help="streamed /generate events carry only their new output_ids and output logprobs "
+        "(SGLang's flag, formerly --stream-output); default: the answer so far",
+    )
     args = parser.parse_args(argv)
     if (args.model_dir is None) == (args.model_path is None):
         parser.error("give the model directory once: MODEL_DIR or --model-path MODEL_DIR")
@@ -138,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     engine = EmbeddedEngine(load_causal_lm(args.model_dir, args.trust_remote_code), seed=args.seed)
     print(f"serve-sglang: {args.model_dir} on http://{args.host}:{args.port}", flush=True)
-    serve(engine, args.host, args.port, args.api_key, str(args.model_dir))
+    serve(engine, args.host, args.port, args.api_key, str(args.model_dir), args.incremental_streaming_output)
     return 0
 
 

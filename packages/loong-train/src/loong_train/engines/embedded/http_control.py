@@ -42,10 +42,12 @@ class SGLangServer:
     ``label`` is the newest ``weight_version`` string; ``label_of`` names the version an answer
     was sampled under. ``paused`` and ``pause_mode`` are the client's pause, which a weight
     update leaves in place. Generation (:mod:`.http_generate`) waits in ``wait_resumed``;
-    weight updates (:mod:`.http_weights`) relabel through ``relabel`` and ``serve_path``."""
+    weight updates (:mod:`.http_weights`) relabel through ``relabel`` and ``serve_path``.
+    ``incremental_streaming``: streamed answers send each token once (see :mod:`.http_app`)."""
 
-    def __init__(self, engine: EmbeddedEngine, model_path: str = ""):
+    def __init__(self, engine: EmbeddedEngine, model_path: str = "", incremental_streaming: bool = False):
         self.engine, self.model_path = engine, model_path
+        self.incremental_streaming = incremental_streaming
         self.label = str(engine.weight_version)
         self._labels = {engine.weight_version: self.label}
         self.paused = False

@@ -16,6 +16,9 @@ and ``output_top_logprobs`` the same per output token, from the distribution it 
 Output logprobs are ``log_softmax(logits / T)`` of the sampled tokens; a matched stop token is in
 ``output_ids``. ``stream: true`` answers server-sent events, each the answer so far
 (``finish_reason`` on the last), then ``data: [DONE]``; a client that hangs up cancels the request.
+A server started with ``--incremental-streaming-output`` (SGLang's flag; ``--stream-output`` its
+older name) sends each event only its new ``output_ids`` and output logprob entries instead, so
+the events' ids joined are the answer (the counts in ``meta_info`` stay cumulative).
 
 Differences from SGLang: no ``text`` input, ``stream`` for one prompt at a time (cumulative
 events, as SGLang streams by default), greedy (``temperature = 0``) and the sampling options
@@ -222,6 +225,7 @@ class GenerateRoutes:
         lps: list[float] = []
         top: list[list[tuple[float, int]]] = []
         aborted = False
+        sent = 0  # tokens already sent, when each event carries only its new ones
         if max_new > 0:
             stream = self.engine.stream_top(prompt, sampling, top_k if logprob else 0)
             try:
@@ -230,11 +234,27 @@ class GenerateRoutes:
                         out, lps, version = out + delta.token_ids, lps + delta.logprobs, delta.weight_version
                         top = top + tops
                         answer = self._answer(prompt, rid, out, lps, top, version, logprobs, None, t0)
-                        yield b"data: " + msgspec.json.encode(answer) + b"\n\n"
+                        yield self._event(answer, sent)
+                        sent = len(out) if self._server.incremental_streaming else 0
             except RequestAborted as e:
                 span, top, aborted = e.span, e.top, True
                 out, lps, version = span.token_ids, span.logprobs, span.weight_version
         finish = self._finish(out, sampling, max_new, aborted)
         answer = self._answer(prompt, rid, out, lps, top, version, logprobs, finish, t0)
-        yield b"data: " + msgspec.json.encode(answer) + b"\n\n"
+        yield self._event(answer, sent)
         yield b"data: [DONE]\n\n"
+
+    @staticmethod
+    def _event(answer: GenerateResponse, sent: int) -> bytes:
+        """One server-sent event: the answer without its first ``sent`` output tokens."""
+        if sent:
+            meta = answer.meta_info
+            cut = {
+                name: getattr(meta, name)[sent:]
+                for name in ("output_token_logprobs", "output_top_logprobs")
+                if getattr(meta, name) is not msgspec.UNSET
+            }
+            answer = GenerateResponse(
+                output_ids=answer.output_ids[sent:], meta_info=msgspec.structs.replace(meta, **cut)
+            )
+        return b"data: " + msgspec.json.encode(answer) + b"\n\n"
