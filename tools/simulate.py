@@ -69,11 +69,19 @@ class SimConfig:
     # groups start together and are reported together, when its last one ends
     step_ratio: float = 1.0  # step_time = step_ratio * batch_per_engine (one batch)
     sync_time: float = 0.05  # weight publish + apply after each step; the trainer waits for it
+    remote_share: float = 0.0  # engines on other nodes than the trainer's: their weights cross
+    hop_time: float = 0.0  # the network, one copy each through the trainer's link, hop_time apiece
     train_slowdown: float = 1.0  # a train step takes this many times longer while every engine
     # generates (shared cores; linear in the fraction of engines generating); 1: no sharing
     engine_slowdown: float = 1.0  # engines generate this many times slower while a step trains
     seed: int = 0
     record: bool = False  # keep busy intervals and the ledger (for tests and plots)
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.remote_share <= 1.0 or self.hop_time < 0:
+            raise ValueError(
+                f"remote_share must be in [0, 1] and hop_time >= 0, got {self.remote_share} and {self.hop_time}"
+            )
 
     @property
     def batch(self) -> int:
@@ -82,6 +90,16 @@ class SimConfig:
     @property
     def step_time(self) -> float:
         return self.step_ratio * self.batch_per_engine
+
+    @property
+    def remote_engines(self) -> int:
+        return round(self.engines * self.remote_share)
+
+    @property
+    def sync_cost(self) -> float:
+        """What a step's weight sync costs the trainer: the local publish and apply, then one
+        copy of the update per engine on another node, sent through the trainer's link."""
+        return self.sync_time + self.hop_time * self.remote_engines
 
     @property
     def warmup(self) -> int:
@@ -221,7 +239,7 @@ class _Sim:
             self.train_busy += self.now - self.train_start
             if self.cfg.record:
                 self.trainer_intervals.append((self.train_start, self.now))
-            self.push(self.now + self.cfg.sync_time, _SYNC)
+            self.push(self.now + self.cfg.sync_cost, _SYNC)
         else:
             self.scheduler.published(version := self.window.version + 1)  # new rollouts use it
             if version == self.cfg.warmup:
@@ -519,6 +537,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--call-groups", type=int, default=d.call_groups)
     p.add_argument("--step-ratio", type=float, default=d.step_ratio)
     p.add_argument("--sync-time", type=float, default=d.sync_time)
+    p.add_argument("--remote-share", type=float, default=d.remote_share, help="engines on other nodes")
+    p.add_argument("--hop-time", type=float, default=d.hop_time, help="one remote engine's copy")
     p.add_argument("--train-slowdown", type=float, default=d.train_slowdown)
     p.add_argument("--engine-slowdown", type=float, default=d.engine_slowdown)
     p.add_argument("--json", help="write a list of per-run result objects to this file")
@@ -527,7 +547,8 @@ def main(argv: list[str] | None = None) -> None:
     base = SimConfig(
         steps=a.steps, seed=a.seed, batch_per_engine=a.batch_per_engine, slots=a.slots,
         slot_cost=a.slot_cost, dist=a.dist, sigma=a.sigma, alpha=a.alpha, cap=a.cap,
-        step_ratio=a.step_ratio, sync_time=a.sync_time, turns=a.turns, tool_latency=a.tool_latency,
+        step_ratio=a.step_ratio, sync_time=a.sync_time, remote_share=a.remote_share,
+        hop_time=a.hop_time, turns=a.turns, tool_latency=a.tool_latency,
         tool_sigma=a.tool_sigma, episodes=a.episodes, call_groups=a.call_groups,
         train_slowdown=a.train_slowdown, engine_slowdown=a.engine_slowdown,
     )  # fmt: skip

@@ -210,3 +210,16 @@ def test_hand_checked_shared_cores() -> None:
     assert r.trainer_busy == pytest.approx(((n - 3) * 1.75 + 1) / span)
     assert r.engine_busy == pytest.approx((n - 3) * 1.5 / span)
     assert r.staleness_max == 1
+
+
+@pytest.mark.parametrize(("share", "hop"), [(0.5, 0.25), (1.0, 0.125)])
+def test_remote_engines_pay_the_extra_hop_in_the_sync(share: float, hop: float) -> None:
+    """Engines on other nodes than the trainer's get their own copy of each update over the
+    trainer's link: with a sync of 0.25 and 0.25 more for remote copies, the timelines are the
+    hand-checked ones of a sync of 0.5 (above), at every window."""
+    for window in (0, 1, 2):
+        hopped = _hand(window, 0.25, remote_share=share, hop_time=hop)
+        local = _hand(window, 0.5)
+        assert hopped.sim_time == pytest.approx(local.sim_time)
+        assert hopped.staleness_hist == local.staleness_hist
+    assert sim.SimConfig(engines=8, remote_share=0.5, hop_time=0.1).sync_cost == pytest.approx(0.05 + 4 * 0.1)
