@@ -30,7 +30,13 @@ import msgspec
 from loong_core.config import ConfigError, apply_override, load_config
 from loong_train import recipe_checks
 from loong_train.algo.config import LossConfig, OPDConfig
-from loong_train.backends.config import BackendConfig, FsdpBackendConfig, LoraConfig, TorchBackendConfig
+from loong_train.backends.config import (
+    BackendConfig,
+    FsdpBackendConfig,
+    LoraConfig,
+    MegatronBackendConfig,
+    TorchBackendConfig,
+)
 from loong_train.curriculum import CurriculumConfig
 from loong_train.engines.config import EmbeddedEngineConfig, EngineConfig
 from loong_train.tasks import TaskTables
@@ -247,9 +253,13 @@ class Recipe(_Section):
 
     @property
     def trainer_cpus(self) -> int:
-        """CPUs the trainer reserves: its threads, on each rank of an ``fsdp`` backend."""
+        """CPUs the trainer reserves: its threads, on each rank of an ``fsdp`` or ``megatron`` backend."""
         b = self.train.backend
-        return self.trainer_threads * (b.ranks if isinstance(b, FsdpBackendConfig) else 1)
+        if isinstance(b, FsdpBackendConfig):
+            return self.trainer_threads * b.ranks
+        if isinstance(b, MegatronBackendConfig):
+            return self.trainer_threads * b.world
+        return self.trainer_threads
 
     agent: AgentConfig = WhiteboxAgentConfig()
     curriculum: CurriculumConfig = CurriculumConfig()

@@ -378,10 +378,11 @@ def _start_workers(
 
 def _start_trainer(recipe: Recipe, model_path: str, transport: TransportConfig, workers: list):
     """The trainer actor, from the initial model (which stays the KL reference when resumed)."""
-    ranks = isinstance(recipe.train.backend, FsdpBackendConfig)  # the ranks reserve their own CPUs
-    trainer_actor = ray.remote(
-        num_cpus=0 if ranks else recipe.trainer_threads, num_gpus=recipe.train.backend.gpus
-    )(TrainerWorker)
+    b = recipe.train.backend
+    ranks = isinstance(b, FsdpBackendConfig)  # the ranks reserve their own CPUs
+    trainer_actor = ray.remote(num_cpus=0 if ranks else recipe.trainer_threads, num_gpus=b.trainer_gpus)(
+        TrainerWorker
+    )
     options = trainer_options(recipe)
     if options["servers"] is not None:  # direct weights: to the servers where Ray placed them
         urls = ray.get([w.server_url.remote() for w in workers])

@@ -140,6 +140,9 @@ def build_backend(model_path: str, options: BackendOptions) -> TrainBackend:
             pp=b.pp,
             dp=b.dp,
             threads=options.threads,
+            gpus=b.gpus,
+            placement=b.placement,
+            placement_timeout_s=b.placement_timeout_s,
             micro_batch_rows=b.micro_batch_rows,
             **common,
         )

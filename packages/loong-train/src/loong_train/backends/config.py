@@ -54,7 +54,12 @@ class TorchBackendConfig(_Backend, tag="torch"):
 
     @property
     def gpus(self) -> float:
-        """GPUs Ray reserves for the trainer: none."""
+        """GPUs the trainer uses: none."""
+        return 0.0
+
+    @property
+    def trainer_gpus(self) -> float:
+        """GPUs Ray reserves for the trainer actor: none."""
         return 0.0
 
 
@@ -82,22 +87,32 @@ class FsdpBackendConfig(_Backend, tag="fsdp"):
 
     @property
     def gpus(self) -> float:
+        """GPUs the trainer uses: none (CPU under gloo for now)."""
+        return 0.0
+
+    @property
+    def trainer_gpus(self) -> float:
         """GPUs Ray reserves for the trainer actor: none (its ranks reserve their own)."""
         return 0.0
 
 
 class MegatronBackendConfig(_Backend, tag="megatron"):
     """``[train.backend] type = "megatron"``: megatron-core with ``tp``-way tensor, ``pp``-way
-    pipeline and ``dp``-way data parallelism over ``tp * pp * dp`` processes; batches are split
+    pipeline and ``dp``-way data parallelism over ``tp * pp * dp`` ranks; batches are split
     into micro-batches of ``micro_batch_rows`` rows (0: one micro-batch per data-parallel rank).
-    ``gpus``: GPUs Ray reserves for the trainer actor (0: CPU under gloo; on GPU: ``tp * pp * dp``,
-    its ranks use the reserved GPUs in order; a fraction shares one GPU with a rollout worker)."""
+    Rank 0 is the trainer's own process, ranks 1.. are Ray actors in a placement group placed by
+    ``placement`` (as for ``"fsdp"``; ``"PACK"`` keeps a model-parallel group on one node where
+    it fits), each reserving ``train.threads`` CPUs; the world meets at rank 0's node address.
+    ``gpus``: the trainer's GPUs in all, one per rank (0: CPU under gloo; with one rank, a
+    fraction shares its GPU with a rollout worker)."""
 
     tp: int = 1
     pp: int = 1
     dp: int = 1
     micro_batch_rows: int = 0
     gpus: float = 0.0
+    placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
+    placement_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp"):
@@ -107,6 +122,22 @@ class MegatronBackendConfig(_Backend, tag="megatron"):
             raise ValueError(f"micro_batch_rows must be >= 0, got {self.micro_batch_rows}")
         if self.gpus < 0 or (self.gpus > 1 and self.gpus % 1):
             raise ValueError(f"gpus must be a fraction of one GPU or a whole number, got {self.gpus}")
+        if self.world > 1 and self.gpus not in (0, self.world):
+            raise ValueError(
+                f"gpus = {self.gpus}: with tp * pp * dp = {self.world} ranks, one GPU per rank "
+                f"(gpus = {self.world}) or none (0, CPU)"
+            )
+        if self.placement_timeout_s <= 0:
+            raise ValueError(f"placement_timeout_s must be > 0, got {self.placement_timeout_s}")
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def trainer_gpus(self) -> float:
+        """GPUs Ray reserves for the trainer actor: rank 0's (the other ranks reserve their own)."""
+        return self.gpus / self.world
 
 
 BackendConfig = TorchBackendConfig | FsdpBackendConfig | MegatronBackendConfig

@@ -102,7 +102,7 @@ class FsdpDriver(RankDriver):
             ray.get(self.group.ready(), timeout=placement_timeout_s)
         except ray.exceptions.GetTimeoutError:
             remove_placement_group(self.group)
-            raise RuntimeError(_unplaceable(bundles, placement, placement_timeout_s)) from None
+            raise RuntimeError(unplaceable(bundles, placement, placement_timeout_s)) from None
         actor = ray.remote(FsdpRank)
         self.ranks = [
             actor.options(
@@ -160,14 +160,18 @@ def _failed(ref: Any) -> bool:
     return False
 
 
-def _unplaceable(bundles: list[dict[str, float]], strategy: str, timeout_s: float) -> str:
-    """What a placement group that Ray could not place asked for, against what the cluster has."""
+def unplaceable(
+    bundles: list[dict[str, float]], strategy: str, timeout_s: float, what: str = "", lower: str = "ranks"
+) -> str:
+    """What a placement group that Ray could not place asked for (``what``: its ranks, by
+    default ``train.backend.ranks``), against what the cluster has."""
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     have = ", ".join(f"{n['NodeManagerAddress']}: {n['Resources'].get('CPU', 0):g} CPUs" for n in nodes)
     free = ray.available_resources().get("CPU", 0)
+    what = what or f"train.backend.ranks = {len(bundles)} ranks"
     return (
-        f"train.backend.ranks = {len(bundles)} ranks of {bundles[0]['CPU']:g} CPUs each "
+        f"{what} of {bundles[0]['CPU']:g} CPUs each "
         f"(placement {strategy!r}) could not be placed within {timeout_s:g} s: the cluster has "
-        f"{len(nodes)} node(s) ({have}), {free:g} CPUs free; lower ranks or train.threads, "
+        f"{len(nodes)} node(s) ({have}), {free:g} CPUs free; lower {lower} or train.threads, "
         f"add nodes, or choose another train.backend.placement"
     )

@@ -1,33 +1,60 @@
 """Drive a ``tp * pp * dp``-rank Megatron backend from one process, as the trainer wants it.
 
 :class:`~loong_train.backends.megatron.backend.MegatronBackend` is SPMD: every rank makes the
-same calls. :class:`MegatronDriver` makes the calling process rank 0 and spawns ranks
-1..world-1 as followers; each call on the driver is first broadcast (method name and
-arguments, pickled, over the default group) so the followers make it too, then run on rank 0,
-whose result is returned (every rank holds the full result).
+same calls. :class:`MegatronDriver` makes the calling process (the trainer) rank 0 and starts
+ranks 1..world-1 as Ray actors (:class:`MegatronFollower`) in a placement group of one bundle
+each, placed by ``placement`` (``"PACK"`` by default: a model-parallel group shares a node where
+it fits; Ray may place them on other nodes than the trainer's). The world's rendezvous is rank
+0's node address, so ranks may sit on different machines. Each call on the driver is first
+broadcast (method name and arguments, pickled, over the default group) so the followers make it
+too, then run on rank 0, whose result is returned (every rank holds the full result). Rank 0
+stays the trainer's own process so the weights it publishes are on its own device.
 
 Lifecycle::
 
-    driver = MegatronDriver("ckpt/", tp=2, pp=1, lr=1e-4)   # spawns 1 follower
+    driver = MegatronDriver("ckpt/", tp=2, pp=1, lr=1e-4)   # one follower placed and joined
     driver.train_step(batch); weights = driver.named_weights()
-    driver.close()                                          # followers exit, groups destroyed
+    driver.close()                                          # followers exit, group released
 
-One host only (the rendezvous is on 127.0.0.1; gloo on CPU, NCCL with one GPU per rank).
+Each rank reserves ``threads`` CPUs and, on GPUs, one GPU (``gpus`` with one rank may be a
+fraction, sharing the GPU with an engine); gloo on CPU, NCCL on GPUs. A follower whose actor or
+node dies fails the call with :class:`~loong_train.backends.base.RankLost` naming its node.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+from typing import Any
 
+import ray
 import torch
 import torch.distributed as dist
 
 from loong_core.net import free_port
-from loong_train.backends.base import RankDriver
+from loong_train.backends.base import RankDriver, RankLost
 from loong_train.backends.megatron.backend import MegatronBackend
 from loong_train.backends.megatron.cpu import cpu_compat
 
-__all__ = ["MegatronDriver", "init_model_parallel"]
+__all__ = ["MegatronDriver", "MegatronFollower", "init_model_parallel"]
+
+
+class MegatronFollower:
+    """Rank ``r > 0``: joins the world, then mirrors every call rank 0 broadcasts until ``close``."""
+
+    def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
+    def follow(self, rank: int, *args: Any) -> None:
+        backend = _open_rank(rank, *args)
+        while True:
+            box = [None]
+            dist.broadcast_object_list(box, src=0)
+            name, call_args = box[0]
+            if name == "close":
+                break
+            getattr(backend, name)(*call_args)
+        _close_rank()
 
 
 class MegatronDriver(RankDriver):
@@ -41,37 +68,102 @@ class MegatronDriver(RankDriver):
         pp: int = 1,
         dp: int = 1,
         threads: int = 1,
-        **backend_kwargs,
+        gpus: float = 0.0,
+        placement: str = "PACK",
+        placement_timeout_s: float = 60.0,
+        **backend_kwargs: Any,
     ) -> None:
-        world, port = tp * pp * dp, free_port()
-        ctx = torch.multiprocessing.get_context("spawn")
-        args = (world, port, str(model_path), tp, pp, threads, backend_kwargs)
-        self._followers = [ctx.Process(target=_follow, args=(r, *args), daemon=True) for r in range(1, world)]
-        for p in self._followers:
-            p.start()
-        self.backend = _open_rank(0, *args)
+        world = tp * pp * dp
+        host = _node_address()
+        args = (world, f"{host}:{free_port(host)}", str(model_path), tp, pp, threads, backend_kwargs)
+        self.followers, self.group, self._following = [], None, []
+        if world > 1:
+            self._start_followers(world - 1, threads, 1.0 if gpus else 0.0, placement, placement_timeout_s)
+            self._following = [f.follow.remote(r, *args) for r, f in enumerate(self.followers, start=1)]
+        try:
+            self.backend = _open_rank(0, *args)
+        except BaseException:
+            self._release()
+            raise
 
-    def _call(self, name: str, *args):
-        if self._followers:
-            dist.broadcast_object_list([(name, args)], src=0)
-        return getattr(self.backend, name)(*args)
+    def _start_followers(self, n: int, threads: int, gpus: float, placement: str, timeout_s: float) -> None:
+        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from loong_train.backends.fsdp_ranks import unplaceable
+
+        bundles = [{"CPU": float(threads), **({"GPU": gpus} if gpus else {})} for _ in range(n)]
+        self.group = placement_group(bundles, strategy=placement, name=f"loong-megatron-{os.getpid()}")
+        try:
+            ray.get(self.group.ready(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            remove_placement_group(self.group)
+            self.group = None
+            what = f"Megatron's ranks 1..{n} (rank 0 is the trainer)"
+            raise RuntimeError(unplaceable(bundles, placement, timeout_s, what, "tp, pp, dp")) from None
+        actor = ray.remote(MegatronFollower)
+        self.followers = [
+            actor.options(
+                num_cpus=threads,
+                num_gpus=gpus,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(
+                    self.group, placement_group_bundle_index=i
+                ),
+            ).remote()
+            for i in range(n)
+        ]
+        self.nodes = ray.get([f.node.remote() for f in self.followers])  # each follower's Ray node id
+
+    def _call(self, name: str, *args: Any) -> Any:
+        try:
+            if self.followers:
+                dist.broadcast_object_list([(name, args)], src=0)
+            return getattr(self.backend, name)(*args)
+        except Exception as e:
+            if dead := self._dead():
+                raise RankLost(f"Megatron {name}: {dead} died ({type(e).__name__}: {e})") from e
+            raise
+
+    def _dead(self) -> str:
+        """The followers whose actor ended, with their nodes ('' when none did)."""
+        ready, _ = ray.wait(self._following, num_returns=len(self._following), timeout=1.0)
+        dead = [
+            f"rank {self._following.index(ref) + 1} on node {self.nodes[self._following.index(ref)]}"
+            for ref in ready
+        ]
+        return ", ".join(dead)
 
     def close(self) -> None:
-        if self._followers:
+        if self.followers:
             dist.broadcast_object_list([("close", ())], src=0)
         _close_rank()
-        for p in self._followers:
-            p.join(timeout=60)
+        if self._following:
+            ray.wait(self._following, num_returns=len(self._following), timeout=60)
+        self._release()
+
+    def _release(self) -> None:
+        from ray.util.placement_group import remove_placement_group
+
+        for f in self.followers:
+            ray.kill(f)
+        if self.group is not None:
+            remove_placement_group(self.group)
+        self.followers, self.group = [], None
+
+
+def _node_address() -> str:
+    """Where the other ranks reach this process: its Ray node's address, or loopback outside Ray."""
+    return ray.util.get_node_ip_address() if ray.is_initialized() else "127.0.0.1"
 
 
 def _open_rank(
-    rank: int, world: int, port: int, model_path: str, tp: int, pp: int, threads: int, kwargs: dict
+    rank: int, world: int, rendezvous: str, model_path: str, tp: int, pp: int, threads: int, kwargs: dict
 ) -> MegatronBackend:
     torch.set_num_threads(threads)
     if torch.cuda.is_available():
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(0)  # each rank sees its own GPU (Ray's CUDA_VISIBLE_DEVICES)
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    dist.init_process_group(backend, init_method=f"tcp://{rendezvous}", rank=rank, world_size=world)
     init_model_parallel(tp, pp)
     return MegatronBackend.from_pretrained(model_path, **kwargs)
 
@@ -93,17 +185,5 @@ def _close_rank() -> None:
     from megatron.core import parallel_state
 
     parallel_state.destroy_model_parallel()
-    dist.destroy_process_group()
-
-
-def _follow(rank: int, *args) -> None:
-    """A follower rank: mirror every call broadcast by rank 0 until ``close``."""
-    backend = _open_rank(rank, *args)
-    while True:
-        box = [None]
-        dist.broadcast_object_list(box, src=0)
-        name, call_args = box[0]
-        if name == "close":
-            break
-        getattr(backend, name)(*call_args)
-    _close_rank()
+    if dist.is_initialized():
+        dist.destroy_process_group()
