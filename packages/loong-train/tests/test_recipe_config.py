@@ -101,6 +101,19 @@ def test_loading_every_recipe_and_listing_them_import_no_torch():
     assert out.splitlines()[-1] == "[]"
 
 
+@pytest.mark.parametrize(
+    ("sets", "message"),
+    [
+        (["train.backend.type=fsdp", "train.backend.tp=2"], r"'train\.backend\.tp' \(type 'megatron' has it"),
+        (["train.backend.type=megatron", "train.backend.tp=2", "train.backend.gpus=1"], r"one GPU per rank"),
+        (["train.backend.type=megatron", "train.backend.placement=WIDE"], r"placement"),
+    ],
+)
+def test_parallel_layouts_a_backend_cannot_run_are_refused(sets, message):
+    with pytest.raises(ConfigError, match=message):
+        load_recipe("tiny-calc-agent", sets)
+
+
 def test_an_entropy_bonus_on_megatron_is_refused_naming_both_keys():
     from loong_core.config import ConfigError
 
