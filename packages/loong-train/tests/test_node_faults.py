@@ -9,6 +9,7 @@ a machine that loses power.
 - The trainer's node: the run stops with an error naming that node and ``--resume``; resumed
   on the nodes left, it continues from the newest checkpoint and finishes, again with no group
   trained twice.
+- A Megatron follower rank's node: the run stops naming the rank and its node.
 """
 
 import logging
@@ -138,3 +139,20 @@ def test_the_trainers_node_dies_the_run_stops_naming_it_and_resumes(tmp_path, cl
     run(recipe, out, cache, resume=True)
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == list(range(1, STEPS + 1))
     _assert_ledger_complete(out, STEPS, group_size=2)
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+def test_a_megatron_followers_node_dies_the_run_stops_naming_it(tmp_path, cluster):
+    """tp = 2 with the follower rank on a node of its own (one CPU a node): its node removed
+    at step 2, rank 0's next collective fails, and the run stops naming the rank, its node and
+    ``--resume``."""
+    out = tmp_path / "run"
+    recipe = _recipe("train.max_staleness=0", "train.backend.type=megatron", "train.backend.tp=2")
+    killed = _kill_node_at_step(cluster, out, 2, "MegatronFollower")
+    with pytest.raises(TrainerLost) as lost:
+        run(recipe, out, tmp_path / "cache")
+    killed["thread"].join()
+    message = str(lost.value)
+    assert f"rank 1 on node {killed['node_id']}" in message, message
+    assert f"--resume {out}" in message
