@@ -104,6 +104,16 @@ def test_incremental_streaming_sends_each_token_once(model_dir):
     }
     with serve_engine(engine, incremental_streaming=True) as (url, _):
         raw = httpx.post(f"{url}/generate", json=body, timeout=60).text
+
+        async def via_client():  # Loong's client reads cumulative events: it refuses these by name
+            client = SGLangEngine(SGLangClientConfig(url=url))
+            try:
+                return [d async for d in client.stream(PROMPT_IDS, sampling)]
+            finally:
+                await client.aclose()
+
+        with pytest.raises(SGLangError, match="--incremental-streaming-output"):
+            asyncio.run(via_client())
     events = [e[6:] for e in raw.split("\n\n") if e]
     assert events[-1] == "[DONE]"
     answers = [msgspec.json.decode(e) for e in events[:-1]]

@@ -163,11 +163,12 @@ class SGLangEngine:
                         out = msgspec.json.decode(line[6:], type=GenerateResponse)
                     except msgspec.DecodeError as e:
                         raise SGLangError(f"{where}: the stream says {line[6:300]!r} ({e})") from None
-                    if len(out.output_ids) < got:
+                    done = out.meta_info.completion_tokens
+                    if len(out.output_ids) < got or (done and done != len(out.output_ids)):
                         raise SGLangError(
-                            f"{where}: a streamed answer shrank from {got} to {len(out.output_ids)} tokens "
-                            "(is the server started with --incremental-streaming-output? Loong reads "
-                            "SGLang's default, cumulative events)"
+                            f"{where}: a streamed event holds {len(out.output_ids)} tokens of an answer "
+                            f"{done} long, after {got} (is the server started with "
+                            "--incremental-streaming-output? Loong reads SGLang's default, cumulative events)"
                         )
                     finish = out.meta_info.finish_reason
                     if finish is not None and finish.type == "abort":
