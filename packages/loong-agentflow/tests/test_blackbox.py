@@ -193,7 +193,7 @@ def test_a_sandboxed_agent_reaches_the_proxy_and_nothing_else(tmp_path, monkeypa
     """``AgentProgram.sandbox``: the episode's model calls pass (the proxy's loopback address is
     carried into the sandbox's network namespace) and are recorded token-exact; another loopback
     server, a write outside its directory and the parent's environment are out of reach; a
-    memory hog fails its episode alone."""
+    memory hog, and an answer longer than the output kept, fail their own episodes alone."""
     from loong_agentflow.sandbox import SandboxLimits
 
     monkeypatch.setenv("LOONG_TEST_PARENT_SECRET", "visible")
@@ -214,19 +214,26 @@ def test_a_sandboxed_agent_reaches_the_proxy_and_nothing_else(tmp_path, monkeypa
             program = AgentProgram(agent, timeout_s=30, sandbox=SandboxLimits(memory_mb=1024))
             runner = BlackBoxRunner(proxy, program, reward_fn=score)
             episodes = await runner.run_many(
-                [EpisodeSpec("ok", "g", task), EpisodeSpec("hog", "g", {**task, "hog": True})]
+                [
+                    EpisodeSpec("ok", "g", task),
+                    EpisodeSpec("hog", "g", {**task, "hog": True}),
+                    EpisodeSpec("flood", "g", {**task, "flood": True}),
+                ]
             )
             await runner.close()
             return episodes
 
-    (row,), (hog,) = asyncio.run(main())
+    (row,), (hog,), (flood,) = asyncio.run(main())
     assert row.status is EpisodeStatus.OK and row.reward == 1.0, row.info
     with pytest.raises(TimeoutError):
         other.accept()  # no connection ever arrived
     other.close()
     assert not escape.exists()
-    assert [s for s in row.spans if s.is_model] == [span for _, span in engine.log]
+    model = [s for s in row.spans if s.is_model]  # the engine's record (the flood's call is there too)
+    assert len(model) == 1 and model[0] in [span for _, span in engine.log]
     assert CODEC.decode(row.token_ids).endswith("The answer is 11.<|im_end|>")
     assert seen["other"] == "ConnectionRefusedError" and seen["escape"] == "PermissionError"
     assert seen["scratch"] == 2 and seen["cwd"] != os.getcwd() and seen["parent_env"] is None
     assert hog.status is EpisodeStatus.FAILED and "MemoryError" in hog.info["error"]
+    # an answer past output_bytes would be scored cut: the episode fails, naming the setting
+    assert flood.status is EpisodeStatus.FAILED and "agent.sandbox.output_bytes" in flood.info["error"]

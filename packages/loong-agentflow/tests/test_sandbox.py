@@ -171,3 +171,61 @@ def test_the_unprivileged_path_confines_as_well():
     assert seen["connect"].startswith("OSError: [Errno 101]")  # no route: no interface is up
     assert seen["write"].startswith("PermissionError") and not seen["escaped"]
     assert seen["forks"] == ["7", "BlockingIOError"]  # the program and 7 children: processes = 8
+
+
+def test_no_unix_socket_on_the_host_can_be_reached(box, tmp_path):
+    """A Unix socket is a file, outside any network namespace: the sandbox refuses to make one
+    (seccomp), so a server on one (a Ray node's, a container runtime's) is never reached."""
+    path = tmp_path / "host.sock"
+    server = socket.socket(socket.AF_UNIX)
+    server.bind(str(path))
+    server.listen(1)
+    server.settimeout(0.5)
+    r = box.run_python(f"import socket\nsocket.socket(socket.AF_UNIX).connect({str(path)!r})")
+    assert not r.ok and "PermissionError" in r.stderr, r
+    with pytest.raises(TimeoutError):
+        server.accept()
+    server.close()
+    paired = box.run_python("import socket\na, b = socket.socketpair()\na.send(b'x')\nprint(b.recv(1))")
+    assert paired.ok and paired.stdout == "b'x'\n"  # a pair inside the program is no way out
+
+
+def test_reach_carries_connections_to_one_address_and_frees_each_link(box):
+    """``reach``: the program's connections to that loopback address arrive at the server outside
+    (300 in a row, each answered), another port stays unreachable, and the relay closes each
+    link when it ends: the host's open descriptors are back to where they were."""
+    served = []
+    server = socket.create_server(("127.0.0.1", 0))
+    other = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            with conn:
+                served.append(conn.recv(16))
+                conn.sendall(b"pong")
+
+    threading.Thread(target=serve, daemon=True).start()
+    port, closed = server.getsockname()[1], other.getsockname()[1]
+    code = f"""import socket
+answers = 0
+for i in range(300):
+    with socket.create_connection(("127.0.0.1", {port}), timeout=5) as c:
+        c.sendall(b"ping")
+        answers += c.recv(16) == b"pong"
+try:
+    socket.create_connection(("127.0.0.1", {closed}), timeout=2)
+    print(answers, "reached")
+except OSError as e:
+    print(answers, type(e).__name__)
+"""
+    before = len(os.listdir("/proc/self/fd"))
+    r = box.run_python(code, reach=[("127.0.0.1", port)])
+    after = len(os.listdir("/proc/self/fd"))
+    server.close()
+    other.close()
+    assert r.ok and r.stdout.split() == ["300", "ConnectionRefusedError"], r
+    assert served == [b"ping"] * 300 and after <= before

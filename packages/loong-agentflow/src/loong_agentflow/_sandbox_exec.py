@@ -32,6 +32,9 @@ CLONE_NEWUSER, CLONE_NEWPID, CLONE_NEWNET = 0x10000000, 0x20000000, 0x40000000
 PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_NO_NEW_PRIVS = 1, 24, 38
 LANDLOCK_CREATE_RULESET, LANDLOCK_ADD_RULE, LANDLOCK_RESTRICT_SELF = 444, 445, 446
 CAPSET = {"x86_64": 126, "aarch64": 91}
+# seccomp: the audit architecture and socket(2)'s number, per machine
+SECCOMP_ARCH = {"x86_64": (0xC000003E, 41), "aarch64": (0xC00000B7, 198)}
+PR_SET_SECCOMP, SECCOMP_MODE_FILTER, AF_UNIX, EACCES = 22, 2, 1, 13
 SIOCGIFFLAGS, SIOCSIFFLAGS, IFF_UP = 0x8913, 0x8914, 0x1
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -160,6 +163,48 @@ def _confine_writes(workdir: str) -> None:
     os.close(ruleset)
 
 
+# -- Unix sockets ----------------------------------------------------------------------------
+
+
+def _deny_unix_sockets() -> None:
+    """A seccomp filter: ``socket(AF_UNIX, ...)`` fails with EACCES, so no Unix socket on the
+    host (a file in /tmp, the Ray node's, a container runtime's) can be connected to; a
+    program of another architecture (32-bit, x32) is killed at its first system call."""
+    arch = SECCOMP_ARCH.get(os.uname().machine)
+    if arch is None:
+        raise Refused(f"no seccomp filter for {os.uname().machine}")
+    audit, nr_socket = arch
+    ld, jeq, jge, ret = 0x20, 0x15, 0x35, 0x06
+    allow, deny, kill = 0x7FFF0000, 0x00050000 | EACCES, 0x80000000
+
+    class Instruction(ctypes.Structure):
+        _fields_ = [
+            ("code", ctypes.c_uint16),
+            ("jt", ctypes.c_uint8),
+            ("jf", ctypes.c_uint8),
+            ("k", ctypes.c_uint32),
+        ]
+
+    class Program(ctypes.Structure):
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.POINTER(Instruction))]
+
+    program = [
+        (ld, 0, 0, 4),  # seccomp_data.arch
+        (jeq, 0, 7, audit),  # another architecture: kill
+        (ld, 0, 0, 0),  # seccomp_data.nr
+        (jge, 5, 0, 0x40000000),  # x32 numbers: kill
+        (jeq, 0, 2, nr_socket),
+        (ld, 0, 0, 16),  # args[0], its low half: the family
+        (jeq, 1, 0, AF_UNIX),
+        (ret, 0, 0, allow),
+        (ret, 0, 0, deny),
+        (ret, 0, 0, kill),
+    ]
+    filters = (Instruction * len(program))(*(Instruction(*i) for i in program))
+    fprog = Program(len(program), filters)
+    _check(_libc.prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, ctypes.byref(fprog), 0, 0), "seccomp")
+
+
 # -- capabilities and limits --------------------------------------------------------------------
 
 
@@ -215,6 +260,8 @@ def main() -> None:
         if not plan["writes_outside"]:
             _confine_writes(workdir)
         _drop_capabilities()
+        if not plan["network"]:
+            _deny_unix_sockets()
         _set_limits(plan)
     except (Refused, OSError) as e:
         _refuse(f"sandbox: {e}")

@@ -180,7 +180,18 @@ class BlackBoxRunner:
             env=env,
             reach=[(proxy.hostname, proxy.port)],
         )
-        result = await asyncio.get_running_loop().run_in_executor(self._pool, run)
+        try:
+            result = await asyncio.get_running_loop().run_in_executor(self._pool, run)
+        except (OSError, RuntimeError, ValueError) as e:  # no temp dir, cgroup or thread: this episode fails
+            return _Exit(
+                None, "", f"could not start {list(self.program.argv)!r} in the sandbox: {e}", False, 0.0
+            )
+        if result.stdout_cut:  # the answer is stdout: a cut one would be scored as if whole
+            error = (
+                f"agent printed {self._box.limits.output_bytes + result.stdout_cut} bytes, past the "
+                f"sandbox's output_bytes = {self._box.limits.output_bytes}: raise agent.sandbox.output_bytes"
+            )
+            return _Exit(None, "", error, False, result.wall_s)
         return _Exit(result.returncode, result.stdout, result.stderr, result.timed_out, result.wall_s)
 
     async def _launch(self, env: dict[str, str]) -> asyncio.subprocess.Process | ForkedProcess:

@@ -95,14 +95,19 @@ class SandboxUnavailable(RuntimeError):
 @dataclass(frozen=True)
 class SandboxResult:
     """How a call ended: ``returncode`` (negative: killed by that signal), the output kept,
-    whether the wall clock ran out, how many output bytes were cut, and the wall time."""
+    whether the wall clock ran out, how many bytes of each output were cut, and the wall time."""
 
     returncode: int
     stdout: str
     stderr: str
     timed_out: bool
-    cut_bytes: int
+    stdout_cut: int
+    stderr_cut: int
     wall_s: float
+
+    @property
+    def cut_bytes(self) -> int:
+        return self.stdout_cut + self.stderr_cut
 
     @property
     def ok(self) -> bool:
@@ -201,10 +206,13 @@ class Sandbox:
                 _remove_cgroup(cgroup)
 
     def run_python(
-        self, code: str, stdin: bytes = b"", files: dict[str, str | bytes] | None = None
+        self, code: str, stdin: bytes = b"", files: dict[str, str | bytes] | None = None, **kwargs
     ) -> SandboxResult:
-        """``code`` as ``main.py`` (beside ``files``), run by this interpreter in isolated mode (``-I``)."""
-        return self.run([sys.executable, "-I", "main.py"], stdin, {**(files or {}), "main.py": code})
+        """``code`` as ``main.py`` (beside ``files``), run by this interpreter in isolated mode
+        (``-I``); ``kwargs`` as for :meth:`run` (``env``, ``reach``)."""
+        return self.run(
+            [sys.executable, "-I", "main.py"], stdin, {**(files or {}), "main.py": code}, **kwargs
+        )
 
     def run_bash(self, script: str, stdin: bytes = b"") -> SandboxResult:
         return self.run(["bash", "main.sh"], stdin, {"main.sh": script})
@@ -230,28 +238,31 @@ class Sandbox:
             if relay:
                 relay.close()
             raise
-        if relay:
-            relay.started()
-        out, err = _Capped(proc.stdout, lim.output_bytes), _Capped(proc.stderr, lim.output_bytes)
-        feed = threading.Thread(target=_feed, args=(proc.stdin, stdin), daemon=True)  # never blocks us
-        feed.start()
         timed_out = False
         try:
-            proc.wait(timeout=lim.wall_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)  # the launcher's group: the PID namespace dies with it
-        proc.wait()
-        if relay:
-            relay.close()
+            if relay:
+                relay.started()
+            out, err = _Capped(proc.stdout, lim.output_bytes), _Capped(proc.stderr, lim.output_bytes)
+            feed = threading.Thread(target=_feed, args=(proc.stdin, stdin), daemon=True)  # never blocks us
+            feed.start()
+            try:
+                proc.wait(timeout=lim.wall_s)
+            except subprocess.TimeoutExpired:
+                timed_out = True
+        finally:  # whatever failed here, the program does not outlive the call
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # the launcher's group: the PID namespace dies with it
+            proc.wait()
+            if relay:
+                relay.close()
         out.join(), err.join(), feed.join()
         return SandboxResult(
             returncode=proc.returncode,  # the launcher ends as the program did
             stdout=out.text(),
             stderr=err.text(),
             timed_out=timed_out,
-            cut_bytes=out.cut + err.cut,
+            stdout_cut=out.cut,
+            stderr_cut=err.cut,
             wall_s=time.monotonic() - start,
         )
 
@@ -262,10 +273,15 @@ class Sandbox:
         return path
 
 
+_MAX_LINKS = 16  # connections one call may hold open at once through the relay
+
+
 class _Relay:
     """Carries the program's connections to its ``reach`` addresses: the launcher listens on them
     inside the sandbox's network namespace and sends the listening sockets here (a socket pair),
-    where a thread accepts and connects each to the same address outside."""
+    where a thread accepts and connects each to the same address outside. At most
+    ``_MAX_LINKS`` connections are carried at once (more wait in the listen queue); each is
+    closed, here, once both directions ended, and everything when the call ends."""
 
     def __init__(self, plan: dict) -> None:
         self.targets = [tuple(address) for address in plan["reach"]]
@@ -274,6 +290,7 @@ class _Relay:
         self.child_fds = (self._child.fileno(),)
         self._open: list[socket.socket] = [self._here]
         self._lock = threading.Lock()
+        self._links = threading.BoundedSemaphore(_MAX_LINKS)
         self._closed = False
 
     def started(self) -> None:
@@ -285,36 +302,63 @@ class _Relay:
     def _receive(self) -> None:
         with contextlib.suppress(OSError):
             _, fds, _, _ = socket.recv_fds(self._here, 16, len(self.targets))
-            for fd, target in zip(fds, self.targets, strict=False):
-                listener = socket.socket(fileno=fd)
-                if not self._keep(listener):
-                    return
+            for fd in fds:
+                os.set_inheritable(fd, False)  # no later child of this process gets them
+            listeners = [socket.socket(fileno=fd) for fd in fds]
+            if not self._keep(*listeners):
+                return
+            for listener, target in zip(listeners, self.targets, strict=False):
                 threading.Thread(target=self._accept, args=(listener, target), daemon=True).start()
 
-    def _keep(self, sock: socket.socket) -> bool:
+    def _keep(self, *socks: socket.socket) -> bool:
+        """Track ``socks`` until the call ends; closes them at once if it has."""
         with self._lock:
-            if self._closed:
-                sock.close()
-                return False
-            self._open.append(sock)
-            return True
+            if not self._closed:
+                self._open.extend(socks)
+                return True
+        for sock in socks:
+            sock.close()
+        return False
 
     def _accept(self, listener: socket.socket, target: tuple[str, int]) -> None:
-        while True:
+        while not self._closed:
+            if not self._links.acquire(timeout=0.2):
+                continue  # every link busy: the next connection waits in the listen queue
             try:
                 inside, _ = listener.accept()
             except OSError:
+                self._links.release()
                 return  # closed: the call ended
             try:
                 outside = socket.create_connection(target, timeout=10)
                 outside.settimeout(None)
             except OSError:
                 inside.close()  # nothing listens there: the program sees a refused connection
+                self._links.release()
                 continue
-            if not (self._keep(inside) and self._keep(outside)):
+            if not self._keep(inside, outside):
                 return
+            ends = [2]
             for a, b in ((inside, outside), (outside, inside)):
-                threading.Thread(target=_pump, args=(a, b), daemon=True).start()
+                threading.Thread(target=self._pump, args=(a, b, inside, outside, ends), daemon=True).start()
+
+    def _pump(self, source, sink, inside, outside, ends: list[int]) -> None:
+        """One direction of a link; the second to end closes the link and frees its slot."""
+        with contextlib.suppress(OSError):
+            while data := source.recv(1 << 16):
+                sink.sendall(data)
+        with contextlib.suppress(OSError):
+            sink.shutdown(socket.SHUT_WR)
+        with self._lock:
+            ends[0] -= 1
+            if ends[0]:
+                return
+            for sock in (inside, outside):
+                if sock in self._open:
+                    self._open.remove(sock)
+        inside.close()
+        outside.close()
+        self._links.release()
 
     def close(self) -> None:
         with self._lock:
@@ -325,13 +369,6 @@ class _Relay:
             with contextlib.suppress(OSError):
                 sock.shutdown(socket.SHUT_RDWR)
             sock.close()
-
-
-def _pump(source: socket.socket, sink: socket.socket) -> None:
-    with contextlib.suppress(OSError):
-        while data := source.recv(1 << 16):
-            sink.sendall(data)
-        sink.shutdown(socket.SHUT_WR)
 
 
 def _feed(pipe, data: bytes) -> None:

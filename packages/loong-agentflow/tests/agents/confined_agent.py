@@ -3,7 +3,8 @@ the way, tries what the sandbox must stop. Prints one JSON line: the model's ans
 each attempt gave.
 
 Task keys: ``messages``; ``other`` (a loopback port it must not reach); ``escape`` (a path
-outside its working directory it must not write); ``hog`` (true: allocate 4 GB first).
+outside its working directory it must not write); ``hog`` (true: allocate 4 GB first);
+``flood`` (true: print 64 KiB before its answer).
 """
 
 import json
@@ -32,4 +33,6 @@ with open("scratch.txt", "w") as f:  # its own directory is writable
     seen["scratch"] = f.write("in")
 reply = OpenAI().chat.completions.create(model="policy", messages=task["messages"])
 seen["answer"] = reply.choices[0].message.content
+if task.get("flood"):
+    print("x" * (64 << 10))
 print(json.dumps(seen))
