@@ -101,6 +101,7 @@ def test_agent_sandbox_keys(tmp_path, monkeypatch):
     assert table.sandbox_limits == SandboxLimits(memory_mb=512)
     for sets, named in [
         (["agent.sandbox.wall_s=5"], "rollout.episode_timeout_s"),
+        (["agent.sandbox.wall_s=10"], "rollout.episode_timeout_s"),  # the default too: any setting
         (["agent.sandbox=true", 'agent.preload=["openai"]'], "agent.preload"),
         (["agent.sandbox.cpu_s=0"], "cpu_s"),
     ]:

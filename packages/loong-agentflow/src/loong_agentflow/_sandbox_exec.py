@@ -22,6 +22,7 @@ import ctypes
 import fcntl
 import json
 import os
+import re
 import resource
 import signal
 import socket
@@ -109,8 +110,8 @@ def _user_tasks(uid: int) -> int:
 def _counts_per_namespace() -> bool:
     """Linux 5.14 and later count RLIMIT_NPROC per user namespace: in the new one, only the
     launcher and what it starts."""
-    major, minor = (int(x) for x in os.uname().release.split(".")[:2])
-    return (major, minor) >= (5, 14)
+    version = re.match(r"(\d+)\.(\d+)", os.uname().release)
+    return version is not None and (int(version[1]), int(version[2])) >= (5, 14)
 
 
 def _limit_processes(plan: dict, root: bool) -> None:

@@ -346,6 +346,11 @@ def load_recipe(
     if problems := _renamed_keys(data):
         raise ConfigError(f"{path.name}: " + "; ".join(problems))
     _task_and_its_tables(data, path.name, task)
+    if isinstance(sandbox := data.get("agent", {}).get("sandbox"), dict) and "wall_s" in sandbox:
+        raise ConfigError(
+            f"agent.sandbox.wall_s = {sandbox['wall_s']}: a black-box episode's wall clock is "
+            "rollout.episode_timeout_s; set that instead"
+        )
     return _absolute_paths(load_config(data, Recipe))
 
 

@@ -85,11 +85,6 @@ class BlackboxAgentConfig(_Agent, tag="blackbox"):
                 f"agent.preload = {self.preload}: a sandboxed episode starts a fresh process, so "
                 "nothing is preloaded; drop agent.preload or agent.sandbox"
             )
-        if isinstance(self.sandbox, SandboxLimits) and self.sandbox.wall_s != SandboxLimits().wall_s:
-            raise ValueError(
-                f"agent.sandbox.wall_s = {self.sandbox.wall_s}: an episode's wall clock is "
-                "rollout.episode_timeout_s; set that instead"
-            )
 
     @property
     def sandbox_limits(self) -> SandboxLimits | None:
