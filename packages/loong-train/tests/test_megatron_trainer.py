@@ -58,7 +58,7 @@ def test_recipe_selects_the_megatron_backend_and_explains_a_missing_install(monk
 @pytest.mark.integration
 def test_trainer_worker_drives_a_two_rank_megatron_backend(tmp_path):
     """TrainerWorker with ``train.backend = "megatron"``, tp = 2: the calling process is rank 0
-    and one spawned follower mirrors it; logprobs, the step's loss and the published weights
+    and one follower (a Ray actor) mirrors it; logprobs, the step's loss and the published weights
     match the torch backend (the CPU comparison above, through the trainer)."""
     from loong_train.config import load_recipe
     from loong_train.controller import trainer_options

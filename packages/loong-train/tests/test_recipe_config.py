@@ -107,6 +107,7 @@ def test_loading_every_recipe_and_listing_them_import_no_torch():
         (["train.backend.type=fsdp", "train.backend.tp=2"], r"'train\.backend\.tp' \(type 'megatron' has it"),
         (["train.backend.type=megatron", "train.backend.tp=2", "train.backend.gpus=1"], r"one GPU per rank"),
         (["train.backend.type=megatron", "train.backend.placement=WIDE"], r"placement"),
+        (["train.backend.type=megatron", "train.backend.gpus=2"], r"one GPU per rank"),
     ],
 )
 def test_parallel_layouts_a_backend_cannot_run_are_refused(sets, message):

@@ -122,10 +122,10 @@ class MegatronBackendConfig(_Backend, tag="megatron"):
             raise ValueError(f"micro_batch_rows must be >= 0, got {self.micro_batch_rows}")
         if self.gpus < 0 or (self.gpus > 1 and self.gpus % 1):
             raise ValueError(f"gpus must be a fraction of one GPU or a whole number, got {self.gpus}")
-        if self.world > 1 and self.gpus not in (0, self.world):
+        if self.gpus not in (0, self.world) and not (self.world == 1 and self.gpus < 1):
             raise ValueError(
                 f"gpus = {self.gpus}: with tp * pp * dp = {self.world} ranks, one GPU per rank "
-                f"(gpus = {self.world}) or none (0, CPU)"
+                f"(gpus = {self.world}), none (0, CPU), or with one rank a fraction of one"
             )
         if self.placement_timeout_s <= 0:
             raise ValueError(f"placement_timeout_s must be > 0, got {self.placement_timeout_s}")

@@ -73,21 +73,28 @@ class MegatronDriver(RankDriver):
         placement_timeout_s: float = 60.0,
         **backend_kwargs: Any,
     ) -> None:
-        world = tp * pp * dp
-        host = _node_address()
-        args = (world, f"{host}:{free_port(host)}", str(model_path), tp, pp, threads, backend_kwargs)
-        self.followers, self.group, self._following = [], None, []
-        if world > 1:
-            self._start_followers(world - 1, threads, 1.0 if gpus else 0.0, placement, placement_timeout_s)
-            self._following = [f.follow.remote(r, *args) for r, f in enumerate(self.followers, start=1)]
+        world, host = tp * pp * dp, _node_address()
+        device = "cuda" if gpus else "cpu"
+        args = (world, f"{host}:{free_port(host)}", device, str(model_path), tp, pp, threads, backend_kwargs)
+        self.followers: list[Any] = []
+        self.nodes: list[str] = []
+        self.group: Any = None
+        self._following: list[Any] = []
+        self._broken = ""  # why the world can no longer make calls together
         try:
+            if world > 1:
+                self._start_followers(
+                    world - 1, threads, 1.0 if gpus else 0.0, placement, placement_timeout_s
+                )
+                self._following = [f.follow.remote(r, *args) for r, f in enumerate(self.followers, start=1)]
             self.backend = _open_rank(0, *args)
         except BaseException:
+            _close_rank()
             self._release()
             raise
 
     def _start_followers(self, n: int, threads: int, gpus: float, placement: str, timeout_s: float) -> None:
-        from ray.util.placement_group import placement_group, remove_placement_group
+        from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         from loong_train.backends.fsdp_ranks import unplaceable
@@ -97,8 +104,6 @@ class MegatronDriver(RankDriver):
         try:
             ray.get(self.group.ready(), timeout=timeout_s)
         except ray.exceptions.GetTimeoutError:
-            remove_placement_group(self.group)
-            self.group = None
             what = f"Megatron's ranks 1..{n} (rank 0 is the trainer)"
             raise RuntimeError(unplaceable(bundles, placement, timeout_s, what, "tp, pp, dp")) from None
         actor = ray.remote(MegatronFollower)
@@ -115,40 +120,61 @@ class MegatronDriver(RankDriver):
         self.nodes = ray.get([f.node.remote() for f in self.followers])  # each follower's Ray node id
 
     def _call(self, name: str, *args: Any) -> Any:
+        if self._broken:
+            raise RankLost(f"Megatron {name}: the ranks are out of step since {self._broken}")
         try:
             if self.followers:
                 dist.broadcast_object_list([(name, args)], src=0)
             return getattr(self.backend, name)(*args)
         except Exception as e:
-            if dead := self._dead():
-                raise RankLost(f"Megatron {name}: {dead} died ({type(e).__name__}: {e})") from e
+            if not self.followers:
+                raise
+            # the followers may be anywhere in this call or dead: no later call can pair up with them
+            self._broken = f"{name} failed on rank 0 ({type(e).__name__}: {e})"
+            if ended := self._ended():
+                raise RankLost(f"Megatron {name}: {ended}") from e
             raise
 
-    def _dead(self) -> str:
-        """The followers whose actor ended, with their nodes ('' when none did)."""
-        ready, _ = ray.wait(self._following, num_returns=len(self._following), timeout=1.0)
-        dead = [
-            f"rank {self._following.index(ref) + 1} on node {self.nodes[self._following.index(ref)]}"
-            for ref in ready
-        ]
-        return ", ".join(dead)
+    def _ended(self) -> str:
+        """The followers whose ``follow`` call ended (their actor died, or raised), with their
+        nodes and how; '' when none did."""
+        done, _ = ray.wait(self._following, num_returns=len(self._following), timeout=1.0)
+        ended = []
+        for ref in done:
+            i = self._following.index(ref)
+            try:
+                ray.get(ref)
+                how = "left the world"
+            except ray.exceptions.RayActorError:
+                how = "died"
+            except Exception as e:
+                how = f"raised {_first_line(e)}"
+            ended.append(f"rank {i + 1} on node {self.nodes[i]} {how}")
+        return ", ".join(ended)
 
     def close(self) -> None:
-        if self.followers:
-            dist.broadcast_object_list([("close", ())], src=0)
-        _close_rank()
-        if self._following:
-            ray.wait(self._following, num_returns=len(self._following), timeout=60)
-        self._release()
+        try:
+            if self.followers and not self._broken:
+                dist.broadcast_object_list([("close", ())], src=0)
+                ray.wait(self._following, num_returns=len(self._following), timeout=60)
+        finally:
+            _close_rank()
+            self._release()
 
     def _release(self) -> None:
+        """Followers killed, their placement group removed (also after a failure)."""
         from ray.util.placement_group import remove_placement_group
 
         for f in self.followers:
             ray.kill(f)
         if self.group is not None:
             remove_placement_group(self.group)
-        self.followers, self.group = [], None
+        self.followers, self.group, self._following = [], None, []
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return lines[-1] if lines else type(e).__name__
 
 
 def _node_address() -> str:
@@ -157,12 +183,22 @@ def _node_address() -> str:
 
 
 def _open_rank(
-    rank: int, world: int, rendezvous: str, model_path: str, tp: int, pp: int, threads: int, kwargs: dict
+    rank: int,
+    world: int,
+    rendezvous: str,
+    device: str,
+    model_path: str,
+    tp: int,
+    pp: int,
+    threads: int,
+    kwargs: dict,
 ) -> MegatronBackend:
+    """Join the world (NCCL on ``device = "cuda"``, each rank on its own GPU, the one Ray shows
+    it; gloo on CPU: every rank chooses the same, from the recipe's ``gpus``) and load the model."""
     torch.set_num_threads(threads)
-    if torch.cuda.is_available():
-        torch.cuda.set_device(0)  # each rank sees its own GPU (Ray's CUDA_VISIBLE_DEVICES)
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(0)
+    backend = "nccl" if device == "cuda" else "gloo"
     dist.init_process_group(backend, init_method=f"tcp://{rendezvous}", rank=rank, world_size=world)
     init_model_parallel(tp, pp)
     return MegatronBackend.from_pretrained(model_path, **kwargs)
