@@ -166,12 +166,18 @@ def unplaceable(
     """What a placement group that Ray could not place asked for (``what``: its ranks, by
     default ``train.backend.ranks``), against what the cluster has."""
     nodes = [n for n in ray.nodes() if n.get("Alive")]
-    have = ", ".join(f"{n['NodeManagerAddress']}: {n['Resources'].get('CPU', 0):g} CPUs" for n in nodes)
-    free = ray.available_resources().get("CPU", 0)
+    free = ray.available_resources()
+    gpus = "GPU" in bundles[0]
+
+    def amount(resources: dict) -> str:
+        cpus = f"{resources.get('CPU', 0):g} CPUs"
+        return f"{cpus}, {resources.get('GPU', 0):g} GPUs" if gpus else cpus
+
+    have = ", ".join(f"{n['NodeManagerAddress']}: {amount(n['Resources'])}" for n in nodes)
     what = what or f"train.backend.ranks = {len(bundles)} ranks"
     return (
-        f"{what} of {bundles[0]['CPU']:g} CPUs each "
+        f"{what} of {amount(bundles[0])} each "
         f"(placement {strategy!r}) could not be placed within {timeout_s:g} s: the cluster has "
-        f"{len(nodes)} node(s) ({have}), {free:g} CPUs free; lower {lower} or train.threads, "
+        f"{len(nodes)} node(s) ({have}), {amount(free)} free; lower {lower} or train.threads, "
         f"add nodes, or choose another train.backend.placement"
     )
