@@ -42,7 +42,11 @@ __all__ = ["MegatronDriver", "MegatronFollower", "init_model_parallel"]
 class MegatronFollower:
     """Rank ``r > 0``: joins the world, then mirrors every call rank 0 broadcasts until ``close``."""
 
-    def node(self) -> str:
+    def prepare(self) -> str:
+        """Import megatron-core here (a node without it fails now, not inside the rendezvous,
+        where rank 0 would wait for the process group's timeout); this rank's Ray node id."""
+        import megatron.core  # noqa: F401
+
         return ray.get_runtime_context().get_node_id()
 
     def follow(self, rank: int, *args: Any) -> None:
@@ -117,7 +121,7 @@ class MegatronDriver(RankDriver):
             ).remote()
             for i in range(n)
         ]
-        self.nodes = ray.get([f.node.remote() for f in self.followers])  # each follower's Ray node id
+        self.nodes = ray.get([f.prepare.remote() for f in self.followers])  # each follower's Ray node id
 
     def _call(self, name: str, *args: Any) -> Any:
         if self._broken:
