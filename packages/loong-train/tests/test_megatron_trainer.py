@@ -3,12 +3,25 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from megatron_testkit import FAMILIES, LR, cloned, rel_gap, tiny_batch, tiny_model
 
 from loong_train.backends.torch_backend import TorchBackend
 from loong_train.models.decoder import CausalLM, DecoderConfig
+
+
+@pytest.fixture
+def local_ray():
+    """The follower rank is a Ray actor: a cluster for the test, shut down after it (a later
+    test may start or join another)."""
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING)
+    yield
+    ray.shutdown()
 
 
 def test_a_model_megatron_cannot_train_is_refused_before_ray_starts(tmp_path):
@@ -56,7 +69,7 @@ def test_recipe_selects_the_megatron_backend_and_explains_a_missing_install(monk
 
 @pytest.mark.slow
 @pytest.mark.integration
-def test_trainer_worker_drives_a_two_rank_megatron_backend(tmp_path):
+def test_trainer_worker_drives_a_two_rank_megatron_backend(tmp_path, local_ray):
     """TrainerWorker with ``train.backend = "megatron"``, tp = 2: the calling process is rank 0
     and one follower (a Ray actor) mirrors it; logprobs, the step's loss and the published weights
     match the torch backend (the CPU comparison above, through the trainer)."""
@@ -89,7 +102,7 @@ def test_trainer_worker_drives_a_two_rank_megatron_backend(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.integration
-def test_megatron_checkpoint_resumes_the_next_step_exactly(tmp_path):
+def test_megatron_checkpoint_resumes_the_next_step_exactly(tmp_path, local_ray):
     """A two-rank Megatron trainer checkpointed after one step, then resumed in a fresh trainer,
     takes the same second step as one that never stopped: same learning rate (the warmup
     schedule), loss and bit-identical weights (Adam's moments came back on every rank)."""
