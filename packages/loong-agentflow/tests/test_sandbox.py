@@ -193,7 +193,7 @@ def test_no_unix_socket_on_the_host_can_be_reached(box, tmp_path):
 def test_reach_carries_connections_to_one_address_and_frees_each_link(box):
     """``reach``: the program's connections to that loopback address arrive at the server outside
     (300 in a row, each answered), another port stays unreachable, and the relay closes each
-    link when it ends: the host's open descriptors are back to where they were."""
+    link when it ends: the host's open descriptors are back near where they were."""
     served = []
     server = socket.create_server(("127.0.0.1", 0))
     other = socket.create_server(("127.0.0.1", 0))
@@ -228,4 +228,5 @@ except OSError as e:
     server.close()
     other.close()
     assert r.ok and r.stdout.split() == ["300", "ConnectionRefusedError"], r
-    assert served == [b"ping"] * 300 and after <= before
+    assert served == [b"ping"] * 300
+    assert after - before < 50  # links kept open would hold 600 (other threads may open a few)
