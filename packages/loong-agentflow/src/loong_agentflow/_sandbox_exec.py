@@ -4,14 +4,15 @@ program (:mod:`loong_agentflow.sandbox` starts it; the argument is the JSON of a
 In order: a new network namespace (no interface but a downed loopback) and a new PID namespace
 (the program is its init: it sees and signals nothing outside it, and when it ends the kernel
 kills whatever it left behind), entered directly as root, or inside a new user namespace
-otherwise; the process-count limit (root: a ``pids`` cgroup of its own; otherwise
-``RLIMIT_NPROC``, which Linux counts within the new user namespace); writes confined to the working directory by
-Landlock (reads stay open, so interpreters and libraries load); every capability dropped and
-``no_new_privs`` set; the resource limits; the working directory, a clean environment, and
-``execve``. Loopback addresses the plan lets the program reach (``reach``) are listened on
-inside the new network namespace, and the listening sockets handed to the parent over
-``bridge_fd``, which carries each connection to the same address outside. A step the kernel refuses fails the launch with exit code 126 and its reason on
-stderr, unless the plan says that isolation may be skipped.
+otherwise; the loopback addresses the plan lets the program reach (``reach``), listened on
+inside the new network namespace and the listening sockets handed to the parent over
+``bridge_fd``, which carries each connection to the same address outside; the process-count
+limit (root: a ``pids`` cgroup of its own; otherwise ``RLIMIT_NPROC``, which Linux counts
+within the new user namespace); writes confined to the working directory by Landlock (reads
+stay open, so interpreters and libraries load); every capability dropped and ``no_new_privs``
+set; no Unix sockets (seccomp); the resource limits; the working directory, a clean
+environment, and ``execve``. A step the kernel refuses fails the launch with exit code 126 and
+its reason on stderr, unless the plan says that isolation may be skipped.
 
 Only the standard library, imported lazily nowhere else: this runs before the program, once per call.
 """

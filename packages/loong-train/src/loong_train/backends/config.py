@@ -37,6 +37,12 @@ class _Backend(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
         """The table's ``type`` (the Struct's tag)."""
         return str(type(self).__struct_config__.tag)
 
+    @property
+    def trainer_gpus(self) -> float:
+        """GPUs Ray reserves for the trainer actor: all the trainer's (``gpus``), unless ranks
+        of their own reserve some."""
+        return self.gpus
+
 
 class TorchBackendConfig(_Backend, tag="torch"):
     """``[train.backend] type = "torch"``: the trainer's own process, on CPU. A batch's rows are
@@ -55,11 +61,6 @@ class TorchBackendConfig(_Backend, tag="torch"):
     @property
     def gpus(self) -> float:
         """GPUs the trainer uses: none."""
-        return 0.0
-
-    @property
-    def trainer_gpus(self) -> float:
-        """GPUs Ray reserves for the trainer actor: none."""
         return 0.0
 
 
@@ -88,11 +89,6 @@ class FsdpBackendConfig(_Backend, tag="fsdp"):
     @property
     def gpus(self) -> float:
         """GPUs the trainer uses: none (CPU under gloo for now)."""
-        return 0.0
-
-    @property
-    def trainer_gpus(self) -> float:
-        """GPUs Ray reserves for the trainer actor: none (its ranks reserve their own)."""
         return 0.0
 
 

@@ -21,7 +21,6 @@ call with the node it ran on.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -29,6 +28,7 @@ import ray
 import torch
 
 from loong_train.backends.base import RankDriver, RankLost
+from loong_train.backends.placement import PlacedRanks
 
 __all__ = ["FsdpDriver", "FsdpRank"]
 
@@ -93,26 +93,15 @@ class FsdpDriver(RankDriver):
         trust_remote_code: bool = False,
         **backend_kwargs: Any,
     ) -> None:
-        from ray.util.placement_group import placement_group, remove_placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        bundles = [{"CPU": float(threads)} for _ in range(ranks)]
-        self.group = placement_group(bundles, strategy=placement, name=f"loong-fsdp-{os.getpid()}")
-        try:
-            ray.get(self.group.ready(), timeout=placement_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            remove_placement_group(self.group)
-            raise RuntimeError(unplaceable(bundles, placement, placement_timeout_s)) from None
-        actor = ray.remote(FsdpRank)
-        self.ranks = [
-            actor.options(
-                num_cpus=threads,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.group, placement_group_bundle_index=i
-                ),
-            ).remote()
-            for i in range(ranks)
-        ]
+        self.placed = PlacedRanks(
+            FsdpRank,
+            ranks,
+            threads=threads,
+            strategy=placement,
+            timeout_s=placement_timeout_s,
+            name="loong-fsdp",
+        )
+        self.ranks = self.placed.actors
         addresses = ray.get([r.address.remote() for r in self.ranks])
         self.nodes = [node for _, _, node in addresses]  # each rank's Ray node id
         host, port, _ = addresses[0]
@@ -143,11 +132,7 @@ class FsdpDriver(RankDriver):
             raise RankLost(f"FSDP {name}: {where} died ({e.__class__.__name__})") from e
 
     def close(self) -> None:
-        from ray.util.placement_group import remove_placement_group
-
-        for r in self.ranks:
-            ray.kill(r)
-        remove_placement_group(self.group)
+        self.placed.release()
 
 
 def _failed(ref: Any) -> bool:
@@ -158,26 +143,3 @@ def _failed(ref: Any) -> bool:
     except Exception:
         return False
     return False
-
-
-def unplaceable(
-    bundles: list[dict[str, float]], strategy: str, timeout_s: float, what: str = "", lower: str = "ranks"
-) -> str:
-    """What a placement group that Ray could not place asked for (``what``: its ranks, by
-    default ``train.backend.ranks``), against what the cluster has."""
-    nodes = [n for n in ray.nodes() if n.get("Alive")]
-    free = ray.available_resources()
-    gpus = "GPU" in bundles[0]
-
-    def amount(resources: dict) -> str:
-        cpus = f"{resources.get('CPU', 0):g} CPUs"
-        return f"{cpus}, {resources.get('GPU', 0):g} GPUs" if gpus else cpus
-
-    have = ", ".join(f"{n['NodeManagerAddress']}: {amount(n['Resources'])}" for n in nodes)
-    what = what or f"train.backend.ranks = {len(bundles)} ranks"
-    return (
-        f"{what} of {amount(bundles[0])} each "
-        f"(placement {strategy!r}) could not be placed within {timeout_s:g} s: the cluster has "
-        f"{len(nodes)} node(s) ({have}), {amount(free)} free; lower {lower} or train.threads, "
-        f"add nodes, or choose another train.backend.placement"
-    )

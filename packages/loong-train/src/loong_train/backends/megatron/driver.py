@@ -23,7 +23,6 @@ node dies fails the call with :class:`~loong_train.backends.base.RankLost` namin
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +81,7 @@ class MegatronDriver(RankDriver):
         args = (world, f"{host}:{free_port(host)}", device, str(model_path), tp, pp, threads, backend_kwargs)
         self.followers: list[Any] = []
         self.nodes: list[str] = []
-        self.group: Any = None
+        self.placed: Any = None
         self._following: list[Any] = []
         self._broken = ""  # why the world can no longer make calls together
         try:
@@ -98,29 +97,20 @@ class MegatronDriver(RankDriver):
             raise
 
     def _start_followers(self, n: int, threads: int, gpus: float, placement: str, timeout_s: float) -> None:
-        from ray.util.placement_group import placement_group
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        from loong_train.backends.placement import PlacedRanks
 
-        from loong_train.backends.fsdp_ranks import unplaceable
-
-        bundles = [{"CPU": float(threads), **({"GPU": gpus} if gpus else {})} for _ in range(n)]
-        self.group = placement_group(bundles, strategy=placement, name=f"loong-megatron-{os.getpid()}")
-        try:
-            ray.get(self.group.ready(), timeout=timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            what = f"Megatron's ranks 1..{n} (rank 0 is the trainer)"
-            raise RuntimeError(unplaceable(bundles, placement, timeout_s, what, "tp, pp, dp")) from None
-        actor = ray.remote(MegatronFollower)
-        self.followers = [
-            actor.options(
-                num_cpus=threads,
-                num_gpus=gpus,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(
-                    self.group, placement_group_bundle_index=i
-                ),
-            ).remote()
-            for i in range(n)
-        ]
+        self.placed = PlacedRanks(
+            MegatronFollower,
+            n,
+            threads=threads,
+            gpus=gpus,
+            strategy=placement,
+            timeout_s=timeout_s,
+            name="loong-megatron",
+            what=f"Megatron's ranks 1..{n} (rank 0 is the trainer)",
+            lower="tp, pp, dp",
+        )
+        self.followers = self.placed.actors
         self.nodes = ray.get([f.prepare.remote() for f in self.followers])  # each follower's Ray node id
 
     def _call(self, name: str, *args: Any) -> Any:
@@ -167,13 +157,9 @@ class MegatronDriver(RankDriver):
 
     def _release(self) -> None:
         """Followers killed, their placement group removed (also after a failure)."""
-        from ray.util.placement_group import remove_placement_group
-
-        for f in self.followers:
-            ray.kill(f)
-        if self.group is not None:
-            remove_placement_group(self.group)
-        self.followers, self.group, self._following = [], None, []
+        if self.placed is not None:
+            self.placed.release()
+        self.placed, self.followers, self._following = None, [], []
 
 
 def _first_line(e: BaseException) -> str:
