@@ -29,6 +29,7 @@ import torch
 
 from loong_train.backends.base import RankDriver, RankLost
 from loong_train.backends.placement import PlacedRanks
+from loong_train.memory import keep_freed_memory
 
 __all__ = ["FsdpDriver", "FsdpRank"]
 
@@ -62,6 +63,7 @@ class FsdpRank:
         from loong_train.backends.fsdp import FsdpBackend
 
         torch.set_num_threads(threads)
+        keep_freed_memory()
         torch.manual_seed(seed)
         dist.init_process_group("gloo", init_method=f"tcp://{rendezvous}", rank=rank, world_size=world)
         self.rank = rank

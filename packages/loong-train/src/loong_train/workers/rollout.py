@@ -34,6 +34,7 @@ from loong_train.backends.config import LoraConfig
 from loong_train.backends.lora import adapted_modules, read_adapter
 from loong_train.engines.base import build_engine, build_host
 from loong_train.engines.config import EmbeddedEngineConfig, EngineConfig
+from loong_train.memory import keep_freed_memory
 from loong_train.messages import ApplyResult, EngineCounts, RolloutResult
 from loong_train.models.tokenizer import HFCodec, end_of_turn_ids, load_tokenizer, pad_token_id
 from loong_train.tasks import Task, TaskTables, build_task
@@ -88,6 +89,7 @@ class RolloutWorker:
         adapter: str = "",
     ) -> None:
         torch.set_num_threads(threads)
+        keep_freed_memory()
         self.worker_id, self._model_path = worker_id, model_path
         tokenizer = load_tokenizer(model_path)
         self.codec = HFCodec(tokenizer)

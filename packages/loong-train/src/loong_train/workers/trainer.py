@@ -18,6 +18,7 @@ from loong_core.records import TrainBatch, WeightManifest
 from loong_train.algo.config import OPDConfig
 from loong_train.algo.opd import Distiller
 from loong_train.backends.base import BackendOptions, build_backend
+from loong_train.memory import keep_freed_memory
 from loong_train.messages import Published, StepResult
 from loong_transfermesh import SGLangPusherConfig, SGLangServers, TransportConfig, open_sender
 
@@ -54,6 +55,7 @@ class TrainerWorker:
         watch_interval_s: float = 1.0,
     ) -> None:
         torch.set_num_threads(options.threads)
+        keep_freed_memory()
         torch.manual_seed(seed)
         self.backend = build_backend(model_path, options)
         self.version = 0

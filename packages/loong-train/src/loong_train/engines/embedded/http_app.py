@@ -37,6 +37,7 @@ from loong_train.engines.embedded.http_control import SGLangServer
 from loong_train.engines.embedded.http_generate import GenerateRoutes
 from loong_train.engines.embedded.http_weights import WeightRoutes
 from loong_train.engines.embedded.wire import BadRequest, bad_request
+from loong_train.memory import keep_freed_memory
 
 __all__ = ["build_app", "main", "serve"]
 
@@ -147,6 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     from loong_train.models.auto import load_causal_lm
 
     torch.set_num_threads(args.threads)
+    keep_freed_memory()
     engine = EmbeddedEngine(load_causal_lm(args.model_dir, args.trust_remote_code), seed=args.seed)
     print(f"serve-sglang: {args.model_dir} on http://{args.host}:{args.port}", flush=True)
     serve(engine, args.host, args.port, args.api_key, str(args.model_dir), args.incremental_streaming_output)

@@ -1,0 +1,40 @@
+"""The C allocator's settings for the processes that run a model (engines, trainer ranks).
+
+A decode step allocates and frees tensors of tens of megabytes every step (a batch's
+[rows x vocabulary] logits: 25 MB for 128 rows of a 49,152-token vocabulary). glibc's malloc
+serves a block that large with a fresh ``mmap`` and returns it on ``free``, so the process
+page-faults the same memory again every step: 4.7 million faults and 9 s of system time in the
+real-model engine benchmark's four calls, 0.4 million and 1.3 s with the settings below.
+:func:`keep_freed_memory` raises the size below which malloc serves blocks from its heap to the
+largest it allows, and stops it from returning freed heap memory to the system, so a step reuses
+the memory the previous one freed. The cost: the process holds on to its peak.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import sys
+
+__all__ = ["keep_freed_memory"]
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3  # glibc's mallopt parameters
+_MMAP_THRESHOLD_MAX = 4 * 1024 * 1024 * ctypes.sizeof(ctypes.c_long)  # 32 MiB on 64-bit
+_ENV = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")
+
+
+def keep_freed_memory() -> bool:
+    """Apply the settings above to this process (Linux with glibc; a no-op elsewhere, and where
+    the user set either ``MALLOC_MMAP_THRESHOLD_`` or ``MALLOC_TRIM_THRESHOLD_``: theirs win).
+    Returns whether they were applied."""
+    if not sys.platform.startswith("linux") or any(name in os.environ for name in _ENV):
+        return False
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):  # musl and other C libraries have no mallopt
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    trim = 2**31 - 1  # the largest an int holds: freed memory stays in the process
+    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(mallopt(_M_TRIM_THRESHOLD, trim))
