@@ -262,9 +262,12 @@ class RunningBatch:
 
     def _sample(self, version: int) -> torch.Tensor:
         rows, device = self.rows, self._device
-        temps = torch.tensor([r.sampling.temperature for r in rows], device=device)[:, None]
-        z = self.logits.float().contiguous() / temps
-        z = z - z.max(-1, keepdim=True).values
+        # A row-major copy (the head's logits are a transposed view) that the next lines change in place.
+        z = torch.empty(self.logits.shape, dtype=torch.float32, device=device).copy_(self.logits)
+        temps = [r.sampling.temperature for r in rows]
+        if any(t != 1 for t in temps):  # dividing by 1 changes nothing: skipped
+            z.div_(torch.tensor(temps, device=device)[:, None])
+        z.sub_(z.amax(-1, keepdim=True))
         weights = z.exp()  # unnormalised probabilities
         total = weights.sum(-1)
         top_ps = [r.sampling.top_p for r in rows]
