@@ -276,7 +276,7 @@ class Attention(nn.Module):
         gqa = self.n_heads != self.n_kv  # keys and values are shared by head groups, never copied
         if rows is not None:  # packed rows: each attends causally within itself and its shared prefix
             out = rows.attend(q, k, v, gqa)
-        elif t == 1 and mask is not None:
+        elif t == 1 and mask is not None and q.device.type == "cpu":
             out = _decode_attention(q, k, v, mask)
         elif mask is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
@@ -287,14 +287,16 @@ class Attention(nn.Module):
 
 def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """One query position per row (a decode step): q [b, heads, 1, d], k and v [b, kv_heads, c, d],
-    mask [b, 1, 1, c] True where allowed. The query heads sharing a key head form one matrix
-    against it (head ``h`` reads key head ``h // (heads / kv_heads)``, as ``enable_gqa`` does),
-    which runs about 2x faster on CPU than the fused kernel does for a single query position."""
+    mask [b, 1, 1, c] True where allowed, at least once per row. The query heads sharing a key
+    head form one matrix against it (head ``h`` reads key head ``h // (heads / kv_heads)``, as
+    ``enable_gqa`` does), which runs about 2x faster on CPU than the fused kernel does for a single
+    query position. The softmax runs in float32 at least."""
     b, heads, _, d = q.shape
     kv = k.shape[1]
     scores = q.view(b, kv, heads // kv, d) @ k.transpose(-1, -2)  # [b, kv_heads, group, c]
     scores = scores.mul_(d**-0.5).masked_fill_(~mask, float("-inf"))
-    return (scores.softmax(-1) @ v).view(b, heads, 1, d)
+    weights = scores.softmax(-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(v.dtype)
+    return (weights @ v).view(b, heads, 1, d)
 
 
 class MLP(nn.Module):
