@@ -13,8 +13,11 @@ matrix (the LM head included, the embedding lookup not: it is no product):
 - ``engine``: 32 prompts of 40 tokens, 4 samples each (a GRPO group), temperature 1, exactly 48
   new tokens (no stop token). Loong's embedded engine against ``transformers``' ``generate`` (the
   path TRL's GRPOTrainer samples with on CPU: ``do_sample``, ``top_k=0``, all 128 rows as one
-  batch) and against the floor: ``2 N`` FLOPs per generated token. Each side is timed on its
-  second call (the first pays one-time costs: thread pools, first allocations).
+  batch; in float32 and, where the CPU has native bfloat16 products, in bfloat16: the faster is
+  the baseline) and against the floor: ``2 N`` FLOPs per generated token. The engine runs in
+  float32 and in bfloat16 (``[rollout.engine] dtype``; skipped without native bfloat16), the
+  latter also against a floor at the bfloat16 matmul rate. Each side is timed on its second call
+  (the first pays one-time costs: thread pools, first allocations).
 - ``train``: a GRPO batch of 32 rows (40 prompt tokens, 8 to 48 response tokens): one optimizer
   step against ``6 N T`` (T: the batch's tokens), and the logprob recompute (``logprobs``) against
   ``2 N T``; the baseline is the step as it was before packing (rows padded to the longest, the
@@ -119,15 +122,54 @@ def _seconds(fn) -> float:
     return time.perf_counter() - start
 
 
-def test_engine(benchmark, checkpoint, gflops):
-    from transformers import AutoModelForCausalLM
-
-    name, path = checkpoint
-    model = CausalLM.from_pretrained(path)
-    vocab = model.config.vocab_size
+def _engine_rows(vocab: int) -> list[list[int]]:
     gen = random.Random(0)
     prompts = [[gen.randrange(1, vocab) for _ in range(PROMPT_TOKENS)] for _ in range(PROMPTS)]
-    rows = [p for p in prompts for _ in range(SAMPLES)]
+    return [p for p in prompts for _ in range(SAMPLES)]
+
+
+def _native_bfloat16() -> bool:
+    return any(
+        getattr(torch.cpu, f"_is_{isa}_supported", lambda: False)() for isa in ("avx512_bf16", "amx_tile")
+    )
+
+
+@pytest.fixture(scope="module")
+def generate_rates(checkpoint) -> dict[str, float]:
+    """``transformers``' ``generate`` on the engine's workload, tokens/s per dtype (its second
+    call each): float32, and bfloat16 where the CPU has native bfloat16 products. The engine is
+    compared with the faster of the two (the baseline's best configuration)."""
+    from transformers import AutoModelForCausalLM
+
+    _, path = checkpoint
+    rates = {}
+    for dtype in ["float32", "bfloat16"] if _native_bfloat16() else ["float32"]:
+        hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype)).eval()
+        ids = torch.tensor(_engine_rows(hf.config.vocab_size))
+
+        def generate(hf=hf, ids=ids):
+            with torch.no_grad():
+                out = hf.generate(
+                    ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
+                    top_p=1.0, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=0,
+                )  # fmt: skip
+            assert out.shape == (len(ids), PROMPT_TOKENS + NEW_TOKENS)
+
+        generate()  # warm, as Loong's engine is
+        rates[dtype] = len(ids) * NEW_TOKENS / _seconds(generate)
+    return rates
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine(benchmark, checkpoint, gflops, generate_rates, dtype):
+    """The engine in ``dtype`` (``[rollout.engine] dtype``) against the faster ``generate`` and
+    against the float32 floor (``floor_tokens_per_s``); in bfloat16 also against the floor at
+    this machine's bfloat16 matmul rate (``bf16_floor_tokens_per_s``)."""
+    if dtype == "bfloat16" and not _native_bfloat16():
+        pytest.skip("this CPU has no native bfloat16 products (AVX512-BF16 or AMX)")
+    name, path = checkpoint
+    model = CausalLM.from_pretrained(path).to(getattr(torch, dtype))
+    rows = _engine_rows(model.config.vocab_size)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=NEW_TOKENS)
     tokens = len(rows) * NEW_TOKENS
 
@@ -137,33 +179,29 @@ def test_engine(benchmark, checkpoint, gflops):
 
     loong()  # warm: the first call pays one-time costs (thread pools, first allocations)
     loong_s = _seconds(lambda: benchmark.pedantic(loong, rounds=1, iterations=1))
-    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-    ids = torch.tensor(rows)
-
-    def generate():
-        with torch.no_grad():
-            out = hf.generate(
-                ids, attention_mask=torch.ones_like(ids), do_sample=True, temperature=1.0, top_k=0,
-                top_p=1.0, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, pad_token_id=0,
-            )  # fmt: skip
-        assert out.shape == (len(rows), PROMPT_TOKENS + NEW_TOKENS)
-
-    generate()  # warm, as Loong's engine is
-    hf_s = _seconds(generate)
-    floor = gflops * 1e9 / (2 * _matrix_params(model))
+    baseline = max(generate_rates, key=generate_rates.get)
+    flops = 2 * _matrix_params(model)
     info = {
         "model": name,
+        "dtype": dtype,
         "gflops": gflops,
         "loong_tokens_per_s": tokens / loong_s,
-        "hf_generate_tokens_per_s": tokens / hf_s,
-        "floor_tokens_per_s": floor,
-        "loong_over_hf": hf_s / loong_s,
-        "loong_over_floor": tokens / loong_s / floor,
+        **{f"hf_generate_{k}_tokens_per_s": v for k, v in generate_rates.items()},
+        "baseline": f"generate in {baseline}",
+        "floor_tokens_per_s": gflops * 1e9 / flops,
+        "loong_over_hf": tokens / loong_s / generate_rates[baseline],
+        "loong_over_floor": tokens / loong_s / (gflops * 1e9 / flops),
     }
+    if dtype == "bfloat16":
+        a, b = torch.randn(1024, 1024, dtype=torch.bfloat16), torch.randn(1024, 1024, dtype=torch.bfloat16)
+        a @ b
+        bf16_gflops = 2 * 1024**3 / min(_seconds(lambda: a @ b) for _ in range(20)) / 1e9
+        info |= {"bf16_gflops": bf16_gflops, "bf16_floor_tokens_per_s": bf16_gflops * 1e9 / flops}
+        info["loong_over_bf16_floor"] = tokens / loong_s / info["bf16_floor_tokens_per_s"]
     benchmark.extra_info.update(info)
     print(
         f"\nengine {name}: "
-        + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else v for k, v in info.items())
+        + ", ".join(f"{k} {v:.3g}" if isinstance(v, float) else f"{k} {v}" for k, v in info.items())
     )
 
 

@@ -175,3 +175,42 @@ def test_the_engine_samples_each_familys_transformers_logprobs(tmp_path, family)
             logp = torch.log_softmax(reference(ids).logits.double(), -1)[0, len(prompt) - 1 : -1]
         want = logp.gather(-1, torch.tensor(span.token_ids)[:, None]).squeeze(-1)
         torch.testing.assert_close(torch.tensor(span.logprobs, dtype=torch.float64), want, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_a_bfloat16_engine_samples_its_rounded_weights_logprobs(tmp_path, family):
+    """``[rollout.engine] dtype = "bfloat16"``: the engine's logprobs (prefill, then decode steps
+    against a bfloat16 KV cache) are those of ``transformers``' model holding the same rounded
+    weights, computed in float64, to bfloat16 activation rounding; a float32 engine on those
+    weights meets float32 rounding, so the bound is bfloat16's own."""
+    import transformers
+
+    from loong_core.protocols import SamplingParams
+    from loong_train.engines.embedded.engine import EmbeddedEngine
+    from loong_train.models.auto import load_causal_lm
+
+    config_class, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    reference = transformers.AutoModelForCausalLM.from_config(
+        getattr(transformers, config_class)(**DECODER_SHAPE, **extra)
+    )
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.copy_(p.normal_(0, 0.3).to(torch.bfloat16))  # weights bfloat16 holds exactly
+    reference.eval().save_pretrained(tmp_path)
+    reference = reference.double()
+    prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [4], [9, 9, 2, 7]]
+    gaps = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        engine = EmbeddedEngine(load_causal_lm(tmp_path).to(dtype), seed=0)
+        spans = engine.generate_batch(prompts, [SamplingParams(max_new_tokens=40)] * len(prompts))
+        worst = 0.0
+        for prompt, span in zip(prompts, spans, strict=True):
+            ids = torch.tensor([prompt + span.token_ids])
+            with torch.no_grad():
+                logp = torch.log_softmax(reference(ids).logits, -1)[0, len(prompt) - 1 : -1]
+            want = logp.gather(-1, torch.tensor(span.token_ids)[:, None]).squeeze(-1)
+            worst = max(worst, (torch.tensor(span.logprobs, dtype=torch.float64) - want).abs().max().item())
+        gaps[dtype] = worst
+    assert gaps[torch.float32] < 1e-4
+    assert 1e-3 < gaps[torch.bfloat16] < 0.1

@@ -74,3 +74,29 @@ def test_weights_reach_the_engine_through_transfermesh(tiny_dir, recipe, mode):
         assert {t.oldest_version for t in after} == {1}
     finally:
         trainer.close()
+
+
+def test_a_bfloat16_engine_takes_float32_updates_rounded(tiny_dir, recipe):
+    """``[rollout.engine] dtype = "bfloat16"``: step 1's mismatch KL is bfloat16 rounding (far
+    above float32's, yet small), and the trainer's float32 update lands in the engine rounded:
+    each engine weight is the trainer's, rounded to bfloat16, and sampling continues at it."""
+    import torch
+
+    from loong_train.engines.config import EmbeddedEngineConfig
+
+    transport = TransportConfig(name="first-step-bfloat16")
+    engine = EmbeddedEngineConfig(dtype="bfloat16")
+    worker, trajs = _rollout(tiny_dir, groups=4, transport=transport, engine=engine)
+    trainer = TrainerWorker(str(tiny_dir), transport=transport, **trainer_options(recipe))
+    try:
+        published = trainer.publish(trainer.train_step(pack_batch(trajs, grpo_advantages(trajs), 0)))
+        assert 1e-7 < published.step.metrics["mismatch_kl"] < 1e-2
+        worker.apply_weights(published.manifest)
+        sent = trainer.backend.named_weights()
+        for name, p in worker.engine.model.named_parameters():
+            assert p.dtype == torch.bfloat16 and p.equal(sent[name].to(torch.bfloat16)), name
+        source = GroupSource(calc.train_tasks(5, []), group_size=2)
+        after = worker.rollout(source.specs(source.next_group())).trajectories
+        assert {t.oldest_version for t in after} == {1}
+    finally:
+        trainer.close()

@@ -32,6 +32,18 @@ def test_type_picks_the_table_and_its_keys():
     assert r.train.backend == MegatronBackendConfig(dp=2)
 
 
+def test_a_table_without_type_is_of_the_default_type():
+    r = load_recipe(
+        "tiny-calc-agent", ["rollout.engine.dtype=bfloat16", "train.backend.max_tokens_per_micro_batch=512"]
+    )
+    assert r.rollout.engine == EmbeddedEngineConfig(dtype="bfloat16")
+    assert r.train.backend == TorchBackendConfig(max_tokens_per_micro_batch=512)
+    with pytest.raises(
+        ConfigError, match=r"rollout\.engine\.dtype.*'float16'.*'auto', 'bfloat16', 'float32'"
+    ):
+        load_recipe("tiny-calc-agent", ["rollout.engine.dtype=float16"])
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [

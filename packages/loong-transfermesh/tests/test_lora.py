@@ -67,6 +67,25 @@ def test_pushed_adapters_merge_into_the_base_weights():
         assert torch.equal(engine[name], fresh[name]), name  # so versions leave no drift behind
 
 
+def test_float32_adapters_merge_into_bfloat16_weights_rounded_once():
+    """A bfloat16 engine taking a float32 trainer's adapters (``dtype=torch.float32``): the buffers
+    are float32 (the manifest's dtype), each weight becomes ``W + s B A`` computed over its own
+    base and rounded to bfloat16 once: within half a bfloat16 step of float64 math."""
+    base = {k: v.to(torch.bfloat16) for k, v in _model().items()}
+    engine = {k: v.clone() for k, v in base.items()}
+    merge = LoraMerge(engine, ["attn.q", "mlp.c_fc"], RANK, SCALE, {"mlp.c_fc"}, dtype=torch.float32)
+    assert {t.dtype for t in merge.buffers.values()} == {torch.float32}
+    merge.load(_adapter(4))
+    for name, want in _expected(base, _adapter(4)).items():
+        got = engine[name]
+        assert got.dtype == torch.bfloat16
+        half_step = want.abs() * 2.0**-8 + 1e-30  # bfloat16 keeps 8 significant bits
+        assert ((got.double() - want).abs() <= half_step).all(), name
+    merge.load({k: torch.zeros_like(v) for k, v in merge.buffers.items()})
+    for name in base:
+        assert torch.equal(engine[name], base[name]), name  # no drift: the base is kept
+
+
 def test_zero_adapters_give_the_base_back():
     base = _model()
     engine = {k: v.clone() for k, v in base.items()}

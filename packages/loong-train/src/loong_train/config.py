@@ -312,6 +312,15 @@ def _renamed_keys(data: dict[str, Any]) -> list[str]:
     return problems
 
 
+def _default_types(data: dict[str, Any]) -> None:
+    """A ``[rollout.engine]`` or ``[train.backend]`` table that leaves out ``type`` is of the
+    default type (``--set rollout.engine.dtype=bfloat16`` alone sets the embedded engine's dtype)."""
+    defaults = {"rollout.engine": RolloutConfig().engine, "train.backend": TrainConfig().backend}
+    for table, default in defaults.items():
+        if isinstance(value := get_dotted(data, table), dict):
+            value.setdefault("type", default.type)
+
+
 def recipe_names() -> list[str]:
     return sorted(
         p.name.removesuffix(".toml")
@@ -345,6 +354,7 @@ def load_recipe(
         apply_override(data, override)
     if problems := _renamed_keys(data):
         raise ConfigError(f"{path.name}: " + "; ".join(problems))
+    _default_types(data)
     _task_and_its_tables(data, path.name, task)
     if isinstance(sandbox := data.get("agent", {}).get("sandbox"), dict) and "wall_s" in sandbox:
         raise ConfigError(

@@ -38,7 +38,9 @@ class LoraMerge:
     ``modules``: the adapted modules (each has ``<module>.weight`` in ``weights``); ``transposed``:
     those storing their weight as ``[in, out]`` (GPT-2's ``Conv1D``). ``buffers`` is what a
     receiver applies into; zeros until the first version, so merging them gives the base back.
-    Costs one copy of the adapted weights (the base).
+    ``dtype``: the buffers' (the adapter's as the sender sends it; default: each weight's). A
+    weight in a narrower dtype (a bfloat16 engine) is merged in the buffers' dtype over its own
+    (rounded) base and rounded back. Costs one copy of the adapted weights (the base).
     """
 
     def __init__(
@@ -48,6 +50,7 @@ class LoraMerge:
         rank: int,
         scale: float,
         transposed: Collection[str] = (),
+        dtype: torch.dtype | None = None,
     ) -> None:
         self.scale = scale
         self._layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]] = []
@@ -59,19 +62,20 @@ class LoraMerge:
             flip = module in transposed
             out_features, in_features = weight.shape[::-1] if flip else weight.shape
             a_name, b_name = adapter_names(module)
-            a = weight.new_zeros(rank, in_features)
-            b = weight.new_zeros(out_features, rank)
+            a = weight.new_zeros(rank, in_features, dtype=dtype)
+            b = weight.new_zeros(out_features, rank, dtype=dtype)
             self.buffers[a_name], self.buffers[b_name] = a, b
-            self._layers.append((weight, weight.detach().clone(), a, b, flip))
+            self._layers.append((weight, weight.detach().to(a.dtype, copy=True), a, b, flip))
 
     @torch.no_grad()
     def merge(self) -> None:
         """Each adapted weight becomes ``base + scale * B @ A`` (the buffers' adapter)."""
         for weight, base, a, b, flip in self._layers:  # one fused product-and-add a layer
-            if flip:
-                torch.addmm(base, a.T, b.T, alpha=self.scale, out=weight)
+            x, y = (a.T, b.T) if flip else (b, a)
+            if weight.dtype == base.dtype:
+                torch.addmm(base, x, y, alpha=self.scale, out=weight)
             else:
-                torch.addmm(base, b, a, alpha=self.scale, out=weight)
+                weight.copy_(torch.addmm(base, x, y, alpha=self.scale))
 
     def apply(self, receiver: WeightReceiver, version: int | None = None) -> int:
         """Take ``version`` (the newest: None) from ``receiver`` into the buffers, then merge."""

@@ -20,6 +20,7 @@ weight version, ``pause``/``resume``) plus what a worker does around generation:
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Protocol
 
 from loong_core.protocols import SamplingParams
@@ -27,11 +28,14 @@ from loong_core.records import TokenSpan
 from loong_train.engines.config import EngineConfig, SGLangEngineConfig
 
 if TYPE_CHECKING:
+    import torch
     from torch import nn
 
     from loong_train.engines.embedded.host import EngineHost
 
-__all__ = ["WorkerEngine", "build_engine", "build_host"]
+__all__ = ["WorkerEngine", "build_engine", "build_host", "engine_dtype"]
+
+log = logging.getLogger(__name__)
 
 
 class WorkerEngine(Protocol):
@@ -79,10 +83,35 @@ def build_engine(
             trust_remote_code=trust_remote_code,
             version=version,
         )
+    import torch
+
     from loong_train.engines.embedded.engine import EmbeddedEngine
     from loong_train.models.auto import load_causal_lm
 
-    return EmbeddedEngine(load_causal_lm(model_path, trust_remote_code), seed=seed, pad_id=pad_id)
+    model = load_causal_lm(model_path, trust_remote_code)
+    if (dtype := engine_dtype(config.dtype)) != torch.float32:
+        model = model.to(dtype)
+    return EmbeddedEngine(model, seed=seed, pad_id=pad_id)
+
+
+def engine_dtype(setting: str) -> torch.dtype:
+    """The embedded engine's dtype for ``[rollout.engine] dtype`` on this CPU: ``"auto"`` is
+    bfloat16 where the CPU has native bfloat16 products (AVX512-BF16 or AMX), float32 elsewhere
+    (there bfloat16 products run several times slower than float32's); logged."""
+    import torch
+
+    native = any(
+        getattr(torch.cpu, f"_is_{isa}_supported", lambda: False)() for isa in ("avx512_bf16", "amx_tile")
+    )
+    if setting == "auto":
+        setting = "bfloat16" if native else "float32"
+        log.info("[rollout.engine] dtype = 'auto': %s (native bfloat16 products: %s)", setting, native)
+    elif setting == "bfloat16" and not native:
+        log.warning(
+            "[rollout.engine] dtype = 'bfloat16': this CPU has no native bfloat16 products (AVX512-BF16 "
+            "or AMX), so the engine runs several times slower than in float32 ('auto' picks float32 here)"
+        )
+    return getattr(torch, setting)
 
 
 def build_host(engine: WorkerEngine) -> EngineHost | None:

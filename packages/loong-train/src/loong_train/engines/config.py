@@ -44,10 +44,17 @@ class EmbeddedEngineConfig(_Engine, tag="embedded"):
     others keep the engine busy; the pipeline keeps one more call queued per worker. 1 (the
     default): one call at a time. Pair it with ``partial = "continue"``: with ``"off"`` every
     update waits until no call runs, which drains the engine once per train step.
+
+    ``dtype``: the engine's weights, activations and KV cache. ``"bfloat16"`` runs about twice as
+    fast as float32 on a CPU with native bfloat16 products (AVX512-BF16 or AMX) and several times
+    slower on one without; ``"auto"`` picks bfloat16 where the CPU has them, float32 elsewhere.
+    The trainer stays float32 and each update is rounded to bfloat16 as it lands, so rollout and
+    trainer logprobs differ by bfloat16 rounding (step 1's ``mismatch_kl``: docs/speed.md).
     """
 
     partial: Literal["off", "continue", "restart"] = "off"
     concurrent_calls: int = 1
+    dtype: Literal["float32", "bfloat16", "auto"] = "float32"
 
     def __post_init__(self) -> None:
         if self.concurrent_calls < 1:

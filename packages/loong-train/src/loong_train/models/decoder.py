@@ -290,12 +290,22 @@ def _decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: t
     mask [b, 1, 1, c] True where allowed, at least once per row. The query heads sharing a key
     head form one matrix against it (head ``h`` reads key head ``h // (heads / kv_heads)``, as
     ``enable_gqa`` does), which runs about 2x faster on CPU than the fused kernel does for a single
-    query position. The softmax runs in float32 at least."""
+    query position. The softmax runs in float32 at least.
+
+    Float32 takes ``queries @ keys^T``; bfloat16's batched product copies a transposed operand as
+    large as the keys, so there the scores are taken as ``keys @ queries^T`` ([c, group] per
+    head), 1.4x faster for a 128-row step."""
     b, heads, _, d = q.shape
     kv = k.shape[1]
-    scores = q.view(b, kv, heads // kv, d) @ k.transpose(-1, -2)  # [b, kv_heads, group, c]
-    scores = scores.mul_(d**-0.5).masked_fill_(~mask, float("-inf"))
-    weights = scores.softmax(-1, dtype=torch.promote_types(scores.dtype, torch.float32)).to(v.dtype)
+    grouped = q.view(b, kv, heads // kv, d)
+    wide = torch.promote_types(q.dtype, torch.float32)
+    if q.dtype == torch.float32:
+        scores = (grouped @ k.transpose(-1, -2)).mul_(d**-0.5)  # [b, kv_heads, group, c]
+        weights = scores.masked_fill_(~mask, float("-inf")).softmax(-1, dtype=wide).to(v.dtype)
+    else:
+        scores = (k @ grouped.transpose(-1, -2)).mul_(d**-0.5)  # [b, kv_heads, c, group]
+        scores = scores.masked_fill_(~mask.transpose(-1, -2), float("-inf"))
+        weights = scores.softmax(-2, dtype=wide).to(v.dtype).transpose(-1, -2)
     return (weights @ v).view(b, heads, 1, d)
 
 
@@ -396,7 +406,7 @@ class CausalLM(nn.Module):
 
     def _layers(self, input_ids, positions, mask, cache, start, rows=None) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
-        cos, sin = self.model.rotary(positions)
+        cos, sin = (t.to(x.dtype) for t in self.model.rotary(positions))
         for i, layer in enumerate(self.model.layers):
             layer_cache = (cache.k[i], cache.v[i]) if cache is not None else None
             x = layer(x, cos, sin, mask, layer_cache, start, rows)

@@ -132,36 +132,50 @@ class RolloutWorker:
         """Start at ``version`` (resumed: the engine loaded that checkpoint) and take the trainer's
         updates from ``transport``; an engine without a host copy is updated by the trainer itself
         (``weights = "direct"``) and has no receiver. ``lora``: updates are adapters alone, merged
-        into the engine's base weights (resumed: ``adapter``, the checkpoint's, merged first)."""
+        into the engine's base weights (resumed: ``adapter``, the checkpoint's, merged first).
+
+        Updates arrive in the trainer's float32. An engine in another dtype (``[rollout.engine]
+        dtype``) receives them into a float32 copy of its weights and rounds them in; adapters
+        stay float32 and are merged in float32."""
         if version:
             self.engine.set_version(version)
-        self.receiver, self.lora = None, None
+        self.receiver, self.lora, self._staged = None, None, {}
         if self.engine.model is not None:
+            params = dict(self.engine.model.named_parameters())
             if lora is not None:
                 modules, transposed = adapted_modules(self.engine.model, lora)
-                params = dict(self.engine.model.named_parameters())
-                self.lora = LoraMerge(params, modules, lora.rank, lora.scale, transposed)
+                self.lora = LoraMerge(params, modules, lora.rank, lora.scale, transposed, dtype=torch.float32)
                 if adapter:
                     self.lora.load(read_adapter(adapter))
+            elif any(p.dtype != torch.float32 for p in params.values()):
+                self._staged = {name: p.detach().float() for name, p in params.items()}
             self.receiver = open_receiver(transport, background=True)  # pushes never wait for our apply
             self._catch_up(transport)
 
     def _targets(self) -> dict[str, torch.Tensor]:
-        """What updates are applied into: the adapter buffers (LoRA) or the engine's weights."""
-        return self.lora.buffers if self.lora else dict(self.engine.model.named_parameters())
+        """What updates are applied into: the adapter buffers (LoRA), the float32 copy of a
+        lower-precision engine's weights, or the engine's weights themselves."""
+        return self.lora.buffers if self.lora else self._staged or dict(self.engine.model.named_parameters())
+
+    @torch.no_grad()
+    def _install(self) -> None:
+        """Bring a received version into the engine: merge the adapter, or round the float32 copy."""
+        if self.lora:
+            self.lora.merge()
+        elif self._staged:
+            for name, p in self.engine.model.named_parameters():
+                p.copy_(self._staged[name])
 
     def _receive(self, version: int) -> None:
         self.receiver.apply(self._targets(), version=version)
-        if self.lora:
-            self.lora.merge()
+        self._install()
 
     def _catch_up(self, transport: TransportConfig) -> None:
         """Take the newest version the transport still holds, if newer than ours (a restarted
         worker; a fresh run has none): :func:`loong_transfermesh.catch_up`."""
         held = self.engine.weight_version
         if (version := catch_up(transport, self._targets(), held)) != held:
-            if self.lora:
-                self.lora.merge()
+            self._install()
             self.engine.set_version(version)
 
     def rollout(
