@@ -399,10 +399,15 @@ class CausalLM(nn.Module):
         return self.model.norm(x)[rows.index.to(device)]
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The LM head: final hidden states -> logits, taken as ``W @ h^T`` (then viewed back),
-        which runs 1.2-1.4x faster on CPU than ``h @ W^T`` for a vocabulary-wide head."""
+        """The LM head: final hidden states -> logits. In float32 taken as ``W @ h^T`` (then viewed
+        back), which runs 1.2-1.4x faster on CPU than ``h @ W^T`` for a vocabulary-wide head; in
+        bfloat16 both run alike, and ``h @ W^T``'s row-major logits convert to float32 for
+        sampling about 10x faster than the transposed ones."""
+        weight = self.lm_head.weight
+        if weight.dtype != torch.float32:
+            return F.linear(hidden, weight)
         flat = hidden.reshape(-1, hidden.shape[-1])
-        return (self.lm_head.weight @ flat.T).T.reshape(*hidden.shape[:-1], -1)
+        return (weight @ flat.T).T.reshape(*hidden.shape[:-1], -1)
 
     def _layers(self, input_ids, positions, mask, cache, start, rows=None) -> torch.Tensor:
         x = self.model.embed_tokens(input_ids)
