@@ -82,7 +82,7 @@ def last_integer(text: str) -> int | None:
     return int(found[-1]) if found else None
 
 
-def trl(spec_path: Path, out: Path, steps: int, stop_at: float) -> None:
+def trl(spec_path: Path, out: Path, steps: int, stop_at: float, bf16: bool = False) -> None:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
@@ -110,7 +110,7 @@ def trl(spec_path: Path, out: Path, steps: int, stop_at: float) -> None:
         output_dir=str(out / "trainer"),
         seed=s["seed"],
         use_cpu=True,
-        bf16=False,
+        bf16=bf16,  # mixed precision: float32 weights, bfloat16 autocast
         max_steps=s["steps"],
         per_device_train_batch_size=s["group_size"] * s["batch_groups"],
         gradient_accumulation_steps=1,
@@ -148,7 +148,7 @@ def trl(spec_path: Path, out: Path, steps: int, stop_at: float) -> None:
         tokenizer.padding_side = "left"
         batch = tokenizer(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
         model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             ids = model.generate(**batch, generation_config=trainer.generation_config)
         model.train()
         texts = tokenizer.batch_decode(ids[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
@@ -250,6 +250,7 @@ def main() -> None:
     a.add_argument("out", type=Path)
     a.add_argument("--steps", type=int, default=0, help="train steps (default: the recipe's)")
     a.add_argument("--stop-at", type=float, default=2.0, help="stop once held-out success reaches this")
+    a.add_argument("--bf16", action="store_true", help="TRL's bfloat16 mixed precision (autocast)")
     a = sub.add_parser("table")
     a.add_argument("runs", type=Path)
     a.add_argument("--target", type=float, default=0.4)
@@ -259,7 +260,7 @@ def main() -> None:
     elif args.cmd == "loong":
         loong(args.seed, args.out)
     elif args.cmd == "trl":
-        trl(args.spec, args.out, args.steps, args.stop_at)
+        trl(args.spec, args.out, args.steps, args.stop_at, args.bf16)
     else:
         table(args.runs, args.target)
 

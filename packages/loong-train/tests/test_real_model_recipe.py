@@ -35,6 +35,7 @@ SMALL = [
     "train.checkpoint_every=1",
     "loss.kl_coef=0.5",  # an untrained stand-in earns no reward: the k1 KL term still moves the weights
     "loss.kl_estimator=k1",
+    "rollout.engine.dtype=float32",  # step 1's mismatch is float rounding on any CPU ('auto': bfloat16 on some)
 ]
 
 
