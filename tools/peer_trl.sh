@@ -25,6 +25,6 @@ for seed in $seeds; do
   uv run python tools/peer_trl.py spec --seed "$seed" --out "$out/spec-s$seed.json"
   uv run python tools/peer_trl.py loong --seed "$seed" --out "$out/loong-s$seed"
   "$venv/bin/python" tools/peer_trl.py trl "$out/spec-s$seed.json" "$out/trl-s$seed" \
-    --steps "${TRL_STEPS:-24}" --stop-at "$target" ${TRL_BF16:+--bf16}
+    --steps "${TRL_STEPS:-24}" --stop-at "$target" $([ "${TRL_BF16:-0}" = 1 ] && echo --bf16)
 done
 uv run python tools/peer_trl.py table "$out" --target "$target"

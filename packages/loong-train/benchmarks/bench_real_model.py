@@ -60,6 +60,7 @@ from loong_train.algo.losses import policy_loss
 from loong_train.backends.config import LoraConfig
 from loong_train.backends.packing import micro_batches
 from loong_train.backends.torch_backend import TorchBackend, token_logprobs
+from loong_train.engines.base import cast_parameters
 from loong_train.engines.embedded.engine import EmbeddedEngine
 from loong_train.memory import keep_freed_memory
 from loong_train.models.decoder import CausalLM, DecoderConfig
@@ -168,7 +169,7 @@ def test_engine(benchmark, checkpoint, gflops, generate_rates, dtype):
     if dtype == "bfloat16" and not _native_bfloat16():
         pytest.skip("this CPU has no native bfloat16 products (AVX512-BF16 or AMX)")
     name, path = checkpoint
-    model = CausalLM.from_pretrained(path).to(getattr(torch, dtype))
+    model = cast_parameters(CausalLM.from_pretrained(path), getattr(torch, dtype))
     rows = _engine_rows(model.config.vocab_size)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=NEW_TOKENS)
     tokens = len(rows) * NEW_TOKENS

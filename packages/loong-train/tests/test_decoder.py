@@ -186,6 +186,7 @@ def test_a_bfloat16_engine_samples_its_rounded_weights_logprobs(tmp_path, family
     import transformers
 
     from loong_core.protocols import SamplingParams
+    from loong_train.engines.base import cast_parameters
     from loong_train.engines.embedded.engine import EmbeddedEngine
     from loong_train.models.auto import load_causal_lm
 
@@ -199,10 +200,12 @@ def test_a_bfloat16_engine_samples_its_rounded_weights_logprobs(tmp_path, family
             p.copy_(p.normal_(0, 0.3).to(torch.bfloat16))  # weights bfloat16 holds exactly
     reference.eval().save_pretrained(tmp_path)
     reference = reference.double()
-    prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [4], [9, 9, 2, 7]]
+    prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [4], [9, 9, 2, 7], [3] * 180]  # the last: far positions
     gaps = {}
     for dtype in (torch.bfloat16, torch.float32):
-        engine = EmbeddedEngine(load_causal_lm(tmp_path).to(dtype), seed=0)
+        model = cast_parameters(load_causal_lm(tmp_path), dtype)
+        assert {b.dtype for b in model.buffers()} <= {torch.float32}  # rotary frequencies stay float32
+        engine = EmbeddedEngine(model, seed=0)
         spans = engine.generate_batch(prompts, [SamplingParams(max_new_tokens=40)] * len(prompts))
         worst = 0.0
         for prompt, span in zip(prompts, spans, strict=True):

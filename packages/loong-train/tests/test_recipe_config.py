@@ -44,6 +44,16 @@ def test_a_table_without_type_is_of_the_default_type():
         load_recipe("tiny-calc-agent", ["rollout.engine.dtype=float16"])
 
 
+def test_an_override_of_type_replaces_the_recipes_table():
+    """smollm2-arithmetic's [rollout.engine] sets the embedded engine's dtype: switching the type
+    drops it, and a key given for the new type on the command line is kept."""
+    assert load_recipe("smollm2-arithmetic").rollout.engine == EmbeddedEngineConfig(dtype="auto")
+    r = load_recipe("smollm2-arithmetic", ["rollout.engine.type=sglang", "rollout.engine.port_base=31000"])
+    assert r.rollout.engine == SGLangEngineConfig(port_base=31000)
+    with pytest.raises(ConfigError, match=r"unknown config key 'rollout\.engine\.dtype'"):
+        load_recipe("smollm2-arithmetic", ["rollout.engine.type=sglang", "rollout.engine.dtype=bfloat16"])
+
+
 @pytest.mark.parametrize(
     ("override", "message"),
     [

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import tomllib
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -321,6 +322,29 @@ def _default_types(data: dict[str, Any]) -> None:
             value.setdefault("type", default.type)
 
 
+def _keys_of_a_replaced_type(
+    data: dict[str, Any], recipe_tables: dict[str, dict], overrides: Sequence[str], source: str
+) -> None:
+    """An override that changes a table's ``type`` (``--set rollout.engine.type=sglang``) replaces
+    the recipe's table: the recipe's other keys there belonged to its type and are dropped (logged),
+    unless an override set them too."""
+    overridden = {o.partition("=")[0].strip() for o in overrides}
+    for table, before in recipe_tables.items():
+        now = get_dotted(data, table)
+        if not isinstance(now, dict) or now.get("type") == before.get("type"):
+            continue
+        for key in before.keys() - {"type"} - {k.removeprefix(f"{table}.") for k in overridden}:
+            del now[key]
+            log.info(
+                "%s: %s.%s applies to type %r, not %r: dropped",
+                source,
+                table,
+                key,
+                before["type"],
+                now["type"],
+            )
+
+
 def recipe_names() -> list[str]:
     return sorted(
         p.name.removesuffix(".toml")
@@ -350,11 +374,14 @@ def load_recipe(
             data = tomllib.load(f)
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"could not parse {path}: {exc}") from exc
+    _default_types(data)
+    recipe_tables = {t: dict(v) for t in _NOW_TABLES if isinstance(v := get_dotted(data, t), dict)}
     for override in overrides:
         apply_override(data, override)
     if problems := _renamed_keys(data):
         raise ConfigError(f"{path.name}: " + "; ".join(problems))
     _default_types(data)
+    _keys_of_a_replaced_type(data, recipe_tables, overrides, path.name)
     _task_and_its_tables(data, path.name, task)
     if isinstance(sandbox := data.get("agent", {}).get("sandbox"), dict) and "wall_s" in sandbox:
         raise ConfigError(

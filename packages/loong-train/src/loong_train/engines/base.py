@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
     from loong_train.engines.embedded.host import EngineHost
 
-__all__ = ["WorkerEngine", "build_engine", "build_host", "engine_dtype"]
+__all__ = ["WorkerEngine", "build_engine", "build_host", "cast_parameters", "engine_dtype"]
 
 log = logging.getLogger(__name__)
 
@@ -83,15 +83,20 @@ def build_engine(
             trust_remote_code=trust_remote_code,
             version=version,
         )
-    import torch
-
     from loong_train.engines.embedded.engine import EmbeddedEngine
     from loong_train.models.auto import load_causal_lm
 
-    model = load_causal_lm(model_path, trust_remote_code)
-    if (dtype := engine_dtype(config.dtype)) != torch.float32:
-        model = model.to(dtype)
+    model = cast_parameters(load_causal_lm(model_path, trust_remote_code), engine_dtype(config.dtype))
     return EmbeddedEngine(model, seed=seed, pad_id=pad_id)
+
+
+def cast_parameters(model: nn.Module, dtype: torch.dtype) -> nn.Module:
+    """``model`` with its parameters in ``dtype`` and its buffers as they were: the rotary
+    frequencies stay float32 (``Module.to`` would round them too, and a bfloat16 frequency is
+    off by a tenth of a radian by position 128)."""
+    for p in model.parameters():
+        p.data = p.data.to(dtype)
+    return model
 
 
 def engine_dtype(setting: str) -> torch.dtype:

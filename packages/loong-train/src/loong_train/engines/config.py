@@ -48,8 +48,10 @@ class EmbeddedEngineConfig(_Engine, tag="embedded"):
     ``dtype``: the engine's weights, activations and KV cache. ``"bfloat16"`` runs about twice as
     fast as float32 on a CPU with native bfloat16 products (AVX512-BF16 or AMX) and several times
     slower on one without; ``"auto"`` picks bfloat16 where the CPU has them, float32 elsewhere.
-    The trainer stays float32 and each update is rounded to bfloat16 as it lands, so rollout and
-    trainer logprobs differ by bfloat16 rounding (step 1's ``mismatch_kl``: docs/speed.md).
+    The trainer stays float32 and each update is rounded to bfloat16 as it lands (the rollout
+    worker receives it into a float32 copy of the weights: 1.5x a float32 engine's weight memory),
+    so rollout and trainer logprobs differ by bfloat16 rounding (step 1's ``mismatch_kl``:
+    docs/speed.md).
     """
 
     partial: Literal["off", "continue", "restart"] = "off"
