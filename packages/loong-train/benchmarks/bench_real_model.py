@@ -60,7 +60,7 @@ from loong_train.algo.losses import policy_loss
 from loong_train.backends.config import LoraConfig
 from loong_train.backends.packing import micro_batches
 from loong_train.backends.torch_backend import TorchBackend, token_logprobs
-from loong_train.engines.base import cast_parameters
+from loong_train.engines.base import cast_parameters, native_bfloat16
 from loong_train.engines.embedded.engine import EmbeddedEngine
 from loong_train.memory import keep_freed_memory
 from loong_train.models.decoder import CausalLM, DecoderConfig
@@ -129,12 +129,6 @@ def _engine_rows(vocab: int) -> list[list[int]]:
     return [p for p in prompts for _ in range(SAMPLES)]
 
 
-def _native_bfloat16() -> bool:
-    return any(
-        getattr(torch.cpu, f"_is_{isa}_supported", lambda: False)() for isa in ("avx512_bf16", "amx_tile")
-    )
-
-
 @pytest.fixture(scope="module")
 def generate_rates(checkpoint) -> dict[str, float]:
     """``transformers``' ``generate`` on the engine's workload, tokens/s per dtype (its second
@@ -144,7 +138,7 @@ def generate_rates(checkpoint) -> dict[str, float]:
 
     _, path = checkpoint
     rates = {}
-    for dtype in ["float32", "bfloat16"] if _native_bfloat16() else ["float32"]:
+    for dtype in ["float32", "bfloat16"] if native_bfloat16() else ["float32"]:
         hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=getattr(torch, dtype)).eval()
         ids = torch.tensor(_engine_rows(hf.config.vocab_size))
 
@@ -166,7 +160,7 @@ def test_engine(benchmark, checkpoint, gflops, generate_rates, dtype):
     """The engine in ``dtype`` (``[rollout.engine] dtype``) against the faster ``generate`` and
     against the float32 floor (``floor_tokens_per_s``); in bfloat16 also against the floor at
     this machine's bfloat16 matmul rate (``bf16_floor_tokens_per_s``)."""
-    if dtype == "bfloat16" and not _native_bfloat16():
+    if dtype == "bfloat16" and not native_bfloat16():
         pytest.skip("this CPU has no native bfloat16 products (AVX512-BF16 or AMX)")
     name, path = checkpoint
     model = cast_parameters(CausalLM.from_pretrained(path), getattr(torch, dtype))

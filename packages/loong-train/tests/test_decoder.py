@@ -128,6 +128,23 @@ def test_configs_it_cannot_run_are_refused_by_name(tmp_path, config, error):
         CausalLM.from_pretrained(tmp_path / "nowhere")
 
 
+def _peaked_reference(family: str, path, dtype: torch.dtype = torch.float32):
+    """A ``transformers`` model of ``family`` with normal(0, 0.3) weights (peaked distributions),
+    rounded to ``dtype`` and kept in float32, saved to ``path``."""
+    import transformers
+
+    config_class, extra = FAMILIES[family]
+    torch.manual_seed(0)
+    reference = transformers.AutoModelForCausalLM.from_config(
+        getattr(transformers, config_class)(**DECODER_SHAPE, **extra)
+    )
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.copy_(p.normal_(0, 0.3).to(dtype))
+    reference.eval().save_pretrained(path)
+    return reference
+
+
 @pytest.mark.parametrize("family", ["qwen3", "qwen2", "llama", "mistral", "gpt2", "phi"])
 def test_the_engine_samples_each_familys_transformers_logprobs(tmp_path, family):
     """Whatever path a family takes, the embedded engine's logprobs (left-padded batch, rows
@@ -135,22 +152,12 @@ def test_the_engine_samples_each_familys_transformers_logprobs(tmp_path, family)
     run on each finished sequence alone."""
     import asyncio
 
-    import transformers
-
     from loong_core.protocols import SamplingParams
     from loong_train.engines.embedded.engine import EmbeddedEngine
     from loong_train.models.auto import load_causal_lm
 
     if family in FAMILIES:
-        config_class, extra = FAMILIES[family]
-        torch.manual_seed(0)
-        reference = transformers.AutoModelForCausalLM.from_config(
-            getattr(transformers, config_class)(**DECODER_SHAPE, **extra)
-        )
-        with torch.no_grad():
-            for p in reference.parameters():
-                p.normal_(0, 0.3)
-        reference.eval().save_pretrained(tmp_path)
+        reference = _peaked_reference(family, tmp_path)
     else:
         reference = tiny_hf_checkpoint(tmp_path, family, vocab_size=DECODER_SHAPE["vocab_size"])
     engine = EmbeddedEngine(load_causal_lm(tmp_path), seed=0, max_batch=3)
@@ -183,23 +190,12 @@ def test_a_bfloat16_engine_samples_its_rounded_weights_logprobs(tmp_path, family
     against a bfloat16 KV cache) are those of ``transformers``' model holding the same rounded
     weights, computed in float64, to bfloat16 activation rounding; a float32 engine on those
     weights meets float32 rounding, so the bound is bfloat16's own."""
-    import transformers
-
     from loong_core.protocols import SamplingParams
     from loong_train.engines.base import cast_parameters
     from loong_train.engines.embedded.engine import EmbeddedEngine
     from loong_train.models.auto import load_causal_lm
 
-    config_class, extra = FAMILIES[family]
-    torch.manual_seed(0)
-    reference = transformers.AutoModelForCausalLM.from_config(
-        getattr(transformers, config_class)(**DECODER_SHAPE, **extra)
-    )
-    with torch.no_grad():
-        for p in reference.parameters():
-            p.copy_(p.normal_(0, 0.3).to(torch.bfloat16))  # weights bfloat16 holds exactly
-    reference.eval().save_pretrained(tmp_path)
-    reference = reference.double()
+    reference = _peaked_reference(family, tmp_path, torch.bfloat16).double()  # weights bfloat16 holds exactly
     prompts = [[1, 2, 3], [5, 6, 7, 8, 9, 10, 11], [4], [9, 9, 2, 7], [3] * 180]  # the last: far positions
     gaps = {}
     for dtype in (torch.bfloat16, torch.float32):

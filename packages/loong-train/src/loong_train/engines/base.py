@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
     from loong_train.engines.embedded.host import EngineHost
 
-__all__ = ["WorkerEngine", "build_engine", "build_host", "cast_parameters", "engine_dtype"]
+__all__ = ["WorkerEngine", "build_engine", "build_host", "cast_parameters", "engine_dtype", "native_bfloat16"]
 
 log = logging.getLogger(__name__)
 
@@ -99,15 +99,20 @@ def cast_parameters(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     return model
 
 
+def native_bfloat16() -> bool:
+    """Whether this CPU has native bfloat16 products (AVX512-BF16 or AMX)."""
+    import torch
+
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
 def engine_dtype(setting: str) -> torch.dtype:
     """The embedded engine's dtype for ``[rollout.engine] dtype`` on this CPU: ``"auto"`` is
     bfloat16 where the CPU has native bfloat16 products (AVX512-BF16 or AMX), float32 elsewhere
     (there bfloat16 products run several times slower than float32's); logged."""
     import torch
 
-    native = any(
-        getattr(torch.cpu, f"_is_{isa}_supported", lambda: False)() for isa in ("avx512_bf16", "amx_tile")
-    )
+    native = native_bfloat16()
     if setting == "auto":
         setting = "bfloat16" if native else "float32"
         log.info("[rollout.engine] dtype = 'auto': %s (native bfloat16 products: %s)", setting, native)
