@@ -13,7 +13,7 @@ import torch
 from train_testkit import tiny_family_model
 
 from loong_core.protocols import SamplingParams
-from loong_train.engines.embedded.batching import BatchStats, Request, RunningBatch
+from loong_train.engines.embedded.batching import SHARED_PREFIX_MIN, BatchStats, Request, RunningBatch
 from loong_train.engines.embedded.engine import EmbeddedEngine
 
 
@@ -127,6 +127,53 @@ def test_a_long_stream_of_requests_keeps_the_cache_narrow():
     assert len(widths) > 60 and max(widths) <= 2 * (14 + 8 + 1)
     for i, r in enumerate(requests):
         _assert_same(r.span(), _alone(model, prompts[i], samplings[i], i))
+
+
+def test_contexts_sharing_a_prefix_compute_it_once_and_equal_each_alone():
+    """Joining rows that share a prefix (a chat template's system turn) compute it once, then each
+    its own rest, joining an empty batch and a running one; a repeated context still copies its
+    first. Each row equals its request alone (no sharing there) and the forward pass."""
+    model = _model(3)
+    rng = random.Random(7)
+    system = [rng.randrange(1, 40) for _ in range(SHARED_PREFIX_MIN + 3)]
+    first = [system + [rng.randrange(1, 40) for _ in range(n)] for n in (1, 4, 2, 6)]
+    first.append(list(first[1]))  # a second sample of one prompt
+    later = [system[:SHARED_PREFIX_MIN] + [rng.randrange(1, 40) for _ in range(n)] for n in (9, 3, 12)]
+    short = [system[:2] + [rng.randrange(1, 40) for _ in range(n)] for n in (3, 5)]  # under the minimum
+    prompts = first + later + short
+    samplings = [SamplingParams(max_new_tokens=rng.randint(2, 9), temperature=0.9) for _ in prompts]
+    requests = [
+        Request(p, sp, torch.Generator().manual_seed(i))
+        for i, (p, sp) in enumerate(zip(prompts, samplings, strict=True))
+    ]
+    stats = BatchStats()
+    batch = RunningBatch(model, 0, stats)
+    joins = {0: requests[:5], 2: requests[5:8], 4: requests[8:]}
+    step = 0
+    while step in joins or batch.rows:
+        batch.step(joins.get(step, []), [], 0, 0)
+        step += 1
+
+    def shared(contexts):  # an independent count: the longest prefix all share, short of a last token
+        n = 0
+        while n < min(map(len, contexts)) - 1 and len({c[n] for c in contexts}) == 1:
+            n += 1
+        return n if n >= SHARED_PREFIX_MIN else 0
+
+    computed = 0
+    for group in (first[:4], later, short):  # the repeat is copied, not computed
+        s = shared(group)
+        computed += s + sum(len(c) - s for c in group)
+    assert (
+        shared(first[:4]) >= SHARED_PREFIX_MIN + 3
+        and shared(later) >= SHARED_PREFIX_MIN
+        and shared(short) == 0
+    )
+    assert stats.prefill_tokens == computed
+    for i, r in enumerate(requests):
+        _assert_same(r.span(), _alone(model, prompts[i], samplings[i], i))
+        want = _forward_logprobs(model, prompts[i], r.token_ids, samplings[i].temperature)
+        torch.testing.assert_close(torch.tensor(r.logprobs, dtype=torch.float64), want, rtol=0, atol=1e-5)
 
 
 def test_pause_holds_between_steps_and_resume_continues_under_the_new_version():

@@ -13,7 +13,11 @@ unpadded computation:
   attends only to itself (no attention row is empty, so no NaN), real tokens never see pads, and
   position ids count real tokens only. Rows joining with the same context (a GRPO group's samples
   of one prompt) are prefilled once and copy that row's cache columns; only the last position's
-  logits are computed.
+  logits are computed. A prefix all joining contexts share (at least ``SHARED_PREFIX_MIN``
+  tokens: a chat template's system turn, an evaluation's instructions) is computed once, as one
+  row: its keys and values are copied into columns ``[end - P, end - P + s)`` of every row, the
+  rest of each context is prefilled after it, and each row's copy then moves right to where its
+  context starts, so a context is one run of columns again.
 - Leave: a finished (or abandoned) row's slot is filled by moving the live columns of a row from
   the end into it, so rows ``[0, n)`` are exactly the running ones and a step costs ``n`` rows,
   not the batch's peak.
@@ -46,17 +50,31 @@ from loong_core.protocols import SamplingParams
 from loong_core.records import SpanSource, TokenSpan
 from loong_train.models.decoder import CausalLM, KVCache
 
-__all__ = ["BatchStats", "Request", "RunningBatch"]
+__all__ = ["SHARED_PREFIX_MIN", "BatchStats", "Request", "RunningBatch"]
+
+SHARED_PREFIX_MIN = 8  # tokens: a shorter prefix shared by the joining contexts is prefilled with each
+
+
+def _shared_prefix(contexts: list[list[int]]) -> int:
+    """The length of the prefix all ``contexts`` share, short of the shortest one's last token
+    (every row computes at least its last position, whose logits it samples from)."""
+    shortest = min(contexts, key=len)
+    n = 0
+    while n < len(shortest) - 1 and all(c[n] == shortest[n] for c in contexts):
+        n += 1
+    return n
 
 
 @dataclass
 class BatchStats:
     """Counters over sampling steps: ``tokens`` / ``steps`` is the mean occupancy (rows per step);
-    ``busy_s``: seconds with a decode step or scoring pass running (the engine counts it)."""
+    ``busy_s``: seconds with a decode step or scoring pass running (the engine counts it);
+    ``prefill_tokens``: context positions computed when rows join."""
 
     steps: int = 0
     tokens: int = 0
     busy_s: float = 0.0
+    prefill_tokens: int = 0  # context positions computed when rows join (shared ones once)
 
     @property
     def mean_occupancy(self) -> float:
@@ -147,7 +165,8 @@ class RunningBatch:
 
     def _join(self, joining: list[Request]) -> None:
         """Prefill the joining rows. Rows with the same context (a group's samples of one
-        prompt) are prefilled once: the first computes, the others copy its cache columns."""
+        prompt) are prefilled once: the first computes, the others copy its cache columns. A
+        prefix every other context shares (a chat template's system turn) is computed once too."""
         index: dict[tuple[int, ...], int] = {}  # context -> its row among the prefilled ones
         firsts: list[Request] = []
         repeats: list[Request] = []
@@ -166,17 +185,15 @@ class RunningBatch:
         k, u, p, n = len(joining), len(contexts), max(len(c) for c in contexts), len(self.rows)
         headroom = max(r.sampling.max_new_tokens - len(r.token_ids) for r in joining)
         self._reserve(n + k, p, headroom)
-        ids = torch.full((u, p), self.pad_id, dtype=torch.long)
-        valid = torch.zeros(u, p, dtype=torch.bool)
-        for i, context in enumerate(contexts):
-            ids[i, p - len(context) :] = torch.tensor(context, dtype=torch.long)
-            valid[i, p - len(context) :] = True
-        ids, valid = ids.to(self._device), valid.to(self._device)
-        positions = (valid.long().cumsum(-1) - 1).clamp(min=0)
-        causal = torch.tril(torch.ones(p, p, dtype=torch.bool, device=self._device))
-        mask = (causal & valid[:, None, :]) | torch.eye(p, dtype=torch.bool, device=self._device)
         view = self.cache.view(slice(n, n + u), self.end - p)
-        logits = self.model(ids, positions, mask[:, None], view, 0, last_only=True)[:, -1]
+        shared = _shared_prefix(contexts) if u > 1 else 0
+        if shared < SHARED_PREFIX_MIN:
+            shared = 0
+        prefix = self._prefill_prefix(contexts[0][:shared], view) if shared else None
+        logits = self._prefill(contexts, shared, view)
+        if prefix is not None:
+            self._place_prefix(prefix, [p - len(c) for c in contexts], view)
+        self.stats.prefill_tokens += shared + sum(len(c) - shared for c in contexts)
         if k > u:  # the repeats copy their first's cache rows and logits
             src = torch.tensor(source[u:], device=self._device)
             dst = torch.arange(n + u, n + k, device=self._device)
@@ -185,6 +202,48 @@ class RunningBatch:
         self.logits = logits if self.logits is None else torch.cat([self.logits, logits])
         self.first += [self.end - len(contexts[i]) for i in source]
         self.rows += joining
+
+    def _prefill_prefix(self, prefix: list[int], view: KVCache) -> KVCache:
+        """The shared prefix's keys and values, computed once ([1, kv_heads, len, head_dim] a
+        layer) and copied into columns ``[0, len)`` of every row of ``view``, where the rows'
+        own tokens attend to them."""
+        s, cfg, dtype = len(prefix), self.model.config, self.model.lm_head.weight.dtype
+        cache = KVCache(cfg, 1, s, dtype, self._device)
+        ids = torch.tensor([prefix], dtype=torch.long, device=self._device)
+        causal = torch.tril(torch.ones(s, s, dtype=torch.bool, device=self._device))
+        self.model(ids, None, causal[None, None], cache, 0, last_only=True)
+        for mine, theirs in zip((*cache.k, *cache.v), (*view.k, *view.v), strict=True):
+            theirs[:, :, :s] = mine
+        return cache
+
+    def _prefill(self, contexts: list[list[int]], shared: int, view: KVCache) -> torch.Tensor:
+        """Prefill each context after its first ``shared`` tokens (whose keys and values sit in
+        columns ``[0, shared)`` of ``view``), left-padded into columns ``[shared, p)``; returns
+        each row's next-token logits [rows, vocab]. A pad attends only to itself (no attention
+        row is empty), real tokens never see pads, and position ids count real tokens only."""
+        u, p = len(contexts), max(len(c) for c in contexts)
+        t = p - shared
+        ids = torch.full((u, t), self.pad_id, dtype=torch.long)
+        valid = torch.zeros(u, t, dtype=torch.bool)
+        for i, context in enumerate(contexts):
+            rest = context[shared:]
+            ids[i, t - len(rest) :] = torch.tensor(rest, dtype=torch.long)
+            valid[i, t - len(rest) :] = True
+        ids, valid = ids.to(self._device), valid.to(self._device)
+        positions = shared + (valid.long().cumsum(-1) - 1).clamp(min=0)
+        causal = torch.tril(torch.ones(t, t, dtype=torch.bool, device=self._device))
+        own = (causal & valid[:, None, :]) | torch.eye(t, dtype=torch.bool, device=self._device)
+        mask = torch.cat([valid[:, :, None].expand(u, t, shared), own], -1)  # the prefix: real tokens only
+        return self.model(ids, positions, mask[:, None], view, shared, last_only=True)[:, -1]
+
+    def _place_prefix(self, prefix: KVCache, pads: list[int], view: KVCache) -> None:
+        """Move the shared prefix to where each row's context starts (column ``pads[i]`` of
+        ``view``, right after its padding), so a row's context is one run of columns again."""
+        s = prefix.max_len
+        rows = torch.arange(len(pads), device=self._device)[:, None]
+        cols = torch.tensor(pads, device=self._device)[:, None] + torch.arange(s, device=self._device)
+        for mine, theirs in zip((*prefix.k, *prefix.v), (*view.k, *view.v), strict=True):
+            theirs[rows, :, cols] = mine[0].transpose(0, 1)  # [rows, s, kv_heads, head_dim] <- [s, ...]
 
     def _decode(self, tokens: torch.Tensor) -> None:
         n = len(self.rows)
