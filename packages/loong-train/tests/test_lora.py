@@ -230,6 +230,61 @@ def test_engine_samples_the_adapted_policy(tiny_dir, sync):
         trainer.close()
 
 
+def test_adapters_merge_into_a_bfloat16_engine_in_float32(tiny_dir):
+    """``[rollout.engine] dtype = "bfloat16"`` with adapter-only updates: the worker merges the
+    float32 adapters over its bfloat16 base and rounds once, so every engine weight is within one
+    bfloat16 step of the trainer's merged float32 weight (half a step for the base's rounding,
+    half for the result's), the engine samples at the new version, and its logprobs stay within
+    bfloat16's mismatch."""
+    from test_first_step import _rollout
+
+    from loong_train.algo.losses import pack_batch
+    from loong_train.config import load_recipe
+    from loong_train.controller import trainer_options
+    from loong_train.engines.config import EmbeddedEngineConfig
+    from loong_train.source import GroupSource
+    from loong_train.tiny import calc
+    from loong_train.workers.trainer import TrainerWorker
+    from loong_transfermesh import TransportConfig
+
+    transport = TransportConfig(name="lora-engine-test-bfloat16")
+    recipe = load_recipe("tiny-calc-agent", ["train.lora.rank=4", "train.lr=0.05"])
+    engine = EmbeddedEngineConfig(dtype="bfloat16")
+    worker, trajs = _rollout(tiny_dir, groups=2, transport=transport, lora=recipe.train.lora, engine=engine)
+    trainer = TrainerWorker(str(tiny_dir), transport=transport, **trainer_options(recipe))
+    try:
+        advantages = [1.0 - i % 2 * 2 for i in range(len(trajs))]
+        published = trainer.publish(trainer.train_step(pack_batch(trajs, advantages, policy_version=0)))
+        assert 1e-7 < published.step.metrics["mismatch_kl"] < 1e-2
+        assert all(".lora_" in t.name for t in published.manifest.tensors)
+        worker.apply_weights(published.manifest)
+        engine_weights = dict(worker.engine.model.named_parameters())
+        base = dict(CausalLM.from_pretrained(tiny_dir).named_parameters())
+        merged = lora_adapters.merged_weights(trainer.backend.model)
+        moved = 0
+        for name, want in merged.items():
+            got = engine_weights[name]
+            assert got.dtype == torch.bfloat16, name
+            step = 2.0**-7 * torch.maximum(base[name].abs(), want.abs())  # a bfloat16 step at either value
+            assert ((got.float() - want).abs() <= step).all(), name
+            moved += not torch.equal(got, base[name].to(torch.bfloat16))
+        assert moved > len(merged) // 2  # the adapters reached the engine
+        source = GroupSource(calc.train_tasks(5, []), group_size=4)
+        after = worker.rollout([s for _ in range(2) for s in source.specs(source.next_group())]).trajectories
+        assert {t.oldest_version for t in after} == {1}
+        batch = pack_batch(after, [0.0] * len(after), policy_version=1)
+        gaps = [
+            abs(a - b)
+            for a, b, m in zip(
+                trainer.logprobs(batch), batch.behaviour_logprobs, batch.loss_mask, strict=True
+            )
+            if m
+        ]
+        assert len(gaps) > 50 and 1e-4 < max(gaps) < 0.5, max(gaps)
+    finally:
+        trainer.close()
+
+
 @pytest.mark.parametrize("family", GENERIC)
 def test_the_generic_path_exports_an_adapter_peft_loads(tmp_path, family):
     """A model only ``transformers`` implements (GPT-2's Conv1D layers, Phi's Linear ones): the
