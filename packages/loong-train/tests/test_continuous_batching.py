@@ -149,10 +149,17 @@ def test_contexts_sharing_a_prefix_compute_it_once_and_equal_each_alone():
     stats = BatchStats()
     batch = RunningBatch(model, 0, stats)
     joins = {0: requests[:5], 2: requests[5:8], 4: requests[8:]}
-    step = 0
+    step, running, computed = 0, {}, {}
     while step in joins or batch.rows:
-        batch.step(joins.get(step, []), [], 0, 0)
+        running[step] = len(batch.rows)
+        if step == 3:
+            again = list({tuple(r.prompt + r.token_ids): None for r in batch.rows})
+        # step 3: new weights (the same values), so the running rows, sharing the system turn, are
+        # prefilled again with what they sampled so far
+        batch.step(joins.get(step, []), [], 0, int(step >= 3))
+        computed[step] = stats.prefill_tokens
         step += 1
+    assert running[2] and running[3] and running[4]  # the later rows join a running batch
 
     def shared(contexts):  # an independent count: the longest prefix all share, short of a last token
         n = 0
@@ -160,16 +167,18 @@ def test_contexts_sharing_a_prefix_compute_it_once_and_equal_each_alone():
             n += 1
         return n if n >= SHARED_PREFIX_MIN else 0
 
-    computed = 0
-    for group in (first[:4], later, short):  # the repeat is copied, not computed
-        s = shared(group)
-        computed += s + sum(len(c) - s for c in group)
     assert (
         shared(first[:4]) >= SHARED_PREFIX_MIN + 3
         and shared(later) >= SHARED_PREFIX_MIN
         and shared(short) == 0
     )
-    assert stats.prefill_tokens == computed
+    hand = 0
+    for group in (first[:4], later):  # the repeat is copied, not computed
+        s = shared(group)
+        hand += s + sum(len(c) - s for c in group)
+    assert computed[2] == hand
+    s = shared(again)
+    assert s >= SHARED_PREFIX_MIN and computed[3] - computed[2] == s + sum(len(c) - s for c in again)
     for i, r in enumerate(requests):
         _assert_same(r.span(), _alone(model, prompts[i], samplings[i], i))
         want = _forward_logprobs(model, prompts[i], r.token_ids, samplings[i].temperature)

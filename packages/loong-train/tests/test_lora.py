@@ -230,7 +230,7 @@ def test_engine_samples_the_adapted_policy(tiny_dir, sync):
         trainer.close()
 
 
-def test_adapters_merge_into_a_bfloat16_engine_in_float32(tiny_dir):
+def test_adapters_reach_a_bfloat16_engine_rounded(tiny_dir):
     """``[rollout.engine] dtype = "bfloat16"`` with adapter-only updates: the worker merges the
     float32 adapters over its bfloat16 base and rounds once, so every engine weight is within one
     bfloat16 step of the trainer's merged float32 weight (half a step for the base's rounding,

@@ -55,6 +55,15 @@ __all__ = ["SHARED_PREFIX_MIN", "BatchStats", "Request", "RunningBatch"]
 SHARED_PREFIX_MIN = 8  # tokens: a shorter prefix shared by the joining contexts is prefilled with each
 
 
+def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row of ``weights`` [n, vocab] (non-negative, each row with a positive sum), the first
+    token whose cumulative weight exceeds ``u * total`` (``u`` [n] in [0, 1)): never a token of
+    zero weight."""
+    cdf = weights.cumsum(-1)
+    tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
+    return tokens.clamp_(max=weights.shape[-1] - 1)
+
+
 def _shared_prefix(contexts: list[list[int]]) -> int:
     """The length of the prefix all ``contexts`` share, short of the shortest one's last token
     (every row computes at least its last position, whose logits it samples from)."""
@@ -166,7 +175,7 @@ class RunningBatch:
     def _join(self, joining: list[Request]) -> None:
         """Prefill the joining rows. Rows with the same context (a group's samples of one
         prompt) are prefilled once: the first computes, the others copy its cache columns. A
-        prefix every other context shares (a chat template's system turn) is computed once too."""
+        prefix all joining contexts share (a chat template's system turn) is computed once too."""
         index: dict[tuple[int, ...], int] = {}  # context -> its row among the prefilled ones
         firsts: list[Request] = []
         repeats: list[Request] = []
@@ -336,9 +345,7 @@ class RunningBatch:
             drop = sorted_w.cumsum(-1) - sorted_w > limit
             weights = weights.scatter(-1, order, sorted_w.masked_fill(drop, 0.0))
         u = torch.cat([torch.rand(1, generator=r.generator) for r in rows]).to(device)
-        cdf = weights.cumsum(-1)
-        tokens = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).squeeze(-1)
-        tokens = tokens.clamp_(max=weights.shape[-1] - 1)
+        tokens = _inverse_cdf(weights, u)
         picked = z.gather(-1, tokens[:, None]).squeeze(-1) - total.log()  # log_softmax of the token
         self._keep_top(z, total)
         for r, token, lp in zip(rows, tokens.tolist(), picked.tolist(), strict=True):
