@@ -177,6 +177,7 @@ def test_contexts_sharing_a_prefix_compute_it_once_and_equal_each_alone():
         s = shared(group)
         hand += s + sum(len(c) - s for c in group)
     assert computed[2] == hand
+    assert computed[4] - computed[3] == sum(map(len, short))  # under the minimum: each computes all
     s = shared(again)
     assert s >= SHARED_PREFIX_MIN and computed[3] - computed[2] == s + sum(len(c) - s for c in again)
     for i, r in enumerate(requests):

@@ -8,8 +8,9 @@ from loong_train.engines.embedded.batching import _inverse_cdf
 
 def test_the_draw_picks_the_first_token_past_u_times_the_total():
     """Most weights zero (as top-p leaves them), rows whose only token is the first or the very
-    last one, and ``u`` at 0 and just under 1. Wherever ``u * total`` is not within float32 rounding of a boundary the token
-    is the float64 one; no draw is ever a token of zero weight."""
+    last one, and ``u`` at 0 (a row opening with zero weights) and just under 1. Wherever
+    ``u * total`` is not within float32 rounding of a boundary the token is the float64 one; no
+    draw is ever a token of zero weight."""
     gen = torch.Generator().manual_seed(0)
     rows, vocab = 256, 1000
     w = torch.rand(rows, vocab, generator=gen) ** 4
@@ -19,6 +20,7 @@ def test_the_draw_picks_the_first_token_past_u_times_the_total():
     w[1, 0] = 2.0
     u = torch.rand(rows, generator=gen)
     u[2], u[3] = 0.0, 1.0 - 2.0**-24
+    w[2, :5] = 0.0
 
     got = _inverse_cdf(w, u)
 

@@ -15,9 +15,9 @@ unpadded computation:
   of one prompt) are prefilled once and copy that row's cache columns; only the last position's
   logits are computed. A prefix all joining contexts share (at least ``SHARED_PREFIX_MIN``
   tokens: a chat template's system turn, an evaluation's instructions) is computed once, as one
-  row: its keys and values are copied into columns ``[end - P, end - P + s)`` of every row, the
-  rest of each context is prefilled after it, and each row's copy then moves right to where its
-  context starts, so a context is one run of columns again.
+  row: its keys and values are copied into the first columns of every joining row, the rest of
+  each context is prefilled after them, and the prefix is then written again where each row's
+  context starts (right after its padding), so a context is one run of columns again.
 - Leave: a finished (or abandoned) row's slot is filled by moving the live columns of a row from
   the end into it, so rows ``[0, n)`` are exactly the running ones and a step costs ``n`` rows,
   not the batch's peak.
@@ -78,12 +78,12 @@ def _shared_prefix(contexts: list[list[int]]) -> int:
 class BatchStats:
     """Counters over sampling steps: ``tokens`` / ``steps`` is the mean occupancy (rows per step);
     ``busy_s``: seconds with a decode step or scoring pass running (the engine counts it);
-    ``prefill_tokens``: context positions computed when rows join."""
+    ``prefill_tokens``: context positions computed when rows join (a shared prefix once)."""
 
     steps: int = 0
     tokens: int = 0
     busy_s: float = 0.0
-    prefill_tokens: int = 0  # context positions computed when rows join (shared ones once)
+    prefill_tokens: int = 0
 
     @property
     def mean_occupancy(self) -> float:
