@@ -246,7 +246,7 @@ class RunningBatch:
         return self.model(ids, positions, mask[:, None], view, shared, last_only=True)[:, -1]
 
     def _place_prefix(self, prefix: KVCache, pads: list[int], view: KVCache) -> None:
-        """Move the shared prefix to where each row's context starts (column ``pads[i]`` of
+        """Write the shared prefix again where each row's context starts (column ``pads[i]`` of
         ``view``, right after its padding), so a row's context is one run of columns again."""
         s = prefix.max_len
         rows = torch.arange(len(pads), device=self._device)[:, None]
