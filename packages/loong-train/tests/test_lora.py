@@ -178,6 +178,23 @@ def test_every_loss_trains_a_lora_student(base, name):
     assert moved and all(".lora_" in n for n in moved), sorted(moved)[:3]
 
 
+def _sampled_after_the_update(worker, trainer):
+    """Eight episodes the worker samples after an update, packed, the trainer's logprobs of them
+    and the per-token gaps between the two on the response tokens."""
+    from loong_train.algo.losses import pack_batch
+    from loong_train.source import GroupSource
+    from loong_train.tiny import calc
+
+    source = GroupSource(calc.train_tasks(5, []), group_size=4)
+    after = worker.rollout([s for _ in range(2) for s in source.specs(source.next_group())]).trajectories
+    batch = pack_batch(after, [0.0] * len(after), policy_version=1)
+    recomputed = trainer.logprobs(batch)
+    gaps = [
+        abs(a - b) for a, b, m in zip(recomputed, batch.behaviour_logprobs, batch.loss_mask, strict=True) if m
+    ]
+    return after, batch, recomputed, gaps
+
+
 @pytest.mark.parametrize("sync", ["adapter", "merged"])
 def test_engine_samples_the_adapted_policy(tiny_dir, sync):
     """Through the real weight path: a LoRA trainer's step-1 logprobs equal the engine's, and
@@ -189,8 +206,6 @@ def test_engine_samples_the_adapted_policy(tiny_dir, sync):
     from loong_train.algo.losses import pack_batch
     from loong_train.config import load_recipe
     from loong_train.controller import trainer_options
-    from loong_train.source import GroupSource
-    from loong_train.tiny import calc
     from loong_train.workers.trainer import TrainerWorker
     from loong_transfermesh import TransportConfig
 
@@ -211,15 +226,7 @@ def test_engine_samples_the_adapted_policy(tiny_dir, sync):
         engine_weights = dict(worker.engine.model.named_parameters())
         for name, want in lora_adapters.merged_weights(trainer.backend.model).items():
             assert torch.equal(engine_weights[name], want), name  # the same merge, bit for bit
-        source = GroupSource(calc.train_tasks(5, []), group_size=4)
-        after = worker.rollout([s for _ in range(2) for s in source.specs(source.next_group())]).trajectories
-        batch = pack_batch(after, [0.0] * len(after), policy_version=1)
-        recomputed = trainer.logprobs(batch)
-        gaps = [
-            abs(a - b)
-            for a, b, m in zip(recomputed, batch.behaviour_logprobs, batch.loss_mask, strict=True)
-            if m
-        ]
+        _, batch, recomputed, gaps = _sampled_after_the_update(worker, trainer)
         assert len(gaps) > 50 and max(gaps) <= 1e-5, max(gaps)
         with lora_adapters.disabled(trainer.backend.model):
             base = trainer.logprobs(batch)
@@ -241,8 +248,6 @@ def test_adapters_reach_a_bfloat16_engine_rounded(tiny_dir):
     from loong_train.config import load_recipe
     from loong_train.controller import trainer_options
     from loong_train.engines.config import EmbeddedEngineConfig
-    from loong_train.source import GroupSource
-    from loong_train.tiny import calc
     from loong_train.workers.trainer import TrainerWorker
     from loong_transfermesh import TransportConfig
 
@@ -273,17 +278,8 @@ def test_adapters_reach_a_bfloat16_engine_rounded(tiny_dir):
             assert ((got.float() - want).abs() <= step).all(), name
             moved += not torch.equal(got, rounded)
         assert moved == len(adapted)  # every adapted weight reached the engine
-        source = GroupSource(calc.train_tasks(5, []), group_size=4)
-        after = worker.rollout([s for _ in range(2) for s in source.specs(source.next_group())]).trajectories
+        after, _, _, gaps = _sampled_after_the_update(worker, trainer)
         assert {t.oldest_version for t in after} == {1}
-        batch = pack_batch(after, [0.0] * len(after), policy_version=1)
-        gaps = [
-            abs(a - b)
-            for a, b, m in zip(
-                trainer.logprobs(batch), batch.behaviour_logprobs, batch.loss_mask, strict=True
-            )
-            if m
-        ]
         assert len(gaps) > 50 and 1e-4 < max(gaps) < 0.5, max(gaps)
     finally:
         trainer.close()
