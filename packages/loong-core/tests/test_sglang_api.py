@@ -18,11 +18,14 @@ from loong_core.sglang_api import (
     GenerateResponse,
     GetWeightsByNameRequest,
     InitWeightsUpdateGroupRequest,
+    LoadLoRAAdapterFromTensorsRequest,
+    LoRAUpdateResponse,
     MetaInfo,
     ModelInfoResponse,
     PauseGenerationRequest,
     SGLangSamplingParams,
     StatusResponse,
+    UnloadLoRAAdapterRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
@@ -87,6 +90,14 @@ EXAMPLES = [
     UpdateWeightsFromDiskRequest(model_path="/ckpt", weight_version="5"),
     DestroyWeightsUpdateGroupRequest(group_name="g"),
     UpdateWeightsResponse(success=True, message="ok", num_paused_requests=0),
+    GenerateRequest(input_ids=[[1], [2]], lora_path=["v3", None]),
+    LoadLoRAAdapterFromTensorsRequest(
+        lora_name="v3",
+        config_dict={"r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]},
+        serialized_named_tensors=["AAAA"],
+    ),
+    UnloadLoRAAdapterRequest(lora_name="v2"),
+    LoRAUpdateResponse(success=True, loaded_adapters={"v3": {"lora_name": "v3", "lora_path": "__tensor__"}}),
 ]
 
 
@@ -154,6 +165,19 @@ def test_sglang_documented_weight_update_bodies_decode_with_sglang_defaults():
     assert msgspec.json.decode(b"{}", type=PauseGenerationRequest).mode == "abort"
     refused = msgspec.json.decode(b'{"success": false, "message": "no group"}', type=UpdateWeightsResponse)
     assert not refused.success and refused.message == "no group"
+
+
+def test_sglang_documented_lora_bodies_decode_with_sglang_defaults():
+    load = msgspec.json.decode(
+        b'{"lora_name": "a", "config_dict": {"r": 8}, "serialized_named_tensors": ["QUJD", "QUJD"]}',
+        type=LoadLoRAAdapterFromTensorsRequest,
+    )
+    assert (load.pinned, load.load_format, len(load.serialized_named_tensors)) == (False, None, 2)
+    out = msgspec.json.decode(
+        b'{"success": false, "error_message": "LoRA is not enabled", "loaded_adapters": null}',
+        type=LoRAUpdateResponse,
+    )
+    assert not out.success and out.error_message == "LoRA is not enabled"
 
 
 def test_requests_carry_only_what_the_sender_set():

@@ -202,7 +202,6 @@ def test_generate_response_shape_batch_and_stop(model_dir):
         {"token_ids_logprob": [1, 2]},  # test_srt_endpoint.py's token-id logprobs
         {"return_text_in_logprobs": True},  # test_skip_tokenizer_init.py: texts need a tokenizer
         {"custom_logit_processor": "{}"},  # test_srt_endpoint.py's custom logit processor
-        {"lora_path": "adapter"},
     ],
 )
 def test_sglang_fields_this_server_does_not_implement_are_refused_by_name(model_dir, field):

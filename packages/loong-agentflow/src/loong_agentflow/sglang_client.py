@@ -11,7 +11,9 @@ tokens before top-p filtering, which is the convention of ``loong_core.protocols
 
 Versions: SGLang's ``weight_version`` is a string (``"default"`` until the first update);
 Loong pushes integers (``loong_transfermesh.sglang`` sends ``str(version)``). ``"default"`` reads
-as ``initial_version``; any other non-integer label is an error naming it.
+as ``initial_version``; any other non-integer label is an error naming it. A policy served as a
+LoRA adapter over fixed base weights (:meth:`SGLangEngine.use_adapter`): requests name the
+adapter (``lora_path``) and their tokens carry the adapter's version, whatever the server's label.
 
 Failures: connection errors and 502/503/504 answers are retried with exponential backoff (a
 request that never reached the server is safe to resend); other HTTP errors raise
@@ -96,11 +98,20 @@ class SGLangEngine:
         limits = httpx.Limits(max_connections=config.max_connections)
         self._client = httpx.AsyncClient(headers=self._headers, timeout=self._timeout, limits=limits)
         self._version = config.initial_version
+        self._adapter: tuple[str, int] | None = None  # (lora_path, version) requests sample with
 
     @property
     def weight_version(self) -> int:
         """The version of the latest response (or of the last ``refresh_version``)."""
         return self._version
+
+    def use_adapter(self, name: str | None, version: int = 0) -> None:
+        """Requests from now on sample with LoRA adapter ``name`` (loaded on the server; None: the
+        base model, as the server's weights version it) and their tokens carry ``version``.
+        Requests already sent keep the adapter they named."""
+        self._adapter = None if name is None else (name, version)
+        if name is not None:
+            self._version = max(self._version, version)
 
     async def generate(self, input_ids: list[int], sampling: SamplingParams) -> TokenSpan:
         """One completion. An answer the server aborted (an ``abort`` pause for a weight update)
@@ -110,13 +121,15 @@ class SGLangEngine:
         parts: list[TokenSpan] = []
         done, idle = 0, 0
         while True:
+            adapter = self._adapter
             body = _generate_body(
                 [*input_ids, *(t for p in parts for t in p.token_ids)],
                 msgspec.structs.replace(sampling, max_new_tokens=sampling.max_new_tokens - done),
+                adapter=adapter,
             )
             out = await self._request("POST", "/generate", GenerateResponse, body)
             aborted = out.meta_info.finish_reason is not None and out.meta_info.finish_reason.type == "abort"
-            parts.append(self._span(out, 0, aborted_ok=aborted))
+            parts.append(self._span(out, 0, aborted_ok=aborted, adapter=adapter))
             done += len(parts[-1].token_ids)
             if not aborted or done >= sampling.max_new_tokens:
                 return _joined(parts)
@@ -147,7 +160,8 @@ class SGLangEngine:
         self, input_ids: list[int], sampling: SamplingParams, cut: list[bool]
     ) -> AsyncIterator[TokenSpan]:
         """One streamed request; appends the answer to ``cut`` when the server aborted it."""
-        body = msgspec.json.encode(_generate_body(input_ids, sampling, stream=True))
+        adapter = self._adapter
+        body = msgspec.json.encode(_generate_body(input_ids, sampling, stream=True, adapter=adapter))
         where, got = f"{self._base}/generate", 0
         try:
             async with self._client.stream("POST", where, content=body, headers=_JSON) as response:
@@ -173,7 +187,7 @@ class SGLangEngine:
                     finish = out.meta_info.finish_reason
                     if finish is not None and finish.type == "abort":
                         cut.append(out)
-                    span = self._span(out, got, aborted_ok=bool(cut))
+                    span = self._span(out, got, aborted_ok=bool(cut), adapter=adapter)
                     got = len(out.output_ids)
                     if span.token_ids:
                         yield span
@@ -181,9 +195,16 @@ class SGLangEngine:
         except httpx.TransportError as e:
             raise SGLangError(f"{where}: the stream broke after {got} tokens: {e}") from e
 
-    def _span(self, out: GenerateResponse, start: int, aborted_ok: bool = False) -> TokenSpan:
+    def _span(
+        self,
+        out: GenerateResponse,
+        start: int,
+        aborted_ok: bool = False,
+        adapter: tuple[str, int] | None = None,
+    ) -> TokenSpan:
         """Tokens ``start:`` of an answer, checked (not aborted unless ``aborted_ok``; logprobs
-        match the ids)."""
+        match the ids), stamped with the version of the ``adapter`` the request named, or else
+        the server's."""
         meta, ids = out.meta_info, out.output_ids
         if not aborted_ok and meta.finish_reason is not None and meta.finish_reason.type == "abort":
             reason = msgspec.to_builtins(meta.finish_reason)
@@ -191,7 +212,7 @@ class SGLangEngine:
         triples = meta.output_token_logprobs or []
         if len(triples) != len(ids) or [t[1] for t in triples[start:]] != ids[start:]:  # the new part
             raise SGLangError("output_token_logprobs do not match output_ids")
-        version = self._parse_version(meta.weight_version)
+        version = adapter[1] if adapter else self._parse_version(meta.weight_version)
         self._version = max(self._version, version)
         return TokenSpan(
             token_ids=ids[start:],
@@ -207,6 +228,7 @@ class SGLangEngine:
             sampling_params=SGLangSamplingParams(max_new_tokens=0),
             return_logprob=True,
             logprob_start_len=start,
+            lora_path=self._adapter[0] if self._adapter else None,
         )
         out = await self._request("POST", "/generate", GenerateResponse, body)
         return [float(t[0]) for t in (out.meta_info.input_token_logprobs or [])[1:]]
@@ -283,7 +305,12 @@ def _joined(parts: list[TokenSpan]) -> TokenSpan:
     )
 
 
-def _generate_body(input_ids: list[int], sampling: SamplingParams, stream: bool = False) -> GenerateRequest:
+def _generate_body(
+    input_ids: list[int],
+    sampling: SamplingParams,
+    stream: bool = False,
+    adapter: tuple[str, int] | None = None,
+) -> GenerateRequest:
     options = SGLangSamplingParams(
         max_new_tokens=sampling.max_new_tokens,
         temperature=sampling.temperature,
@@ -291,7 +318,11 @@ def _generate_body(input_ids: list[int], sampling: SamplingParams, stream: bool 
         stop_token_ids=list(sampling.stop_token_ids),
     )
     return GenerateRequest(
-        input_ids=list(input_ids), sampling_params=options, return_logprob=True, stream=stream or None
+        input_ids=list(input_ids),
+        sampling_params=options,
+        return_logprob=True,
+        stream=stream or None,
+        lora_path=adapter[0] if adapter else None,
     )
 
 

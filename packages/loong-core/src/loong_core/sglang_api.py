@@ -67,6 +67,10 @@ __all__ = [
     "UpdateWeightsFromDistributedRequest",
     "UpdateWeightsFromTensorRequest",
     "UpdateWeightsResponse",
+    # LoRA adapters
+    "LoRAUpdateResponse",
+    "LoadLoRAAdapterFromTensorsRequest",
+    "UnloadLoRAAdapterRequest",
 ]
 
 LogprobEntry = tuple[float | None, int, str | None]
@@ -160,6 +164,8 @@ class GenerateRequest(_Request):
     position. ``rid``: request id, one per prompt for a batch. ``stream``: answer with server-sent
     events, each a :class:`GenerateResponse` of the answer so far (``output_ids`` and logprobs
     cumulative, SGLang's default), ``finish_reason`` set on the last, then ``data: [DONE]``.
+    ``lora_path``: the name of a loaded LoRA adapter to sample with (one per prompt for a batch;
+    ``None``: the base model), as ``/load_lora_adapter_from_tensors`` named it.
     """
 
     text: str | list[str] | None = None
@@ -170,6 +176,7 @@ class GenerateRequest(_Request):
     logprob_start_len: int | None = None
     top_logprobs_num: _NonNegative | None = None
     stream: bool | None = None
+    lora_path: str | list[str | None] | None = None
 
 
 class FinishReason(_Response):
@@ -341,3 +348,40 @@ class UpdateWeightsResponse(_Response):
     success: bool
     message: str = ""
     num_paused_requests: int | UnsetType = UNSET
+
+
+# ---- LoRA adapters (a server started with --enable-lora) ----
+
+
+class LoadLoRAAdapterFromTensorsRequest(_Request):
+    """``POST /load_lora_adapter_from_tensors``: serve a LoRA adapter under ``lora_name``.
+
+    ``config_dict``: the adapter's PEFT ``adapter_config.json`` (``r``, ``lora_alpha``,
+    ``target_modules``, ...). ``serialized_named_tensors``: one payload per tensor-parallel rank,
+    each base64 of a ``{name: tensor}`` dict with PEFT's names
+    (``base_model.model.<module>.lora_A.weight``); SGLang sends ``MultiprocessingSerializer``
+    pickles (CUDA IPC handles), as for ``/update_weights_from_tensor``. SGLang before 0.5.18 took
+    one payload in ``serialized_tensors`` instead. A name already loaded is refused.
+    """
+
+    lora_name: str
+    config_dict: dict[str, Any]
+    serialized_named_tensors: list[str]
+    pinned: bool = False
+    load_format: str | None = None
+
+
+class UnloadLoRAAdapterRequest(_Request):
+    """``POST /unload_lora_adapter``: new requests can no longer name ``lora_name``; it is freed
+    once the requests already using it have ended."""
+
+    lora_name: str
+
+
+class LoRAUpdateResponse(_Response):
+    """The answer of the adapter endpoints (HTTP 400 with ``success: false`` when refused).
+    ``loaded_adapters``: every adapter served afterwards, by name."""
+
+    success: bool
+    error_message: str | None = None
+    loaded_adapters: dict[str, Any] | None = None

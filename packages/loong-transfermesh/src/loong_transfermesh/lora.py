@@ -24,12 +24,29 @@ import torch
 if TYPE_CHECKING:
     from loong_transfermesh.transport import WeightReceiver
 
-__all__ = ["LoraMerge", "adapter_names"]
+__all__ = ["LoraMerge", "adapter_names", "adapter_shapes"]
 
 
 def adapter_names(module: str) -> tuple[str, str]:
     """The names of module ``module``'s ``A`` and ``B``."""
     return f"{module}.lora_A.weight", f"{module}.lora_B.weight"
+
+
+def adapter_shapes(
+    weights: Mapping[str, torch.Tensor], modules: Iterable[str], rank: int, transposed: Collection[str] = ()
+) -> dict[str, tuple[int, int]]:
+    """The shape of every adapter tensor of ``modules`` by name: ``A`` is ``[rank, in]``, ``B``
+    ``[out, rank]``, for ``<module>.weight`` in ``weights`` (``[out, in]``; ``[in, out]`` for the
+    ``transposed`` ones)."""
+    shapes = {}
+    for module in modules:
+        weight = weights.get(f"{module}.weight")
+        if weight is None or weight.dim() != 2:
+            raise ValueError(f"{module!r} has no 2-D weight {module}.weight to adapt")
+        out_features, in_features = weight.shape[::-1] if module in transposed else weight.shape
+        a_name, b_name = adapter_names(module)
+        shapes[a_name], shapes[b_name] = (rank, in_features), (out_features, rank)
+    return shapes
 
 
 class LoraMerge:
@@ -55,17 +72,18 @@ class LoraMerge:
         self.scale = scale
         self._layers: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, bool]] = []
         self.buffers: dict[str, torch.Tensor] = {}
+        modules = list(modules)
+        try:
+            shapes = adapter_shapes(weights, modules, rank, transposed)
+        except ValueError as e:
+            raise ValueError(f"LoraMerge: {e}") from None
         for module in modules:
-            weight = weights.get(f"{module}.weight")
-            if weight is None or weight.dim() != 2:
-                raise ValueError(f"LoraMerge: {module!r} has no 2-D weight {module}.weight to adapt")
-            flip = module in transposed
-            out_features, in_features = weight.shape[::-1] if flip else weight.shape
+            weight = weights[f"{module}.weight"]
             a_name, b_name = adapter_names(module)
-            a = weight.new_zeros(rank, in_features, dtype=dtype)
-            b = weight.new_zeros(out_features, rank, dtype=dtype)
+            a = weight.new_zeros(shapes[a_name], dtype=dtype)
+            b = weight.new_zeros(shapes[b_name], dtype=dtype)
             self.buffers[a_name], self.buffers[b_name] = a, b
-            self._layers.append((weight, weight.detach().to(a.dtype, copy=True), a, b, flip))
+            self._layers.append((weight, weight.detach().to(a.dtype, copy=True), a, b, module in transposed))
 
     @torch.no_grad()
     def merge(self) -> None:

@@ -78,7 +78,9 @@ from loong_core.sglang_api import (
     ContinueGenerationRequest,
     DestroyWeightsUpdateGroupRequest,
     InitWeightsUpdateGroupRequest,
+    LoadLoRAAdapterFromTensorsRequest,
     PauseGenerationRequest,
+    UnloadLoRAAdapterRequest,
     UpdateWeightsFromDiskRequest,
     UpdateWeightsFromDistributedRequest,
     UpdateWeightsFromTensorRequest,
@@ -199,7 +201,8 @@ class SGLangWeightPusher:
             pusher.push(model.state_dict(), version=step)   # pause, buckets, continue, verify
         pusher.close()                           # destroy_weights_update_group
 
-    ``push_from_disk(path, version)`` needs no group (``/update_weights_from_disk``).
+    ``push_from_disk(path, version)`` needs no group (``/update_weights_from_disk``), nor do
+    LoRA adapters (``load_adapter``, ``unload_adapter``: a server started with ``--enable-lora``).
     Not thread-safe: one update at a time.
     """
 
@@ -266,6 +269,24 @@ class SGLangWeightPusher:
         body = UpdateWeightsFromDiskRequest(model_path=model_path, weight_version=str(version))
         self._all("/update_weights_from_disk", body)
         self.check_version(version)
+
+    def load_adapter(self, name: str, tensors: Mapping[str, torch.Tensor], config: dict[str, Any]) -> None:
+        """Every server serves ``tensors`` as LoRA adapter ``name`` (``/load_lora_adapter_from_tensors``;
+        ``config``: the PEFT ``adapter_config.json``, ``tensors``: PEFT's names). In memory: CUDA
+        tensors travel as IPC handles (a server on the same GPU), CPU ones as ``torch.save`` bytes
+        (Loong's embedded server); see :func:`serialize_tensors`. The tensors must stay alive until
+        this returns."""
+        payload = serialize_tensors({n: t.detach() for n, t in tensors.items()})
+        body = LoadLoRAAdapterFromTensorsRequest(
+            lora_name=name,
+            config_dict=config,
+            serialized_named_tensors=[payload] * self.config.ranks_per_engine,
+        )
+        self._all("/load_lora_adapter_from_tensors", body)
+
+    def unload_adapter(self, name: str) -> None:
+        """Every server stops taking requests for adapter ``name`` (``/unload_lora_adapter``)."""
+        self._all("/unload_lora_adapter", UnloadLoRAAdapterRequest(lora_name=name))
 
     def check_version(self, version: int) -> None:
         for url in self.config.urls:
@@ -355,7 +376,7 @@ class SGLangWeightPusher:
         response = self._http.post(f"{url}{path}", content=msgspec.json.encode(body), headers=_JSON)
         answer = _update_answer(response.content)
         if response.status_code != 200 or (answer is not None and not answer.success):
-            message = response.text if answer is None else answer.message
+            message = (answer.message if answer else "") or response.text
             raise SGLangUpdateError(f"{url}{path}: HTTP {response.status_code}: {message}")
 
 
@@ -512,12 +533,13 @@ class SGLangServers:
 _NO_GROUP: Any = object()  # a connected ``tensor`` pusher: no process group to broadcast over
 
 
-def serialize_tensors(named: list[tuple[str, torch.Tensor]]) -> str:
-    """``named`` as ``/update_weights_from_tensor`` takes it (base64 text): CUDA tensors as SGLang's
+def serialize_tensors(named: list[tuple[str, torch.Tensor]] | dict[str, torch.Tensor]) -> str:
+    """``named`` as ``/update_weights_from_tensor`` (a list of pairs) and
+    ``/load_lora_adapter_from_tensors`` (a dict) take it, base64 text: CUDA tensors as SGLang's
     ``MultiprocessingSerializer`` pickles them (CUDA IPC handles: the receiver must be on the same
     GPU, and the tensors must stay alive until it answered), CPU tensors as ``torch.save`` bytes
     (Loong's embedded server)."""
-    devices = {t.device.type for _, t in named}
+    devices = {t.device.type for t in (named.values() if isinstance(named, dict) else (t for _, t in named))}
     if devices == {"cuda"}:
         from multiprocessing.reduction import ForkingPickler
 

@@ -13,7 +13,9 @@ launches and supervises real SGLang servers instead. The routes, one module per 
   :mod:`.http_control`; ``/health`` and ``/health_generate`` answer 200;
 - ``/update_weights_from_disk``, ``/init_weights_update_group``,
   ``/update_weights_from_distributed``, ``/destroy_weights_update_group``,
-  ``/update_weights_from_tensor``: :mod:`.http_weights`.
+  ``/update_weights_from_tensor``: :mod:`.http_weights`;
+- with ``--enable-lora``: ``/load_lora_adapter_from_tensors``, ``/unload_lora_adapter`` and
+  ``/generate``'s ``lora_path``: :mod:`.http_lora`.
 
 Errors: a bad field answers 400 with SGLang's error body (``object``, ``message``, ``type``,
 ``code``) plus ``param`` naming the field and ``success: false``. With an API key, every path but
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import hmac
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from starlette.applications import Starlette
@@ -35,11 +38,19 @@ from starlette.routing import Route
 from loong_train.engines.embedded.engine import EmbeddedEngine
 from loong_train.engines.embedded.http_control import SGLangServer
 from loong_train.engines.embedded.http_generate import GenerateRoutes
+from loong_train.engines.embedded.http_lora import LoraRoutes
 from loong_train.engines.embedded.http_weights import WeightRoutes
 from loong_train.engines.embedded.wire import BadRequest, bad_request
 from loong_train.memory import keep_freed_memory
 
-__all__ = ["build_app", "main", "serve"]
+__all__ = ["LoraOptions", "build_app", "main", "serve"]
+
+
+class LoraOptions(NamedTuple):
+    """SGLang's LoRA flags: ``--max-lora-rank`` (0: any) and ``--lora-target-modules`` (empty: any)."""
+
+    max_rank: int = 0
+    target_modules: tuple[str, ...] = ()
 
 
 class _ApiKey:
@@ -72,11 +83,15 @@ def build_app(
     api_key: str | None = None,
     group_timeout_s: float = 600.0,
     incremental_streaming: bool = False,
+    lora: LoraOptions | None = None,
 ):
     """The ASGI app serving ``engine`` (wrapped in API-key checking when ``api_key`` is set);
     ``app.state.sglang`` is its :class:`~.http_control.SGLangServer`. ``incremental_streaming``:
-    streamed events carry only their new tokens (SGLang's ``--incremental-streaming-output``)."""
+    streamed events carry only their new tokens (SGLang's ``--incremental-streaming-output``).
+    ``lora``: serve LoRA adapters (SGLang's ``--enable-lora`` and its bounds)."""
     s = SGLangServer(engine, model_path, incremental_streaming)
+    if lora is not None:
+        s.lora = LoraRoutes(s, lora.max_rank, lora.target_modules)
     gen, weights = GenerateRoutes(s), WeightRoutes(s, group_timeout_s)
     routes = [
         Route("/generate", gen.generate, methods=["POST", "PUT"]),
@@ -94,6 +109,11 @@ def build_app(
         Route("/destroy_weights_update_group", weights.destroy_group, methods=["POST"]),
         Route("/update_weights_from_tensor", weights.from_tensor, methods=["POST"]),
     ]
+    if s.lora is not None:
+        routes += [
+            Route("/load_lora_adapter_from_tensors", s.lora.load, methods=["POST"]),
+            Route("/unload_lora_adapter", s.lora.unload, methods=["POST"]),
+        ]
     app = Starlette(routes=routes, exception_handlers={BadRequest: _on_bad_request})
     app.state.sglang = s
     return _ApiKey(app, api_key) if api_key else app
@@ -106,12 +126,13 @@ def serve(
     api_key: str | None = None,
     model_path: str = "",
     incremental_streaming: bool = False,
+    lora: LoraOptions | None = None,
 ) -> None:
     """Serve ``engine`` until interrupted."""
     import uvicorn
 
     app = build_app(
-        engine, model_path=model_path, api_key=api_key, incremental_streaming=incremental_streaming
+        engine, model_path=model_path, api_key=api_key, incremental_streaming=incremental_streaming, lora=lora
     )
     uvicorn.run(app, host=host, port=port, log_level="warning")
 
@@ -141,6 +162,13 @@ def main(argv: list[str] | None = None) -> int:
         help="streamed /generate events carry only their new output_ids and output logprobs "
         "(SGLang's flag, formerly --stream-output); default: the answer so far",
     )
+    parser.add_argument(
+        "--enable-lora", action="store_true", help="serve LoRA adapters (/load_lora_adapter_from_tensors)"
+    )
+    parser.add_argument("--max-lora-rank", type=int, default=0, help="the largest adapter rank (0: any)")
+    parser.add_argument(
+        "--lora-target-modules", nargs="*", default=[], help="the modules adapters may adapt (default: any)"
+    )
     args = parser.parse_args(argv)
     if (args.model_dir is None) == (args.model_path is None):
         parser.error("give the model directory once: MODEL_DIR or --model-path MODEL_DIR")
@@ -151,7 +179,16 @@ def main(argv: list[str] | None = None) -> int:
     keep_freed_memory()
     engine = EmbeddedEngine(load_causal_lm(args.model_dir, args.trust_remote_code), seed=args.seed)
     print(f"serve-sglang: {args.model_dir} on http://{args.host}:{args.port}", flush=True)
-    serve(engine, args.host, args.port, args.api_key, str(args.model_dir), args.incremental_streaming_output)
+    lora = LoraOptions(args.max_lora_rank, tuple(args.lora_target_modules)) if args.enable_lora else None
+    serve(
+        engine,
+        args.host,
+        args.port,
+        args.api_key,
+        str(args.model_dir),
+        args.incremental_streaming_output,
+        lora,
+    )
     return 0
 
 

@@ -19,6 +19,7 @@ too (:mod:`.http_weights`).
 from __future__ import annotations
 
 import asyncio
+from typing import TYPE_CHECKING
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
@@ -32,6 +33,9 @@ from loong_core.sglang_api import (
 )
 from loong_train.engines.embedded.engine import EmbeddedEngine
 from loong_train.engines.embedded.wire import BadRequest, decode_body, json_response
+
+if TYPE_CHECKING:
+    from loong_train.engines.embedded.http_lora import LoraRoutes
 
 __all__ = ["SGLangServer"]
 
@@ -54,6 +58,7 @@ class SGLangServer:
         self.pause_mode = "abort"
         self._resumed = asyncio.Event()  # cleared while paused: new requests wait, as SGLang's do
         self._resumed.set()
+        self.lora: LoraRoutes | None = None  # LoRA adapters (--enable-lora): :mod:`.http_lora`
 
     def label_of(self, version: int) -> str:
         """The ``weight_version`` string of engine version ``version`` (the newest if unknown)."""

@@ -20,6 +20,9 @@ A server started with ``--incremental-streaming-output`` (SGLang's flag; ``--str
 older name) sends each event only its new ``output_ids`` and output logprob entries instead, so
 the events' ids joined are the answer (the counts in ``meta_info`` stay cumulative).
 
+``lora_path`` names a loaded LoRA adapter to sample with (one per prompt for a batch), on a
+server started with ``--enable-lora`` (:mod:`.http_lora`).
+
 Differences from SGLang: no ``text`` input, ``stream`` for one prompt at a time (cumulative
 events, as SGLang streams by default), greedy (``temperature = 0``) and the sampling options
 other than ``max_new_tokens``, ``temperature``, ``top_p``, ``stop_token_ids`` are refused (400)
@@ -95,6 +98,7 @@ class _Job(NamedTuple):
     start: int
     rid: str
     top_k: int
+    adapter: str | None
 
 
 class GenerateRoutes:
@@ -120,11 +124,12 @@ class GenerateRoutes:
         if len(raws) != len(prompts):
             raise BadRequest("sampling_params", "a list must have one entry per prompt")
         rids = _request_ids(body.rid, batch, len(prompts))
+        adapters = self._adapters(body.lora_path, len(prompts))
         jobs = []
         for i, (prompt, sp) in enumerate(zip(prompts, raws, strict=True)):
             suffix = f"[{i}]" if batch else ""
             sp_field = "sampling_params" + (suffix if isinstance(raw, list) else "")
-            jobs.append(self._job(body, prompt, "input_ids" + suffix, sp, sp_field, rids[i]))
+            jobs.append(self._job(body, prompt, "input_ids" + suffix, sp, sp_field, rids[i], adapters[i]))
         await self._server.wait_resumed()
         if body.stream:
             if batch:
@@ -133,7 +138,28 @@ class GenerateRoutes:
         results = await asyncio.gather(*(self._one(*job) for job in jobs))
         return json_response(results if batch else results[0])
 
-    def _job(self, body: GenerateRequest, prompt, field: str, sp, sp_field: str, rid: str) -> _Job:
+    def _adapters(self, lora_path: str | list[str | None] | None, n: int) -> list[str | None]:
+        """The adapter each prompt samples with (``lora_path``; None: the base model), each loaded."""
+        names = lora_path if isinstance(lora_path, list) else [lora_path] * n
+        if len(names) != n:
+            raise BadRequest(
+                "lora_path", f"a list needs one entry per prompt: {n} prompts, {len(names)} entries"
+            )
+        if any(names) and self._server.lora is None:
+            raise BadRequest("lora_path", "LoRA is not enabled: start the server with --enable-lora")
+        for name in names:
+            if name:
+                self._server.lora.check_name(name)
+        return [name or None for name in names]
+
+    def _serving(self, adapter: str | None) -> contextlib.AbstractAsyncContextManager:
+        """The block runs with ``adapter`` merged in (a server without LoRA: as it is)."""
+        lora = self._server.lora
+        return contextlib.nullcontext() if lora is None else lora.serving(adapter)
+
+    def _job(
+        self, body: GenerateRequest, prompt, field: str, sp, sp_field: str, rid: str, adapter: str | None
+    ) -> _Job:
         """Check one prompt (``field`` names it) and its sampling parameters (``sp_field``)."""
         prompt = token_ids(prompt, field, self.vocab)
         sampling, max_new = sampling_params(sp, sp_field)
@@ -149,7 +175,7 @@ class GenerateRoutes:
         first = len(prompt) - 1 if start in (None, -1) else start
         if not 0 <= first < len(prompt):
             raise BadRequest("logprob_start_len", f"must be -1 or in [0, {len(prompt)})")
-        return _Job(prompt, sampling, max_new, bool(body.return_logprob), first, rid, top_k)
+        return _Job(prompt, sampling, max_new, bool(body.return_logprob), first, rid, top_k, adapter)
 
     async def _prompt_logprobs(self, prompt, logprob: bool, start: int, top_k: int) -> tuple[dict, int]:
         """The ``input_*`` logprob fields asked for, and the weight version that scored them."""
@@ -194,31 +220,56 @@ class GenerateRoutes:
         return FinishReason(type="length", length=max_new)
 
     async def _one(
-        self, prompt, sampling: SamplingParams, max_new: int, logprob: bool, start: int, rid, top_k: int
+        self,
+        prompt,
+        sampling: SamplingParams,
+        max_new: int,
+        logprob: bool,
+        start: int,
+        rid,
+        top_k: int,
+        adapter,
     ) -> GenerateResponse:
         t0 = time.perf_counter()
-        logprobs, version = await self._prompt_logprobs(prompt, logprob, start, top_k)
-        out: list[int] = []
-        lps: list[float] = []
-        top: list[list[tuple[float, int]]] = []
-        aborted = False
-        if max_new > 0:
-            k = top_k if logprob else 0
-            try:
-                span, top = await self.engine.generate_top(prompt, sampling, k)
-            except RequestAborted as e:
-                span, top, aborted = e.span, e.top, True
-            out, lps, version = span.token_ids, span.logprobs, span.weight_version
+        async with self._serving(adapter):
+            logprobs, version = await self._prompt_logprobs(prompt, logprob, start, top_k)
+            out: list[int] = []
+            lps: list[float] = []
+            top: list[list[tuple[float, int]]] = []
+            aborted = False
+            if max_new > 0:
+                k = top_k if logprob else 0
+                try:
+                    span, top = await self.engine.generate_top(prompt, sampling, k)
+                except RequestAborted as e:
+                    span, top, aborted = e.span, e.top, True
+                out, lps, version = span.token_ids, span.logprobs, span.weight_version
         finish = self._finish(out, sampling, max_new, aborted)
         return self._answer(prompt, rid, out, lps, top, version, logprobs, finish, t0)
 
     async def _stream(
-        self, prompt, sampling: SamplingParams, max_new: int, logprob: bool, start: int, rid, top_k: int
+        self,
+        prompt,
+        sampling: SamplingParams,
+        max_new: int,
+        logprob: bool,
+        start: int,
+        rid,
+        top_k: int,
+        adapter,
     ) -> AsyncIterator[bytes]:
         """SGLang's streamed ``/generate``: one event per batch of new tokens, each carrying the
         whole answer so far (``output_ids`` and logprobs cumulative, SGLang's default without
         ``--incremental-streaming-output``), ``finish_reason`` only on the last; then ``[DONE]``.
         A client that hangs up cancels the request."""
+        events = self._events(prompt, sampling, max_new, logprob, start, rid, top_k)
+        async with self._serving(adapter), contextlib.aclosing(events):  # a hang-up ends both
+            async for event in events:
+                yield event
+
+    async def _events(
+        self, prompt, sampling: SamplingParams, max_new: int, logprob: bool, start: int, rid, top_k: int
+    ) -> AsyncIterator[bytes]:
         t0 = time.perf_counter()
         logprobs, version = await self._prompt_logprobs(prompt, logprob, start, top_k)
         out: list[int] = []

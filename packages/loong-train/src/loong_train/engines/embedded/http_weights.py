@@ -52,7 +52,7 @@ from loong_train.engines.embedded.http_control import SGLangServer
 from loong_train.engines.embedded.wire import BadRequest, bad_request, decode_body, dtype_named, json_response
 from loong_transfermesh.sglang import bucket_dtype, join_weight_update_group, unflatten_bucket
 
-__all__ = ["WeightRoutes"]
+__all__ = ["WeightRoutes", "load_payload"]
 
 _ZIP_MAGIC = b"PK\x03\x04"
 
@@ -77,6 +77,12 @@ class WeightRoutes:
         ``flush_cache`` while a pause holds requests that block a flush (``busy``) is refused:
         SGLang applies the weights, fails the flush and its scheduler dies on an assert."""
         server = self._server
+        if server.lora is not None:
+            raise BadRequest(
+                "body",
+                "this server was started with --enable-lora: its base weights stay fixed while it "
+                "serves adapters (load a new adapter with /load_lora_adapter_from_tensors instead)",
+            )
         if update.abort_all_requests:
             self.engine.abort_all()
         if update.flush_cache and server.paused and server.busy():
@@ -182,25 +188,34 @@ class WeightRoutes:
 
     async def from_tensor(self, request: Request) -> Response:
         body = await decode_body(request, UpdateWeightsFromTensorRequest)
-        payloads = body.serialized_named_tensors
-        expected = "entry 0 must be base64 of torch.save([(name, tensor), ...])"
+        loaded = load_payload(body.serialized_named_tensors, "[(name, tensor), ...]", self.device)
         try:
-            raw = base64.b64decode(payloads[0], validate=True)
-            if not raw.startswith(_ZIP_MAGIC):  # torch.save writes a zip archive; a pickle is not one
-                raise BadRequest(
-                    "serialized_named_tensors",
-                    f"{expected}; it is a bare pickle, as SGLang's MultiprocessingSerializer sends "
-                    "(tensors as CUDA IPC or shared-memory handles, meaningful only to a colocated "
-                    "process), which the embedded server does not unpickle",
-                )
-            loaded = torch.load(io.BytesIO(raw), weights_only=True, map_location=self.device)
             named = dict(loaded)
-        except (
-            IndexError, TypeError, ValueError, binascii.Error, RuntimeError, pickle.UnpicklingError
-        ) as e:  # fmt: skip
-            raise BadRequest("serialized_named_tensors", f"{expected}: {e}") from None
+        except (TypeError, ValueError) as e:
+            raise BadRequest("serialized_named_tensors", f"expected [(name, tensor), ...]: {e}") from None
         await self.swap(named, body)
         return json_response(UpdateWeightsResponse(success=True, message="Success"))
+
+
+def load_payload(payloads: list[str], what: str, device: torch.device) -> object:
+    """Entry 0 of a ``serialized_named_tensors`` list: base64 of ``torch.save(<what>)``, loaded with
+    ``weights_only`` (tensors and plain containers, nothing else is unpickled). SGLang's own
+    payloads (bare ``MultiprocessingSerializer`` pickles) are refused, never unpickled."""
+    expected = f"entry 0 must be base64 of torch.save({what})"
+    try:
+        raw = base64.b64decode(payloads[0], validate=True)
+        if not raw.startswith(_ZIP_MAGIC):  # torch.save writes a zip archive; a pickle is not one
+            raise BadRequest(
+                "serialized_named_tensors",
+                f"{expected}; it is a bare pickle, as SGLang's MultiprocessingSerializer sends "
+                "(tensors as CUDA IPC or shared-memory handles, meaningful only to a colocated "
+                "process), which the embedded server does not unpickle",
+            )
+        return torch.load(io.BytesIO(raw), weights_only=True, map_location=device)
+    except (
+        IndexError, TypeError, ValueError, binascii.Error, RuntimeError, pickle.UnpicklingError
+    ) as e:  # fmt: skip
+        raise BadRequest("serialized_named_tensors", f"{expected}: {e}") from None
 
 
 def _receive_flat(group, names, dtypes, shapes, device) -> dict[str, torch.Tensor]:
