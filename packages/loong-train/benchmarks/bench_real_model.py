@@ -344,6 +344,7 @@ def test_weight_update(benchmark, checkpoint):
     from statistics import median
 
     from loong_train.backends import lora as lora_adapters
+    from loong_train.models.adapters import adapted_modules
     from loong_transfermesh import LoraMerge, ShmReceiver, ShmSender
 
     name, path = checkpoint
@@ -355,7 +356,7 @@ def test_weight_update(benchmark, checkpoint):
                 p.normal_(0, 0.01)
     sent = {"full": lora_adapters.merged_weights(trainer.model), "lora": trainer.named_weights()}
     engine = dict(CausalLM.from_pretrained(path).named_parameters())
-    modules, transposed = lora_adapters.adapted_modules(CausalLM.from_pretrained(path), LORA)
+    modules, transposed = adapted_modules(CausalLM.from_pretrained(path), LORA.target_modules)
     merge = LoraMerge(engine, modules, LORA.rank, LORA.scale, transposed)
     info: dict[str, object] = {"model": name}
     for kind, named in sent.items():

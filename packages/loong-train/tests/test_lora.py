@@ -14,6 +14,7 @@ from loong_train.backends import lora as lora_adapters
 from loong_train.backends.config import LoraConfig, MegatronBackendConfig
 from loong_train.backends.torch_backend import TorchBackend
 from loong_train.config import TrainConfig
+from loong_train.models.adapters import adapted_modules
 from loong_train.models.decoder import CausalLM
 from loong_transfermesh import LoraMerge
 
@@ -285,6 +286,76 @@ def test_adapters_reach_a_bfloat16_engine_rounded(tiny_dir):
         trainer.close()
 
 
+@pytest.mark.integration
+def test_adapters_reach_an_sglang_server_through_its_lora_api(tiny_dir, tmp_path):
+    """``[rollout.engine] type = "sglang"`` with adapter-only updates, on the CPU stand-in server
+    (``launcher = "loong"``): the worker holds no model, loads each version's adapter into its
+    server (``/load_lora_adapter_from_tensors``) and sends requests to it; the served adapter's
+    logprobs equal the trainer's, tokens carry the adapter's version, the previous adapter is
+    unloaded, and a relaunched server gets the current adapter again."""
+    import contextlib
+    import os
+    import signal
+    import time
+
+    import httpx
+    from test_first_step import _rollout
+
+    from loong_core.net import free_port
+    from loong_train.algo.losses import pack_batch
+    from loong_train.config import load_recipe
+    from loong_train.controller import trainer_options
+    from loong_train.engines.config import SGLangEngineConfig
+    from loong_train.workers.trainer import TrainerWorker
+    from loong_transfermesh import TransportConfig
+
+    transport = TransportConfig(name=f"lora-sglang-{os.getpid()}")
+    recipe = load_recipe("tiny-calc-agent", ["train.lora.rank=4", "train.lr=0.05"])
+    engine = SGLangEngineConfig(launcher="loong", port_base=free_port(), health_interval_s=0.3)
+    worker, trajs = _rollout(
+        tiny_dir, groups=2, transport=transport, lora=recipe.train.lora, engine=engine, log_dir=str(tmp_path)
+    )
+    trainer = TrainerWorker(str(tiny_dir), transport=transport, **trainer_options(recipe))
+    url, supervisor = worker.engine.supervisor.url, worker.engine.supervisor
+    try:
+        assert worker.engine.model is None and all(".lora_" in n for n in worker.engine.adapter)
+        advantages = [1.0 - i % 2 * 2 for i in range(len(trajs))]
+        published = trainer.publish(trainer.train_step(pack_batch(trajs, advantages, policy_version=0)))
+        assert published.step.metrics["mismatch_kl"] <= 1e-9
+        worker.apply_weights(published.manifest)
+        after, batch, recomputed, gaps = _sampled_after_the_update(worker, trainer)
+        assert {t.oldest_version for t in after} == {1}
+        assert len(gaps) > 50 and max(gaps) <= 1e-5, max(gaps)
+        with lora_adapters.disabled(trainer.backend.model):
+            base = trainer.logprobs(batch)
+        assert max(abs(a - b) for a, b in zip(base, recomputed, strict=True)) > 1e-3  # the adapter counts
+
+        def serves(adapter: str) -> httpx.Response | None:
+            body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}, "lora_path": adapter}
+            with contextlib.suppress(httpx.HTTPError):
+                return httpx.post(f"{url}/generate", json=body)
+            return None
+
+        os.kill(supervisor.pid, signal.SIGKILL)  # the relaunched server serves no adapter ...
+        deadline = time.monotonic() + 30
+        while not (supervisor.restarts and getattr(serves("loong-v1"), "status_code", 0) == 200):
+            assert time.monotonic() < deadline, "no relaunch with the adapter within 30 s"
+            time.sleep(0.1)
+        after, _, _, gaps = _sampled_after_the_update(worker, trainer)  # ... until it is loaded again
+        assert {t.oldest_version for t in after} == {1} and max(gaps) <= 1e-5, max(gaps)
+
+        advantages = [1.0 - i % 2 * 2 for i in range(len(after))]
+        worker.apply_weights(trainer.publish(trainer.train_step(pack_batch(after, advantages, 1))).manifest)
+        assert serves("loong-v2").status_code == 200
+        old = serves("loong-v1")
+        assert old.status_code == 400 and "no LoRA adapter named 'loong-v1'" in old.json()["message"]
+        after, _, _, gaps = _sampled_after_the_update(worker, trainer)
+        assert {t.oldest_version for t in after} == {2} and max(gaps) <= 1e-5, max(gaps)
+    finally:
+        trainer.close()
+        worker.close()
+
+
 @pytest.mark.parametrize("family", GENERIC)
 def test_the_generic_path_exports_an_adapter_peft_loads(tmp_path, family):
     """A model only ``transformers`` implements (GPT-2's Conv1D layers, Phi's Linear ones): the
@@ -303,7 +374,7 @@ def test_the_generic_path_exports_an_adapter_peft_loads(tmp_path, family):
         theirs = PeftModel.from_pretrained(hf, str(tmp_path / "final")).eval()(ids).logits
         plain = AutoModelForCausalLM.from_pretrained(str(tmp_path / "base"), dtype=torch.float32).eval()
         untouched = plain(ids).logits
-        modules, transposed = lora_adapters.adapted_modules(plain, LORA)  # GPT-2's Conv1D: [in, out]
+        modules, transposed = adapted_modules(plain, LORA.target_modules)  # GPT-2's Conv1D: [in, out]
         engine = LoraMerge(dict(plain.named_parameters()), modules, LORA.rank, LORA.scale, transposed)
         engine.load(backend.named_weights())  # an adapter-only update, merged as an engine does
         merged = plain(ids).logits

@@ -212,10 +212,10 @@ RULE_CASES = {
         [*_SGLANG_DIRECT, "rollout.engine.update_backend='nccl'"],
         r'update_backend = "nccl": the trainer sends from its GPU, but train.backend.gpus = 0',
     ),
-    "adapter_updates_need_a_host_copy": (
+    "adapter_updates_go_through_workers": (
         "tiny-calc-agent",
         [*_SGLANG_DIRECT, "rollout.engine.update_backend='gloo'", "train.lora.rank=4"],
-        r'train.lora.sync = "adapter" merges the adapters in the rollout worker\'s copy of the model',
+        r'train.lora.sync = "adapter" has each rollout worker load the adapters into its server',
     ),
     "cuda_ipc_needs_real_sglang": (
         "tiny-calc-agent",

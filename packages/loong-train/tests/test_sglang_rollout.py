@@ -230,6 +230,11 @@ def test_sglang_launcher_flags():
     assert server.log_path == "/runs/x/logs/sglang-3.log"
     # /health must not generate: a paused server (weight update) would fail its health checks
     assert server.env == {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false"}
+    lora = config.server("/ckpt", worker_id=0, log_dir="", seed=7, lora=(16, ["q_proj", "v_proj"]))
+    assert lora.argv()[-8:] == [
+        "--enable-lora", "--max-lora-rank", "16", "--lora-target-modules", "q_proj", "v_proj",
+        "--context-length", "4096",
+    ]  # fmt: skip
 
 
 GPU_TOTALS = {  # GPUs each shipped GPU recipe asks Ray for, as docs/gpu.md states them
@@ -258,19 +263,25 @@ def test_every_shipped_recipe_loads_and_gpu_recipes_reserve_what_docs_say():
 
 @pytest.mark.slow
 @pytest.mark.integration
-def test_a_ray_run_with_an_sglang_engine_trains_and_logs_the_server(tiny_dir, tmp_path):
-    """The whole controller with ``rollout.engine = "sglang"``: Ray actors, one supervised server."""
+@pytest.mark.parametrize("lora", [[], ["train.lora.rank=4", "train.max_staleness=0"]], ids=["full", "lora"])
+def test_a_ray_run_with_an_sglang_engine_trains_and_logs_the_server(tiny_dir, tmp_path, lora):
+    """The whole controller with ``rollout.engine = "sglang"``: Ray actors, one supervised server.
+    With LoRA (adapter-only updates through the server's LoRA API) and ``max_staleness = 0``,
+    every step trains on samples of the trainer's current adapter: the trainer's logprobs match
+    the server's at every step only if the server sampled with each adapter exactly."""
     from loong_core.telemetry import read_metrics
     from loong_train.controller import run
 
     sets = [f"model.path={tiny_dir}", "rollout.engine.type=sglang",
             f"rollout.engine.port_base={free_port()}", "train.steps=3", "train.batch_groups=2",
             "rollout.group_size=4", "rollout.max_new_tokens=16", "rollout.max_model_tokens=32",
-            "eval.every=100", "eval.num_tasks=4"]  # fmt: skip
+            "eval.every=100", "eval.num_tasks=4", *lora]  # fmt: skip
     out = run(load_recipe("tiny-calc-agent", sets), tmp_path / "run", tmp_path / "cache")
     rows = read_metrics(out / "metrics.jsonl")
     assert [r["policy_version"] for r in rows] == [1, 2, 3]
     assert rows[0]["mismatch_kl"] < 1e-9  # the servers generated with the trainer's initial weights
+    if lora:
+        assert all(r["mismatch_kl"] < 1e-9 and r["staleness_max"] == 0 for r in rows), rows
     log = (out / "logs" / "sglang-0.log").read_text()
     assert log.count("=== loong: launch") == 1 and "serve-sglang:" in log
 

@@ -108,17 +108,18 @@ def gpu_weight_push_needs_trainer_gpu(recipe: Recipe) -> str | None:
     )
 
 
-def adapter_updates_need_a_host_copy(recipe: Recipe) -> str | None:
-    """Adapter-only updates are merged by the worker's copy of the model; direct weights have none."""
+def adapter_updates_go_through_workers(recipe: Recipe) -> str | None:
+    """Adapter-only updates reach an SGLang server through its rollout worker; direct weights have none."""
     engine, lora = recipe.rollout.engine, recipe.train.lora
     if not (lora.enabled and lora.sync == "adapter" and isinstance(engine, SGLangEngineConfig)):
         return None
     if engine.weights != "direct":
         return None
     return (
-        'train.lora.sync = "adapter" merges the adapters in the rollout worker\'s copy of the model, '
-        'which rollout.engine.weights = "direct" does not keep: set train.lora.sync = "merged" '
-        '(the trainer pushes merged weights into the servers) or rollout.engine.weights = "worker"'
+        'train.lora.sync = "adapter" has each rollout worker load the adapters into its server '
+        '(SGLang\'s LoRA API), and rollout.engine.weights = "direct" has the trainer push instead: '
+        'set train.lora.sync = "merged" (the trainer pushes merged weights into the servers) or '
+        'rollout.engine.weights = "worker"'
     )
 
 
@@ -170,7 +171,7 @@ RULES = (
     group_reward_needs_whitebox,
     entropy_bonus_needs_torch,
     gpu_weight_push_needs_trainer_gpu,
-    adapter_updates_need_a_host_copy,
+    adapter_updates_go_through_workers,
     cuda_ipc_needs_real_sglang,
     groups_of_two_for_task_reward,
     dense_distillation_needs_torch,

@@ -10,8 +10,8 @@ What leaves the backend:
 
 - weight updates: the adapters alone (:func:`adapter_weights`, ``[train.lora] sync =
   "adapter"``, the default), which an engine merges into its copy of the base weights
-  (:class:`loong_transfermesh.LoraMerge`, over the modules :func:`adapted_modules` finds in its own
-  model); or every weight under its Hugging Face name with the adapter merged in
+  (:class:`loong_transfermesh.LoraMerge`, over the modules
+  :func:`~loong_train.models.adapters.adapted_modules` finds in its own model); or every weight under its Hugging Face name with the adapter merged in
   (:func:`merged_weights`, ``W + alpha / r * B A``; ``sync = "merged"``);
 - checkpoints: the adapter as ``peft`` saves one (:func:`save_adapter`: ``adapter_config.json`` and
   ``adapter_model.safetensors``, keys ``base_model.model.<module>.lora_A.weight``), which
@@ -33,23 +33,20 @@ import torch
 from torch import nn
 
 from loong_train.backends.config import LoraConfig
+from loong_train.models.adapters import ADAPTER_FILE, PEFT_PREFIX, checkpoint_root, read_adapter, target_names
 
 __all__ = [
     "ADAPTER",
-    "adapted_modules",
     "adapter_weights",
     "add_adapters",
     "disabled",
     "load_adapter",
     "merged",
     "merged_weights",
-    "read_adapter",
     "save_adapter",
 ]
 
 ADAPTER = "default"  # peft's adapter name inside the model (never in the files it saves)
-_WEIGHTS = "adapter_model.safetensors"
-_PREFIX = "base_model.model."  # a PeftModel's path to the wrapped model, in saved adapter keys
 
 
 def add_adapters(model: nn.Module, cfg: LoraConfig) -> Any:
@@ -58,12 +55,12 @@ def add_adapters(model: nn.Module, cfg: LoraConfig) -> Any:
     from peft import LoraConfig as PeftLoraConfig
     from peft import inject_adapter_in_model
 
-    root = _root(model)
+    root = checkpoint_root(model)
     peft_config = PeftLoraConfig(
         r=cfg.rank,
         lora_alpha=cfg.scale * cfg.rank,
         lora_dropout=cfg.dropout,
-        target_modules=_targets(root, cfg.target_modules),
+        target_modules=target_names(root, cfg.target_modules),
         bias="none",
         task_type="CAUSAL_LM",
     )
@@ -73,56 +70,10 @@ def add_adapters(model: nn.Module, cfg: LoraConfig) -> Any:
     return peft_config
 
 
-def _root(model: nn.Module) -> nn.Module:
-    """The module whose parameter names are the checkpoint's (the generic path wraps one)."""
-    return getattr(model, "inner", model)
-
-
-def _linear(root: nn.Module) -> dict[str, nn.Module]:
-    """Every linear layer of ``root`` but the LM head, by name."""
-    head = root.get_output_embeddings() if hasattr(root, "get_output_embeddings") else None
-    head = head if head is not None else getattr(root, "lm_head", None)
-    return {name: m for name, m in root.named_modules() if isinstance(m, _KINDS) and m is not head}
-
-
-def _conv1d() -> tuple[type, ...]:
-    try:  # GPT-2's linear layers are transformers' Conv1D (peft adapts those too)
-        from transformers.pytorch_utils import Conv1D
-    except ImportError:
-        return ()
-    return (Conv1D,)
-
-
-_KINDS: tuple[type, ...] = (nn.Linear, *_conv1d())
-
-
-def _targets(root: nn.Module, spec: list[str] | str) -> list[str]:
-    """Module names (the last part of a path) to adapt: ``spec``'s, each checked to name linear
-    layers, or every linear layer's but the LM head's for ``"all-linear"``."""
-    linear = sorted({name.rsplit(".", 1)[-1] for name in _linear(root)})
-    if spec == "all-linear":
-        return linear
-    if unknown := [t for t in spec if t not in linear]:
-        raise ValueError(
-            f"train.lora.target_modules names {unknown}, which no linear layer of the model is called "
-            f"(its linear layers: {linear}; the LM head is never adapted)"
-        )
-    return list(spec)
-
-
 def _layers(root: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     from peft.tuners.lora import LoraLayer
 
     return ((name, m) for name, m in root.named_modules() if isinstance(m, LoraLayer))
-
-
-def adapted_modules(model: nn.Module, cfg: LoraConfig) -> tuple[list[str], list[str]]:
-    """The modules :func:`add_adapters` adapts in a plain ``model`` of the same architecture (an
-    engine's), by Hugging Face name, and those of them storing ``[in, out]`` weights (``Conv1D``)."""
-    root = _root(model)
-    targets = set(_targets(root, cfg.target_modules))
-    modules = {name: m for name, m in _linear(root).items() if name.rsplit(".", 1)[-1] in targets}
-    return list(modules), [name for name, m in modules.items() if not isinstance(m, nn.Linear)]
 
 
 def adapter_weights(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -130,7 +81,7 @@ def adapter_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     module name (:func:`loong_transfermesh.adapter_names`): what an adapter-only update sends."""
     return {
         name.replace(f".{ADAPTER}.", "."): p.detach()
-        for name, p in _root(model).named_parameters()
+        for name, p in checkpoint_root(model).named_parameters()
         if ".lora_" in name
     }
 
@@ -138,7 +89,7 @@ def adapter_weights(model: nn.Module) -> dict[str, torch.Tensor]:
 @torch.no_grad()
 def merged_weights(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every weight under its Hugging Face name, the adapters merged in (``W + scale * B A``)."""
-    root = _root(model)
+    root = checkpoint_root(model)
     deltas = {f"{name}.weight": m.get_delta_weight(ADAPTER) for name, m in _layers(root)}
     out = {}
     for name, p in root.named_parameters():
@@ -153,7 +104,7 @@ def merged_weights(model: nn.Module) -> dict[str, torch.Tensor]:
 def merged(model: nn.Module) -> Iterator[nn.Module]:
     """``model`` as a plain model with the adapters merged in: each LoRA layer swapped for its
     base layer holding ``W + scale * B A``; restored (weights and layers) on exit."""
-    root = _root(model)
+    root = checkpoint_root(model)
     layers = list(_layers(root))
     saved = []
     with torch.no_grad():
@@ -175,7 +126,7 @@ def merged(model: nn.Module) -> Iterator[nn.Module]:
 @contextlib.contextmanager
 def disabled(model: nn.Module) -> Iterator[nn.Module]:
     """``model`` computing as its base model (the adapters switched off) inside the block."""
-    layers = [m for _, m in _layers(_root(model))]
+    layers = [m for _, m in _layers(checkpoint_root(model))]
     for m in layers:
         m.enable_adapters(False)
     try:
@@ -196,20 +147,13 @@ def save_adapter(model: nn.Module, peft_config: Any, path: str | Path, base: str
 
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
-    tensors = {_PREFIX + name: p.contiguous() for name, p in adapter_weights(model).items()}
-    save_file(tensors, str(path / _WEIGHTS), metadata={"format": "pt"})
+    tensors = {PEFT_PREFIX + name: p.contiguous() for name, p in adapter_weights(model).items()}
+    save_file(tensors, str(path / ADAPTER_FILE), metadata={"format": "pt"})
     peft_config.save_pretrained(str(path))
     if base:  # peft writes None for an injected adapter
         config = json.loads((path / "adapter_config.json").read_text())
         config["base_model_name_or_path"] = str(base)
         (path / "adapter_config.json").write_text(json.dumps(config, indent=2))
-
-
-def read_adapter(path: str | Path) -> dict[str, torch.Tensor]:
-    """The adapter :func:`save_adapter` wrote into ``path``, named as :func:`adapter_weights` names it."""
-    from safetensors.torch import load_file
-
-    return {k.removeprefix(_PREFIX): t for k, t in load_file(str(Path(path) / _WEIGHTS)).items()}
 
 
 @torch.no_grad()

@@ -6,8 +6,10 @@ weight version, ``pause``/``resume``) plus what a worker does around generation:
 - ``model``: the torch module whose parameters TransferMesh writes an update into (the embedded
   engine's own model; for a server, a host copy that ``set_version`` then pushes into it); None
   for a server the trainer pushes into itself (``weights = "direct"``);
-- ``set_version(v)``: the weights in ``model`` are now version ``v``: serve them (no ``model``:
-  wait until the engine serves ``v``);
+- ``adapter``: for an engine that serves LoRA adapters itself (an SGLang server through its LoRA
+  API), the adapter tensors an adapter-only update is written into, else None;
+- ``set_version(v)``: the weights in ``model`` (or ``adapter``) are now version ``v``: serve them
+  (neither: wait until the engine serves ``v``);
 - ``mid_call_updates``: whether an update may land between decode steps of a running call
   (:class:`~loong_train.engines.embedded.host.EngineHost`), or only between calls;
 - ``check()``: raise if the engine can no longer serve (a server its supervisor gave up on), so the
@@ -31,6 +33,7 @@ if TYPE_CHECKING:
     import torch
     from torch import nn
 
+    from loong_train.backends.config import LoraConfig
     from loong_train.engines.embedded.host import EngineHost
 
 __all__ = ["WorkerEngine", "build_engine", "build_host", "cast_parameters", "engine_dtype", "native_bfloat16"]
@@ -40,6 +43,7 @@ log = logging.getLogger(__name__)
 
 class WorkerEngine(Protocol):
     model: nn.Module | None
+    adapter: dict[str, torch.Tensor] | None
     mid_call_updates: bool
 
     @property
@@ -68,9 +72,13 @@ def build_engine(
     log_dir: str = "",
     trust_remote_code: bool = False,
     version: int = 0,
+    lora: LoraConfig | None = None,
+    adapter: str = "",
 ) -> WorkerEngine:
     """The engine ``config.type`` names, serving the checkpoint at ``model_path`` (a server logs
-    into ``log_dir``; ``version``: the checkpoint's) on the implementation :func:`~loong_train.models.auto.load_causal_lm` picks."""
+    into ``log_dir``; ``version``: the checkpoint's) on the implementation :func:`~loong_train.models.auto.load_causal_lm` picks.
+    ``lora``: updates are adapters alone (``adapter``: the resumed checkpoint's); an SGLang server
+    serves them through its LoRA API, the embedded engine's worker merges them."""
     if isinstance(config, SGLangEngineConfig):
         from loong_train.engines.sglang.rollout import SGLangRollout
 
@@ -82,6 +90,8 @@ def build_engine(
             seed=seed,
             trust_remote_code=trust_remote_code,
             version=version,
+            lora=lora,
+            adapter=adapter,
         )
     from loong_train.engines.embedded.engine import EmbeddedEngine
     from loong_train.models.auto import load_causal_lm

@@ -167,9 +167,16 @@ class SGLangEngineConfig(_Engine, tag="sglang"):
         )
 
     def server(
-        self, model_path: str, worker_id: int, log_dir: str, seed: int, trust_remote_code: bool = False
+        self,
+        model_path: str,
+        worker_id: int,
+        log_dir: str,
+        seed: int,
+        trust_remote_code: bool = False,
+        lora: tuple[int, list[str]] | None = None,
     ) -> SGLangServerConfig:
-        """The supervisor's config for worker ``worker_id``."""
+        """The supervisor's config for worker ``worker_id``; ``lora``: serve LoRA adapters of at
+        most this rank on these modules (SGLang's ``--enable-lora`` flags)."""
         python = self.python or sys.executable
         env: dict[str, str] = {}
         if self.launcher == "sglang":
@@ -183,6 +190,9 @@ class SGLangEngineConfig(_Engine, tag="sglang"):
             flags = ["--seed", str(seed), "--threads", "1"]
         if trust_remote_code:
             flags.append("--trust-remote-code")
+        if lora is not None:
+            rank, modules = lora
+            flags += ["--enable-lora", "--max-lora-rank", str(rank), "--lora-target-modules", *modules]
         return SGLangServerConfig(
             model_path=model_path,
             command=self.command or launcher,

@@ -31,11 +31,11 @@ from loong_agentflow import (
 from loong_core.protocols import SamplingParams
 from loong_core.records import Trajectory, WeightManifest
 from loong_train.backends.config import LoraConfig
-from loong_train.backends.lora import adapted_modules, read_adapter
 from loong_train.engines.base import build_engine, build_host
 from loong_train.engines.config import EmbeddedEngineConfig, EngineConfig
 from loong_train.memory import keep_freed_memory
 from loong_train.messages import ApplyResult, EngineCounts, RolloutResult
+from loong_train.models.adapters import adapted_modules, read_adapter
 from loong_train.models.tokenizer import HFCodec, end_of_turn_ids, load_tokenizer, pad_token_id
 from loong_train.tasks import Task, TaskTables, build_task
 from loong_train.tasks.reward import final_turn, score_groups
@@ -102,6 +102,8 @@ class RolloutWorker:
             log_dir=log_dir,
             trust_remote_code=trust_remote_code,
             version=version,
+            lora=lora,
+            adapter=adapter,
         )
         stop = end_of_turn_ids(tokenizer, model_path)
         self.sampling = SamplingParams(**sampling, stop_token_ids=stop)
@@ -132,7 +134,9 @@ class RolloutWorker:
         """Start at ``version`` (resumed: the engine loaded that checkpoint) and take the trainer's
         updates from ``transport``; an engine without a host copy is updated by the trainer itself
         (``weights = "direct"``) and has no receiver. ``lora``: updates are adapters alone, merged
-        into the engine's base weights (resumed: ``adapter``, the checkpoint's, merged first).
+        into the engine's base weights (resumed: ``adapter``, the checkpoint's, merged first), or
+        received into the adapter of an engine that serves adapters itself (SGLang's LoRA API;
+        its ``set_version`` loads them).
 
         Updates arrive in the trainer's float32. An engine in another dtype (``[rollout.engine]
         dtype``) receives them into a float32 copy of its weights and rounds them in; adapters
@@ -140,10 +144,13 @@ class RolloutWorker:
         if version:
             self.engine.set_version(version)
         self.receiver, self.lora, self._staged = None, None, {}
-        if self.engine.model is not None:
+        if self.engine.adapter is not None:
+            self.receiver = open_receiver(transport, background=True)
+            self._catch_up(transport)
+        elif self.engine.model is not None:
             params = dict(self.engine.model.named_parameters())
             if lora is not None:
-                modules, transposed = adapted_modules(self.engine.model, lora)
+                modules, transposed = adapted_modules(self.engine.model, lora.target_modules)
                 self.lora = LoraMerge(params, modules, lora.rank, lora.scale, transposed, dtype=torch.float32)
                 if adapter:
                     self.lora.load(read_adapter(adapter))
@@ -153,9 +160,12 @@ class RolloutWorker:
             self._catch_up(transport)
 
     def _targets(self) -> dict[str, torch.Tensor]:
-        """What updates are applied into: the adapter buffers (LoRA), the float32 copy of a
-        lower-precision engine's weights, or the engine's weights themselves."""
-        return self.lora.buffers if self.lora else self._staged or dict(self.engine.model.named_parameters())
+        """What updates are applied into: the adapter buffers (LoRA: the worker's merge, or the
+        engine's own), the float32 copy of a lower-precision engine's weights, or the engine's
+        weights themselves."""
+        if self.lora or self.engine.adapter is not None:
+            return self.lora.buffers if self.lora else self.engine.adapter
+        return self._staged or dict(self.engine.model.named_parameters())
 
     @torch.no_grad()
     def _install(self) -> None:

@@ -74,6 +74,7 @@ class EmbeddedEngine:
     """
 
     mid_call_updates = True
+    adapter = None  # adapter-only updates are merged into ``model`` by the rollout worker
 
     def __init__(
         self,

@@ -43,16 +43,14 @@ from loong_core.sglang_api import (
     LoRAUpdateResponse,
     UnloadLoRAAdapterRequest,
 )
-from loong_train.backends.config import LoraConfig
-from loong_train.backends.lora import adapted_modules
 from loong_train.engines.embedded.http_control import SGLangServer
 from loong_train.engines.embedded.http_weights import load_payload
 from loong_train.engines.embedded.wire import BadRequest, decode_body, json_response
+from loong_train.models.adapters import PEFT_PREFIX, adapted_modules
 from loong_transfermesh import LoraMerge, adapter_shapes
 
 __all__ = ["LoraRoutes"]
 
-_PREFIX = "base_model.model."  # PEFT's path to the wrapped model in adapter tensor names
 # PEFT options that change what an adapter computes, and the value this server computes with
 _PLAIN = {"use_dora": False, "use_rslora": False, "bias": "none", "modules_to_save": None}
 _UNLOADED = object()  # ``merged`` after the merged adapter was unloaded: no name matches it
@@ -84,7 +82,7 @@ class LoraRoutes:
         self._merge: LoraMerge | None = None
         self._layout: tuple | None = None  # the merge's modules, transposed modules and rank
         # every linear layer an adapter may adapt (all but the LM head), and the [in, out] ones
-        every, flipped = adapted_modules(server.engine.model, LoraConfig(rank=1))
+        every, flipped = adapted_modules(server.engine.model, "all-linear")
         self._linear, self._transposed = every, frozenset(flipped)
         self._users = 0  # admitted requests, all under ``merged``
         self._queue: collections.deque[object] = collections.deque()
@@ -192,7 +190,7 @@ class LoraRoutes:
             raise BadRequest(
                 "config_dict", f"r = {rank} exceeds the server's --max-lora-rank {self.max_rank}"
             )
-        tensors = {name.removeprefix(_PREFIX): t for name, t in loaded.items()}
+        tensors = {name.removeprefix(PEFT_PREFIX): t for name, t in loaded.items()}
         leaves = sorted({name.split(".lora_")[0].rsplit(".", 1)[-1] for name in tensors})
         if self.target_modules and (outside := sorted(set(leaves) - self.target_modules)):
             raise BadRequest(

@@ -33,6 +33,18 @@ memory, which SGLang's servers accept too). Costs of the host copy: the full pol
 trainer's dtype on every worker, and every update crosses host memory twice (shared memory, then
 the broadcast).
 
+LoRA (``[train.lora] sync = "adapter"``): no host copy of the model. The worker holds the adapter
+alone (``adapter``: float32 buffers, as the trainer sends them), the server starts with
+``--enable-lora`` (rank and target modules from ``[train.lora]``), and ``set_version(v)`` loads the
+buffers as adapter ``loong-v<v>`` through SGLang's ``/load_lora_adapter_from_tensors``, points
+the client's requests at it (``lora_path``; their tokens carry ``v``) and unloads the previous
+one. The adapter travels in memory: as CUDA IPC handles where this worker sees a GPU (SGLang's
+server opens them on the same GPU), else as ``torch.save`` bytes in the request, which only
+``launcher = "loong"`` reads (SGLang's own server has no CPU path for adapter tensors but
+``/load_lora_adapter`` from a directory, which Loong does not use). Base weights never change.
+A relaunched server serves no adapter: the supervisor's hook loads the current one again, and a
+request that reaches the server before it is refused (400), never sampled with the base model.
+
 ``weights = "direct"`` removes both: the trainer pushes into every server itself
 (:class:`loong_transfermesh.SGLangServers`, see :mod:`loong_train.workers.trainer`) and catches
 up a server that restarted; this engine loads no model (``model`` is None) and ``set_version(v)``
@@ -48,8 +60,10 @@ import contextlib
 import threading
 import time
 from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 import httpx
+import torch
 
 from loong_agentflow.sglang_client import SGLangClientConfig, SGLangEngine, SGLangError
 from loong_core.net import free_port
@@ -57,8 +71,12 @@ from loong_core.protocols import SamplingParams
 from loong_core.records import TokenSpan
 from loong_train.engines.config import SGLangEngineConfig
 from loong_train.engines.sglang.supervisor import SGLangSupervisor
+from loong_train.models.adapters import PEFT_PREFIX, adapted_modules, read_adapter
 from loong_train.models.auto import load_causal_lm
-from loong_transfermesh import SGLangPusherConfig, SGLangUpdateError, SGLangWeightPusher
+from loong_transfermesh import SGLangPusherConfig, SGLangUpdateError, SGLangWeightPusher, adapter_shapes
+
+if TYPE_CHECKING:
+    from loong_train.backends.config import LoraConfig
 
 __all__ = ["SGLangRollout"]
 
@@ -92,17 +110,30 @@ class SGLangRollout:
         seed: int,
         trust_remote_code: bool = False,
         version: int = 0,
+        lora: LoraConfig | None = None,
+        adapter: str = "",
     ) -> None:
-        """``version``: the version of the checkpoint at ``model_path`` (a resumed run's)."""
+        """``version``: the version of the checkpoint at ``model_path`` (a resumed run's).
+        ``lora``: updates are adapters alone, served through SGLang's LoRA API (``adapter``: the
+        resumed checkpoint's, loaded at ``version``)."""
         self.config = config
         self.direct = config.weights == "direct"
-        # the host copy TransferMesh fills (none when the trainer pushes into the server itself)
-        self.model = None if self.direct else load_causal_lm(model_path, trust_remote_code)
+        # what TransferMesh fills: the adapter (LoRA), or a host copy of the model (neither when
+        # the trainer pushes into the server itself)
+        self.model, self.adapter, self._served_adapter = None, None, ""
+        launch_lora = None
+        if lora is not None and not self.direct:
+            self.adapter, self._adapter_config = _adapter_buffers(
+                model_path, lora, trust_remote_code, adapter
+            )
+            launch_lora = (lora.rank, self._adapter_config["target_modules"])
+        elif not self.direct:
+            self.model = load_causal_lm(model_path, trust_remote_code)
         self._version = 0
         self._pusher: SGLangWeightPusher | None = None
         self._push_lock = threading.Lock()  # updates come from the worker and the supervisor
         self.supervisor = SGLangSupervisor(
-            config.server(model_path, worker_id, log_dir, seed, trust_remote_code),
+            config.server(model_path, worker_id, log_dir, seed, trust_remote_code, lora=launch_lora),
             on_restart=self._push_again,
         )
         self.supervisor.start()
@@ -201,15 +232,30 @@ class SGLangRollout:
                 SGLangPusherConfig(
                     urls=[self.supervisor.url],
                     master_port=free_port(),
-                    backend=self.config.update_backend,
+                    # adapters need no broadcast group: they travel in the request
+                    backend="tensor" if self.adapter is not None else self.config.update_backend,
                     ranks_per_engine=self.config.tp_size,
                     bucket_bytes=int(self.config.bucket_mb * (1 << 20)),
                     api_key=self.config.api_key or None,
                 )
             )
             self._pusher.connect()
-        self._pusher.push(dict(self.model.named_parameters()), version)
+        if self.adapter is not None:
+            self._push_adapter(version)
+        else:
+            self._pusher.push(dict(self.model.named_parameters()), version)
         self._version = version
+
+    def _push_adapter(self, version: int) -> None:
+        """Serve the adapter buffers as ``loong-v<version>``, send new requests to it, unload the
+        previous one (updates land between rollout calls, so no request still uses it)."""
+        name, device = f"loong-v{version}", "cuda" if torch.cuda.is_available() else "cpu"
+        tensors = {PEFT_PREFIX + n: t.to(device) for n, t in self.adapter.items()}
+        self._pusher.load_adapter(name, tensors, self._adapter_config)
+        self.client.use_adapter(name, version)
+        if self._served_adapter:
+            self._pusher.unload_adapter(self._served_adapter)
+        self._served_adapter = name
 
     def _push_again(self) -> None:
         """After a restart: the old group died with the old server; rebuild it and push the
@@ -219,6 +265,7 @@ class SGLangRollout:
             return
         with self._push_lock:
             self._drop_pusher()
+            self._served_adapter = ""  # a relaunched server serves no adapter
             if self._version != 0:
                 self._push(self._version)
 
@@ -230,3 +277,34 @@ class SGLangRollout:
             self._pusher.close()
         self._pusher.shutdown()
         self._pusher = None
+
+
+def _adapter_buffers(
+    model_path: str, lora: LoraConfig, trust_remote_code: bool, checkpoint: str
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """Float32 buffers for every adapter tensor ``[train.lora]`` gives the model (zeros, or the
+    adapter saved in ``checkpoint``), and the PEFT config SGLang loads them with. The model is
+    loaded only to read its layers' names and shapes."""
+    model = load_causal_lm(model_path, trust_remote_code)
+    modules, transposed = adapted_modules(model, lora.target_modules)
+    shapes = adapter_shapes(dict(model.named_parameters()), modules, lora.rank, transposed)
+    del model
+    buffers = {name: torch.zeros(shape) for name, shape in shapes.items()}
+    if checkpoint:
+        saved = read_adapter(checkpoint)
+        if missing := sorted(set(buffers) - set(saved)):
+            raise ValueError(
+                f"{checkpoint} holds no adapter weights for {missing[:3]} ({len(missing)} in all)"
+            )
+        for name, t in buffers.items():
+            t.copy_(saved[name])
+    config = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "r": lora.rank,
+        "lora_alpha": lora.scale * lora.rank,
+        "lora_dropout": 0.0,
+        "bias": "none",
+        "target_modules": sorted({m.rsplit(".", 1)[-1] for m in modules}),
+    }
+    return buffers, config
