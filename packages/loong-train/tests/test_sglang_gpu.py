@@ -160,3 +160,54 @@ def test_the_trainer_hands_real_sglang_its_cuda_tensors_by_ipc(tmp_path):
     """``update_backend = "tensor"`` (colocated): CUDA IPC handles to ``/update_weights_from_tensor``;
     the server, on the same GPU, copies from the trainer's memory."""
     _direct_push_lands(tmp_path, "tensor", {})
+
+
+def test_real_sglang_serves_an_adapter_loaded_from_cuda_tensors(tmp_path):
+    """Adapter-only sync into real SGLang (``[train.lora] sync = "adapter"`` with an sglang engine):
+    ``SGLangWeightPusher.load_adapter`` hands the adapter over as CUDA IPC handles
+    (``/load_lora_adapter_from_tensors``), a request naming it samples the adapted policy (gap to
+    the ``peft`` model in float64 below bfloat16's bound, and smaller than the base model's), and
+    after ``unload_adapter`` a request naming it is refused."""
+    import msgspec
+
+    from loong_agentflow.sglang_client import SGLangError
+    from loong_core.protocols import RequestRefused
+    from loong_train.backends.config import LoraConfig
+    from loong_train.backends.lora import adapter_weights, add_adapters
+
+    base = _model(0)
+    base.save_pretrained(tmp_path / "model")
+    adapted = _model(0)
+    peft_config = add_adapters(adapted, LoraConfig(rank=8, alpha=16, target_modules=["q_proj", "v_proj"]))
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if ".lora_" in name:
+                p.normal_(0, 0.3, generator=torch.Generator().manual_seed(len(name)))
+    lora_flags = ["--enable-lora", "--max-lora-rank", "8", "--lora-target-modules", "q_proj", "v_proj"]
+    config = real_sglang_config(tmp_path / "model", tmp_path / "sglang.log")
+    sup = SGLangSupervisor(msgspec.structs.replace(config, args=[*config.args, *lora_flags]))
+    sup.start()
+    pusher = SGLangWeightPusher(SGLangPusherConfig(urls=[sup.url], backend="tensor", timeout_s=120))
+    try:
+        tensors = {f"base_model.model.{n}": t.cuda() for n, t in adapter_weights(adapted).items()}
+        config_dict = {**peft_config.to_dict(), "target_modules": ["q_proj", "v_proj"], "peft_type": "LORA"}
+        pusher.load_adapter("v1", tensors, config_dict)
+
+        async def generate(adapter: str | None):
+            client = SGLangEngine(SGLangClientConfig(url=sup.url))
+            client.use_adapter(adapter, 1)
+            try:
+                return await client.generate(PROMPT, SamplingParams(max_new_tokens=8))
+            finally:
+                await client.aclose()
+
+        span = asyncio.run(generate("v1"))
+        assert span.weight_version == 1
+        assert _gap(adapted, span.token_ids, span.logprobs) < 0.1
+        assert _gap(adapted, span.token_ids, span.logprobs) < _gap(base, span.token_ids, span.logprobs)
+        pusher.unload_adapter("v1")
+        with pytest.raises((RequestRefused, SGLangError)):
+            asyncio.run(generate("v1"))
+    finally:
+        pusher.shutdown()
+        sup.stop()
