@@ -130,6 +130,9 @@ def test_bad_settings_are_refused(base):
         TrainConfig(lora=LoraConfig(rank=8), backend=MegatronBackendConfig())
     with pytest.raises(ValueError, match="dropout"):
         LoraConfig(rank=8, dropout=1.5)
+    with pytest.raises(ValueError, match="rank = 0 turns LoRA off, but alpha, target_modules are set"):
+        LoraConfig(alpha=8, target_modules=["q_proj"])
+    assert not LoraConfig().enabled  # the default table: off, nothing set
 
 
 def _distill_batch(beta: float):
