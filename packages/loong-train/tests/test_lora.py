@@ -359,6 +359,27 @@ def test_adapters_reach_an_sglang_server_through_its_lora_api(tiny_dir, tmp_path
         worker.close()
 
 
+@pytest.mark.parametrize("family", ["qwen3", *GENERIC])
+def test_a_target_module_the_checkpoint_lacks_is_refused_before_the_run(tmp_path, family):
+    """Read from the checkpoint's skeleton (no weights, no Ray): the error names the module and
+    the linear layers the model has, for Loong's decoder and the generic path alike."""
+    from loong_train.config import ConfigError, load_recipe
+    from loong_train.controller import _check_model
+    from loong_train.tiny.tokenizer import build_tokenizer
+
+    if family == "qwen3":
+        tiny_qwen3(0, vocab_size=256).save_pretrained(tmp_path)
+    else:
+        tiny_hf_checkpoint(tmp_path, family, vocab_size=256)
+    build_tokenizer(tmp_path)
+    recipe = load_recipe("tiny-calc-agent", ["train.lora.rank=4", 'train.lora.target_modules=["qkv"]'])
+    with pytest.raises(
+        ConfigError, match=r"target_modules names \['qkv'\], which no linear layer .* linear layers: \["
+    ):
+        _check_model(recipe, str(tmp_path))
+    _check_model(load_recipe("tiny-calc-agent", ["train.lora.rank=4"]), str(tmp_path))  # all-linear: fine
+
+
 @pytest.mark.parametrize("family", GENERIC)
 def test_the_generic_path_exports_an_adapter_peft_loads(tmp_path, family):
     """A model only ``transformers`` implements (GPT-2's Conv1D layers, Phi's Linear ones): the

@@ -209,8 +209,18 @@ def trainer_options(recipe: Recipe) -> dict[str, Any]:
 
 
 def _check_model(recipe: Recipe, model_path: str) -> None:
-    """The checkpoint loads (:func:`check_checkpoint`), and the train backend covers its family."""
+    """The checkpoint loads (:func:`check_checkpoint`), LoRA's target modules exist in it, and the
+    train backend covers its family."""
     choice = check_checkpoint(model_path, recipe.model.trust_remote_code)
+    if recipe.train.lora.enabled:
+        from loong_train.models.adapters import checkpoint_root, target_names
+        from loong_train.models.auto import skeleton
+
+        model = skeleton(model_path, recipe.model.trust_remote_code)
+        try:
+            target_names(checkpoint_root(model), recipe.train.lora.target_modules)
+        except ValueError as e:
+            raise ConfigError(f"model.path {model_path}: {e}") from None
     if isinstance(recipe.train.backend, TorchBackendConfig | FsdpBackendConfig):
         return
     if choice.path == "generic":

@@ -24,7 +24,7 @@ from typing import Literal
 
 from loong_train.models.decoder import ARCHITECTURES, CausalLM, DecoderConfig
 
-__all__ = ["ModelChoice", "choose", "load_causal_lm"]
+__all__ = ["ModelChoice", "choose", "load_causal_lm", "skeleton"]
 
 log = logging.getLogger("loong.models")
 
@@ -99,3 +99,20 @@ def load_causal_lm(path: str | Path, trust_remote_code: bool = False) -> CausalL
     from loong_train.models.generic import HFCausalLM
 
     return HFCausalLM.from_pretrained(path, trust_remote_code)  # type: ignore[return-value]
+
+
+def skeleton(path: str | Path, trust_remote_code: bool = False):
+    """The checkpoint's model without weights (on the ``meta`` device): its modules, their names
+    and shapes, in no time and no memory. The implementation is the one :func:`choose` picks."""
+    import json
+
+    import torch
+
+    config = json.loads((Path(path) / "config.json").read_text())
+    with torch.device("meta"):
+        if choose(config, trust_remote_code).path == "fast":
+            return CausalLM(DecoderConfig.from_hf(config))
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        hf_config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+        return AutoModelForCausalLM.from_config(hf_config, trust_remote_code=trust_remote_code)

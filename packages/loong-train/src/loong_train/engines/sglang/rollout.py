@@ -72,7 +72,7 @@ from loong_core.records import TokenSpan
 from loong_train.engines.config import SGLangEngineConfig
 from loong_train.engines.sglang.supervisor import SGLangSupervisor
 from loong_train.models.adapters import PEFT_PREFIX, adapted_modules, read_adapter
-from loong_train.models.auto import load_causal_lm
+from loong_train.models.auto import load_causal_lm, skeleton
 from loong_transfermesh import SGLangPusherConfig, SGLangUpdateError, SGLangWeightPusher, adapter_shapes
 
 if TYPE_CHECKING:
@@ -283,12 +283,11 @@ def _adapter_buffers(
     model_path: str, lora: LoraConfig, trust_remote_code: bool, checkpoint: str
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """Float32 buffers for every adapter tensor ``[train.lora]`` gives the model (zeros, or the
-    adapter saved in ``checkpoint``), and the PEFT config SGLang loads them with. The model is
-    loaded only to read its layers' names and shapes."""
-    model = load_causal_lm(model_path, trust_remote_code)
+    adapter saved in ``checkpoint``), and the PEFT config SGLang loads them with. Only the
+    model's layout is read (its skeleton: no weights)."""
+    model = skeleton(model_path, trust_remote_code)
     modules, transposed = adapted_modules(model, lora.target_modules)
     shapes = adapter_shapes(dict(model.named_parameters()), modules, lora.rank, transposed)
-    del model
     buffers = {name: torch.zeros(shape) for name, shape in shapes.items()}
     if checkpoint:
         saved = read_adapter(checkpoint)
