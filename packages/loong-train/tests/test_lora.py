@@ -295,7 +295,8 @@ def test_adapters_reach_an_sglang_server_through_its_lora_api(tiny_dir, tmp_path
     (``launcher = "loong"``): the worker holds no model, loads each version's adapter into its
     server (``/load_lora_adapter_from_tensors``) and sends requests to it; the served adapter's
     logprobs equal the trainer's, tokens carry the adapter's version, the previous adapter is
-    unloaded, and a relaunched server gets the current adapter again."""
+    unloaded, a relaunched server gets the current adapter again, and a worker resumed from a
+    checkpoint serves the checkpoint's adapter at its version."""
     import contextlib
     import os
     import signal
@@ -309,6 +310,7 @@ def test_adapters_reach_an_sglang_server_through_its_lora_api(tiny_dir, tmp_path
     from loong_train.config import load_recipe
     from loong_train.controller import trainer_options
     from loong_train.engines.config import SGLangEngineConfig
+    from loong_train.workers.rollout import RolloutWorker
     from loong_train.workers.trainer import TrainerWorker
     from loong_transfermesh import TransportConfig
 
@@ -332,6 +334,19 @@ def test_adapters_reach_an_sglang_server_through_its_lora_api(tiny_dir, tmp_path
         with lora_adapters.disabled(trainer.backend.model):
             base = trainer.logprobs(batch)
         assert max(abs(a - b) for a, b in zip(base, recomputed, strict=True)) > 1e-3  # the adapter counts
+
+        trainer.backend.save_state(tmp_path / "ckpt")  # a resumed worker loads the checkpoint's adapter
+        resumed = RolloutWorker(
+            str(tiny_dir), seed=1, sampling={"temperature": 1.0, "max_new_tokens": 24},
+            limits={"max_turns": 2, "max_model_tokens": 40}, transport=transport, version=1,
+            engine=msgspec.structs.replace(engine, port_base=free_port()), lora=recipe.train.lora,
+            adapter=str(tmp_path / "ckpt" / "adapter"), log_dir=str(tmp_path / "resumed"),
+        )  # fmt: skip
+        try:
+            after, _, _, gaps = _sampled_after_the_update(resumed, trainer)
+            assert {t.oldest_version for t in after} == {1} and max(gaps) <= 1e-5, max(gaps)
+        finally:
+            resumed.close()
 
         def serves(adapter: str) -> httpx.Response | None:
             body = {"input_ids": [1, 2, 3], "sampling_params": {"max_new_tokens": 1}, "lora_path": adapter}
