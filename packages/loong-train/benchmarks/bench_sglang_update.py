@@ -14,6 +14,8 @@ process, one torch thread), serving a Qwen3-shaped model of about 360 MB in fp32
   trainer's tensors, the worker's apply into its host copy, then the worker's
   :class:`~loong_transfermesh.SGLangWeightPusher` push from that copy into the server (the three
   run one after another in the pipeline; here in one process, the copies being the same).
+- ``lora_via_worker``: the same with LoRA adapters alone (rank 16, every linear layer) into a
+  server started with ``--enable-lora``, loaded as a new adapter per version.
 
 ``test_worker_rss`` starts a :class:`~loong_train.workers.rollout.RolloutWorker` as a Ray actor
 in each mode on the same model and records its resident memory (``VmRSS``, its own process,
@@ -82,12 +84,21 @@ def trainer_weights(model_dir) -> dict[str, torch.Tensor]:
     return {k: v.detach() for k, v in CausalLM.from_pretrained(model_dir).named_parameters()}
 
 
-@pytest.fixture(scope="module")
-def server(model_dir) -> Iterator[str]:
-    """``loong-train serve-sglang`` in its own process, once healthy."""
+@contextlib.contextmanager
+def _serve(model_dir: Path, *flags: str) -> Iterator[str]:
+    """``loong-train serve-sglang`` (with ``flags``) in its own process, once healthy."""
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "loong_train.cli", "serve-sglang", str(model_dir), "--port", str(port)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "loong_train.cli",
+        "serve-sglang",
+        str(model_dir),
+        "--port",
+        str(port),
+        *flags,
+    ]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
@@ -103,6 +114,12 @@ def server(model_dir) -> Iterator[str]:
     finally:
         proc.terminate()
         proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def server(model_dir) -> Iterator[str]:
+    with _serve(model_dir) as url:
+        yield url
 
 
 def _nbytes(named: dict[str, torch.Tensor]) -> int:
@@ -175,6 +192,59 @@ def test_via_worker(benchmark, trainer_weights, server) -> None:
         sender.close()
 
 
+def test_lora_via_worker(benchmark, model_dir) -> None:
+    """``[train.lora] sync = "adapter"`` into a server started with ``--enable-lora``: the adapter
+    (rank 16, every linear layer) from the trainer over shm into the worker's buffers, then loaded
+    into the server as a new adapter (``/load_lora_adapter_from_tensors``) and the previous one
+    unloaded. The stand-in merges an adapter into its weights when the first request names it,
+    which is not counted here (``bench_real_model.py -k weight_update`` times that merge)."""
+    from loong_train.models.adapters import PEFT_PREFIX, adapted_modules
+    from loong_transfermesh import adapter_shapes
+
+    model = CausalLM.from_pretrained(model_dir)
+    modules, transposed = adapted_modules(model, "all-linear")
+    shapes = adapter_shapes(dict(model.named_parameters()), modules, 16, transposed)
+    adapter = {n: torch.randn(shape) * 0.01 for n, shape in shapes.items()}
+    buffers = {n: torch.zeros(shape) for n, shape in shapes.items()}
+    n = _nbytes(adapter)
+    src, dst = torch.ones(n, dtype=torch.uint8), torch.zeros(n, dtype=torch.uint8)
+    dst.copy_(src)
+    RESULTS["floor_memcpy_lora"] = min(_seconds(lambda: dst.copy_(src)) for _ in range(5))
+    config = {
+        "peft_type": "LORA",
+        "r": 16,
+        "lora_alpha": 32,
+        "target_modules": sorted({m.rsplit(".", 1)[-1] for m in modules}),
+    }
+    name = f"bench-lora-{uuid.uuid4().hex[:8]}"
+    sender, receiver = ShmSender(name), ShmReceiver(name)
+    served = []
+
+    with _serve(model_dir, "--enable-lora") as url:
+        pusher = SGLangWeightPusher(SGLangPusherConfig(urls=[url], backend="tensor"))
+
+        def update(version: int) -> None:
+            sender.push(adapter, version)  # the trainer
+            receiver.apply(buffers, version=version)  # the worker's buffers
+            pusher.load_adapter(f"v{version}", {PEFT_PREFIX + k: t for k, t in buffers.items()}, config)
+            if served:
+                pusher.unload_adapter(served.pop())
+            served.append(f"v{version}")
+
+        try:
+            _run(benchmark, adapter, "lora_via_worker", update)
+        finally:
+            pusher.shutdown()
+            receiver.close()
+            sender.close()
+
+
+def _seconds(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
 def test_ratios(capsys) -> None:
     """Runs after the three timed cases (this module's order): each case and its ratio to the floor."""
     cases = ("floor_memcpy", "direct", "via_worker")
@@ -187,6 +257,13 @@ def test_ratios(capsys) -> None:
                 f"{case}: {RESULTS[case] * 1e3:.1f} ms per update, {RESULTS[case] / RESULTS['floor_memcpy']:.1f}x memcpy"
             )
         print(f"via_worker / direct: {RESULTS['via_worker'] / RESULTS['direct']:.2f}")
+        if "lora_via_worker" in RESULTS:
+            lora = RESULTS["lora_via_worker"]
+            print(
+                f"lora_via_worker: {lora * 1e3:.1f} ms per update, "
+                f"{lora / RESULTS['floor_memcpy_lora']:.0f}x a memcpy of the adapter, "
+                f"{lora / RESULTS['via_worker']:.3f} of via_worker"
+            )
     assert all(RESULTS[c] > 0 for c in cases)
 
 
