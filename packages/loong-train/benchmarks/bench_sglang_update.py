@@ -253,8 +253,9 @@ def test_ratios(capsys) -> None:
     with capsys.disabled():
         print()
         for case in cases:
+            seconds = RESULTS[case]
             print(
-                f"{case}: {RESULTS[case] * 1e3:.1f} ms per update, {RESULTS[case] / RESULTS['floor_memcpy']:.1f}x memcpy"
+                f"{case}: {seconds * 1e3:.1f} ms per update, {seconds / RESULTS['floor_memcpy']:.1f}x memcpy"
             )
         print(f"via_worker / direct: {RESULTS['via_worker'] / RESULTS['direct']:.2f}")
         if "lora_via_worker" in RESULTS:

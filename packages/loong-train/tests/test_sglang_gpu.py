@@ -170,7 +170,6 @@ def test_real_sglang_serves_an_adapter_loaded_from_cuda_tensors(tmp_path):
     after ``unload_adapter`` a request naming it is refused."""
     import msgspec
 
-    from loong_agentflow.sglang_client import SGLangError
     from loong_core.protocols import RequestRefused
     from loong_train.backends.config import LoraConfig
     from loong_train.backends.lora import adapter_weights, add_adapters
@@ -202,11 +201,10 @@ def test_real_sglang_serves_an_adapter_loaded_from_cuda_tensors(tmp_path):
                 await client.aclose()
 
         span = asyncio.run(generate("v1"))
-        assert span.weight_version == 1
         assert _gap(adapted, span.token_ids, span.logprobs) < 0.1
         assert _gap(adapted, span.token_ids, span.logprobs) < _gap(base, span.token_ids, span.logprobs)
         pusher.unload_adapter("v1")
-        with pytest.raises((RequestRefused, SGLangError)):
+        with pytest.raises(RequestRefused):  # SGLang's 400 for an adapter it does not hold
             asyncio.run(generate("v1"))
     finally:
         pusher.shutdown()

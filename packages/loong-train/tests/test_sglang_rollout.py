@@ -230,7 +230,9 @@ def test_sglang_launcher_flags():
     assert server.log_path == "/runs/x/logs/sglang-3.log"
     # /health must not generate: a paused server (weight update) would fail its health checks
     assert server.env == {"SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION": "false"}
-    lora = config.server("/ckpt", worker_id=0, log_dir="", seed=7, lora=(16, ["q_proj", "v_proj"]))
+    lora = config.server(
+        "/ckpt", worker_id=0, log_dir="", seed=7, lora_rank=16, lora_modules=["q_proj", "v_proj"]
+    )
     assert lora.argv()[-8:] == [
         "--enable-lora", "--max-lora-rank", "16", "--lora-target-modules", "q_proj", "v_proj",
         "--context-length", "4096",

@@ -120,30 +120,54 @@ def test_served_adapters_sample_their_own_policy(model_dir, tmp_path):
         assert _gap(httpx.post(f"{url}/generate", json=_generate_body(None)).json(), adapted[None]) < 1e-4
 
 
-def test_a_request_admitted_before_an_unload_finishes_under_its_adapter(model_dir, tmp_path):
-    """SGLang's unload lets requests already using the adapter finish; a request for another
-    adapter waits for them, then gets its own policy."""
+def test_requests_that_arrived_before_an_unload_finish_under_their_adapter(model_dir, tmp_path):
+    """SGLang's unload lets the requests that named the adapter before it finish: one running,
+    one still waiting behind a request for another adapter (arrival order). Streamed answers pass
+    the same gate, and a client hanging up mid-stream leaves it open for the next request."""
     adapted = {
         name: _peft_adapter(model_dir, tmp_path / name, 2, ["q_proj"], seed)
         for name, seed in (("a", 3), ("b", 4))
     }
+    adapted[None] = CausalLM.from_pretrained(model_dir).double()
     engine = EmbeddedEngine(CausalLM.from_pretrained(model_dir), seed=0)
     with serve_engine(engine, lora=LoraOptions()) as (url, state):
 
+        async def streamed(http, adapter: str, hang_up: bool = False) -> dict:
+            body = {**_generate_body(adapter, 40), "stream": True}
+            answer = None
+            async with http.stream("POST", "/generate", json=body) as response:
+                async for line in response.aiter_lines():
+                    if line.startswith("data: {"):
+                        answer = json.loads(line[6:])
+                        if hang_up:
+                            break
+            return answer
+
         async def run():
             async with httpx.AsyncClient(base_url=url, timeout=60) as http:
-                for name in adapted:
+                for name in ("a", "b"):
                     await http.post("/load_lora_adapter_from_tensors", json=_load_body(tmp_path / name, name))
-                long = asyncio.create_task(http.post("/generate", json=_generate_body("a", 150)))
+                running = asyncio.create_task(http.post("/generate", json=_generate_body("a", 400)))
                 while not state.engine.running:
                     await asyncio.sleep(0.005)
+                other = asyncio.create_task(http.post("/generate", json=_generate_body("b")))
+                queued = asyncio.create_task(http.post("/generate", json=_generate_body("a")))
+                while len(state.lora._queue) < 2:  # both wait: "b" for "a" to end, "a" behind "b"
+                    assert not running.done(), "the long request ended before the others queued"
+                    await asyncio.sleep(0.005)
                 unloaded = await http.post("/unload_lora_adapter", json={"lora_name": "a"})
-                other = await http.post("/generate", json=_generate_body("b"))
-                return (await long).json(), unloaded, other.json()
+                assert not running.done()
+                answers = [(await task).json() for task in (running, other, queued)]
+                answers.append(await streamed(http, "b"))
+                await streamed(http, "b", hang_up=True)
+                base = await asyncio.wait_for(http.post("/generate", json=_generate_body(None)), 30)
+                return unloaded, answers, base.json()
 
-        long, unloaded, other = asyncio.run(run())
-    assert unloaded.status_code == 200 and len(long["output_ids"]) > 100
-    assert _gap(long, adapted["a"]) < 1e-4 and _gap(other, adapted["b"]) < 1e-4
+        unloaded, answers, base = asyncio.run(run())
+    assert unloaded.status_code == 200 and len(answers[0]["output_ids"]) > 300
+    for name, answer in zip(["a", "b", "a", "b"], answers, strict=True):
+        assert _gap(answer, adapted[name]) < 1e-4, name
+    assert len(answers[3]["output_ids"]) > 1 and _gap(base, adapted[None]) < 1e-4
 
 
 def test_bad_adapters_and_requests_are_refused_by_name(model_dir, tmp_path):
@@ -158,7 +182,7 @@ def test_bad_adapters_and_requests_are_refused_by_name(model_dir, tmp_path):
         (
             {"serialized_named_tensors": [_payload(renamed)]},
             "serialized_named_tensors",
-            "adapts modules named ['foo_proj'], but the served model's linear layers are called",
+            "the adapter names ['foo_proj'], which no linear layer of the model is called",
         ),
         (
             {"serialized_named_tensors": [_payload({k: t for k, t in tensors.items() if k != b_key})]},

@@ -108,6 +108,9 @@ def test_bad_adapters_are_refused_before_any_weight_changes():
     wrong = dict(_adapter(1), **{"attn.q.lora_B.weight": torch.zeros(24, RANK + 1)})
     with pytest.raises(ValueError, match=r"shapes differ for \['attn.q.lora_B.weight'\]"):
         merge.load(wrong)
+    extra = dict(_adapter(1), **{"mlp.gate.lora_A.weight": torch.zeros(RANK, 8)})
+    with pytest.raises(ValueError, match=r"has no place for \['mlp.gate.lora_A.weight'\]"):
+        merge.load(extra)
     for name in base:
         assert torch.equal(engine[name], base[name]), name
     with pytest.raises(ValueError, match="'norm' has no 2-D weight"):

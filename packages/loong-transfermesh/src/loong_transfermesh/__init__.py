@@ -7,7 +7,7 @@ __getattr__, __dir__ = lazy_exports(  # the configs import no torch; the transpo
     {
         "loong_transfermesh.config": ["SGLangPusherConfig", "TransportConfig"],
         "loong_transfermesh.layout": ["MegatronLayout", "megatron_to_hf"],
-        "loong_transfermesh.lora": ["LoraMerge", "adapter_names", "adapter_shapes"],
+        "loong_transfermesh.lora": ["LoraMerge", "adapter_names", "adapter_shapes", "copy_adapter"],
         "loong_transfermesh.manifest": [
             "ManifestMismatch",
             "TransferFailed",
@@ -50,6 +50,7 @@ __all__ = [
     "LoraMerge",
     "adapter_names",
     "adapter_shapes",
+    "copy_adapter",
     # layout conversion
     "MegatronLayout",
     "megatron_to_hf",

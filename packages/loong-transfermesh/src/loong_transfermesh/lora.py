@@ -24,7 +24,7 @@ import torch
 if TYPE_CHECKING:
     from loong_transfermesh.transport import WeightReceiver
 
-__all__ = ["LoraMerge", "adapter_names", "adapter_shapes"]
+__all__ = ["LoraMerge", "adapter_names", "adapter_shapes", "copy_adapter"]
 
 
 def adapter_names(module: str) -> tuple[str, str]:
@@ -47,6 +47,21 @@ def adapter_shapes(
         a_name, b_name = adapter_names(module)
         shapes[a_name], shapes[b_name] = (rank, in_features), (out_features, rank)
     return shapes
+
+
+@torch.no_grad()
+def copy_adapter(buffers: Mapping[str, torch.Tensor], adapter: Mapping[str, torch.Tensor]) -> None:
+    """Copy ``adapter`` into ``buffers`` (same names, e.g. a PEFT adapter file's keys without their
+    ``base_model.model.`` prefix): every buffer given, with its shape, and nothing else."""
+    missing, unknown = sorted(set(buffers) - set(adapter)), sorted(set(adapter) - set(buffers))
+    wrong = [n for n, t in buffers.items() if n in adapter and adapter[n].shape != t.shape]
+    if missing or unknown or wrong:
+        raise ValueError(
+            f"the adapter lacks {missing[:3]} ({len(missing)} missing), has no place for {unknown[:3]} "
+            f"({len(unknown)}), shapes differ for {wrong[:3]} ({len(wrong)})"
+        )
+    for name, t in buffers.items():
+        t.copy_(adapter[name])
 
 
 class LoraMerge:
@@ -102,16 +117,6 @@ class LoraMerge:
         return held
 
     def load(self, adapter: Mapping[str, torch.Tensor]) -> None:
-        """Merge ``adapter`` (names as in :attr:`buffers`: e.g. a PEFT adapter file's keys without
-        their ``base_model.model.`` prefix); every buffer must be given, with its shape."""
-        missing = sorted(set(self.buffers) - set(adapter))
-        wrong = [n for n, t in self.buffers.items() if n in adapter and adapter[n].shape != t.shape]
-        if missing or wrong:
-            raise ValueError(
-                f"LoraMerge.load: adapter lacks {missing[:3]} ({len(missing)} missing), "
-                f"shapes differ for {wrong[:3]}"
-            )
-        with torch.no_grad():
-            for name, t in self.buffers.items():
-                t.copy_(adapter[name])
+        """Merge ``adapter`` (names as in :attr:`buffers`; checked by :func:`copy_adapter`)."""
+        copy_adapter(self.buffers, adapter)
         self.merge()

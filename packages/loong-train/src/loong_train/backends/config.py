@@ -168,7 +168,7 @@ class LoraConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
             )
         if not self.target_modules:
             raise ValueError("target_modules is empty: name the modules to adapt, or 'all-linear'")
-        defaults = dict(zip(self.__struct_fields__, self.__struct_defaults__, strict=True))
+        defaults = {f.name: f.default for f in msgspec.structs.fields(self) if f.name != "rank"}
         if not self.rank and (given := [f for f, d in defaults.items() if getattr(self, f) != d]):
             raise ValueError(
                 f"rank = 0 turns LoRA off, but {', '.join(given)} {'is' if len(given) == 1 else 'are'} "

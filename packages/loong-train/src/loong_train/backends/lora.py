@@ -11,7 +11,8 @@ What leaves the backend:
 - weight updates: the adapters alone (:func:`adapter_weights`, ``[train.lora] sync =
   "adapter"``, the default), which an engine merges into its copy of the base weights
   (:class:`loong_transfermesh.LoraMerge`, over the modules
-  :func:`~loong_train.models.adapters.adapted_modules` finds in its own model); or every weight under its Hugging Face name with the adapter merged in
+  :func:`~loong_train.models.adapters.adapted_modules` finds in its own model) or an SGLang server
+  serves as an adapter; or every weight under its Hugging Face name with the adapter merged in
   (:func:`merged_weights`, ``W + alpha / r * B A``; ``sync = "merged"``);
 - checkpoints: the adapter as ``peft`` saves one (:func:`save_adapter`: ``adapter_config.json`` and
   ``adapter_model.safetensors``, keys ``base_model.model.<module>.lora_A.weight``), which

@@ -76,7 +76,8 @@ def build_engine(
     adapter: str = "",
 ) -> WorkerEngine:
     """The engine ``config.type`` names, serving the checkpoint at ``model_path`` (a server logs
-    into ``log_dir``; ``version``: the checkpoint's) on the implementation :func:`~loong_train.models.auto.load_causal_lm` picks.
+    into ``log_dir``; ``version``: the checkpoint's) on the implementation
+    :func:`~loong_train.models.auto.load_causal_lm` picks.
     ``lora``: updates are adapters alone (``adapter``: the resumed checkpoint's); an SGLang server
     serves them through its LoRA API, the embedded engine's worker merges them."""
     if isinstance(config, SGLangEngineConfig):

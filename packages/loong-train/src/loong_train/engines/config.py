@@ -11,6 +11,7 @@ Pure msgspec (no torch): recipes validate without loading an engine.
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Literal
 
@@ -173,10 +174,11 @@ class SGLangEngineConfig(_Engine, tag="sglang"):
         log_dir: str,
         seed: int,
         trust_remote_code: bool = False,
-        lora: tuple[int, list[str]] | None = None,
+        lora_rank: int = 0,
+        lora_modules: Sequence[str] = (),
     ) -> SGLangServerConfig:
-        """The supervisor's config for worker ``worker_id``; ``lora``: serve LoRA adapters of at
-        most this rank on these modules (SGLang's ``--enable-lora`` flags)."""
+        """The supervisor's config for worker ``worker_id``; ``lora_rank > 0``: serve LoRA adapters
+        of at most that rank on ``lora_modules`` (SGLang's ``--enable-lora`` flags)."""
         python = self.python or sys.executable
         env: dict[str, str] = {}
         if self.launcher == "sglang":
@@ -190,9 +192,14 @@ class SGLangEngineConfig(_Engine, tag="sglang"):
             flags = ["--seed", str(seed), "--threads", "1"]
         if trust_remote_code:
             flags.append("--trust-remote-code")
-        if lora is not None:
-            rank, modules = lora
-            flags += ["--enable-lora", "--max-lora-rank", str(rank), "--lora-target-modules", *modules]
+        if lora_rank:
+            flags += [
+                "--enable-lora",
+                "--max-lora-rank",
+                str(lora_rank),
+                "--lora-target-modules",
+                *lora_modules,
+            ]
         return SGLangServerConfig(
             model_path=model_path,
             command=self.command or launcher,

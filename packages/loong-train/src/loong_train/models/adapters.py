@@ -53,25 +53,30 @@ def _conv1d() -> tuple[type, ...]:
 _KINDS: tuple[type, ...] = (nn.Linear, *_conv1d())
 
 
-def target_names(root: nn.Module, spec: list[str] | str) -> list[str]:
+def target_names(
+    root: nn.Module, spec: list[str] | str, setting: str = "train.lora.target_modules"
+) -> list[str]:
     """Module names (the last part of a path) to adapt: ``spec``'s, each checked to name linear
-    layers, or every linear layer's but the LM head's for ``"all-linear"``."""
+    layers (the error names ``setting`` as their source), or every linear layer's but the LM
+    head's for ``"all-linear"``."""
     linear = sorted({name.rsplit(".", 1)[-1] for name in linear_layers(root)})
     if spec == "all-linear":
         return linear
     if unknown := [t for t in spec if t not in linear]:
         raise ValueError(
-            f"train.lora.target_modules names {unknown}, which no linear layer of the model is called "
+            f"{setting} names {unknown}, which no linear layer of the model is called "
             f"(its linear layers: {linear}; the LM head is never adapted)"
         )
     return list(spec)
 
 
-def adapted_modules(model: nn.Module, target_modules: list[str] | str) -> tuple[list[str], list[str]]:
+def adapted_modules(
+    model: nn.Module, target_modules: list[str] | str, setting: str = "train.lora.target_modules"
+) -> tuple[list[str], list[str]]:
     """The modules ``peft`` adapts for ``target_modules`` in a plain ``model`` (an engine's), by
     Hugging Face name, and those of them storing ``[in, out]`` weights (``Conv1D``)."""
     root = checkpoint_root(model)
-    targets = set(target_names(root, target_modules))
+    targets = set(target_names(root, target_modules, setting))
     modules = {name: m for name, m in linear_layers(root).items() if name.rsplit(".", 1)[-1] in targets}
     return list(modules), [name for name, m in modules.items() if not isinstance(m, nn.Linear)]
 

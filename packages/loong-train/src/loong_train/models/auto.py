@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
+import torch
+
 from loong_train.models.decoder import ARCHITECTURES, CausalLM, DecoderConfig
 
 __all__ = ["ModelChoice", "choose", "load_causal_lm", "skeleton"]
@@ -101,12 +103,10 @@ def load_causal_lm(path: str | Path, trust_remote_code: bool = False) -> CausalL
     return HFCausalLM.from_pretrained(path, trust_remote_code)  # type: ignore[return-value]
 
 
-def skeleton(path: str | Path, trust_remote_code: bool = False):
+def skeleton(path: str | Path, trust_remote_code: bool = False) -> torch.nn.Module:
     """The checkpoint's model without weights (on the ``meta`` device): its modules, their names
     and shapes, in no time and no memory. The implementation is the one :func:`choose` picks."""
     import json
-
-    import torch
 
     config = json.loads((Path(path) / "config.json").read_text())
     with torch.device("meta"):

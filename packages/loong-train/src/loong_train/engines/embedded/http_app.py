@@ -27,8 +27,8 @@ from __future__ import annotations
 import argparse
 import hmac
 from pathlib import Path
-from typing import NamedTuple
 
+import msgspec
 import torch
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -46,7 +46,7 @@ from loong_train.memory import keep_freed_memory
 __all__ = ["LoraOptions", "build_app", "main", "serve"]
 
 
-class LoraOptions(NamedTuple):
+class LoraOptions(msgspec.Struct, frozen=True):
     """SGLang's LoRA flags: ``--max-lora-rank`` (0: any) and ``--lora-target-modules`` (empty: any)."""
 
     max_rank: int = 0

@@ -47,6 +47,7 @@ from loong_core.protocols import SamplingParams
 from loong_core.sglang_api import FinishReason, GenerateRequest, GenerateResponse, MetaInfo
 from loong_train.engines.embedded.engine import RequestAborted
 from loong_train.engines.embedded.http_control import SGLangServer
+from loong_train.engines.embedded.http_lora import ServedAdapter
 from loong_train.engines.embedded.wire import (
     BadRequest,
     decode_body,
@@ -98,7 +99,7 @@ class _Job(NamedTuple):
     start: int
     rid: str
     top_k: int
-    adapter: str | None
+    adapter: ServedAdapter | None
 
 
 class GenerateRoutes:
@@ -138,27 +139,33 @@ class GenerateRoutes:
         results = await asyncio.gather(*(self._one(*job) for job in jobs))
         return json_response(results if batch else results[0])
 
-    def _adapters(self, lora_path: str | list[str | None] | None, n: int) -> list[str | None]:
-        """The adapter each prompt samples with (``lora_path``; None: the base model), each loaded."""
+    def _adapters(self, lora_path: str | list[str | None] | None, n: int) -> list[ServedAdapter | None]:
+        """The adapter each prompt samples with (``lora_path``; None: the base model), each loaded
+        now: the request holds it from here on, an unload notwithstanding."""
         names = lora_path if isinstance(lora_path, list) else [lora_path] * n
         if len(names) != n:
             raise BadRequest(
                 "lora_path", f"a list needs one entry per prompt: {n} prompts, {len(names)} entries"
             )
-        if any(names) and self._server.lora is None:
+        lora = self._server.lora
+        if any(names) and lora is None:
             raise BadRequest("lora_path", "LoRA is not enabled: start the server with --enable-lora")
-        for name in names:
-            if name:
-                self._server.lora.check_name(name)
-        return [name or None for name in names]
+        return [lora.adapter(name) if name else None for name in names]
 
-    def _serving(self, adapter: str | None) -> contextlib.AbstractAsyncContextManager:
+    def _serving(self, adapter: ServedAdapter | None) -> contextlib.AbstractAsyncContextManager:
         """The block runs with ``adapter`` merged in (a server without LoRA: as it is)."""
         lora = self._server.lora
         return contextlib.nullcontext() if lora is None else lora.serving(adapter)
 
     def _job(
-        self, body: GenerateRequest, prompt, field: str, sp, sp_field: str, rid: str, adapter: str | None
+        self,
+        body: GenerateRequest,
+        prompt,
+        field: str,
+        sp,
+        sp_field: str,
+        rid: str,
+        adapter: ServedAdapter | None,
     ) -> _Job:
         """Check one prompt (``field`` names it) and its sampling parameters (``sp_field``)."""
         prompt = token_ids(prompt, field, self.vocab)

@@ -11,8 +11,8 @@
   ``[r, in]`` and each ``B`` ``[out, r]``; with ``--max-lora-rank`` the rank is bounded, with
   ``--lora-target-modules`` the modules are (SGLang's flags). A refusal names what is wrong and
   loads nothing.
-- ``POST /unload_lora_adapter {lora_name}``: new requests can no longer name it; requests
-  already admitted under it finish first.
+- ``POST /unload_lora_adapter {lora_name}``: new requests can no longer name it; requests that
+  arrived before still run under it (each holds its adapter from its arrival, as SGLang's do).
 - ``/generate``'s ``lora_path`` names the adapter a request samples with (None: the base model).
 
 The engine holds one set of weights, so this server serves one adapter at a time, merged into
@@ -49,14 +49,14 @@ from loong_train.engines.embedded.wire import BadRequest, decode_body, json_resp
 from loong_train.models.adapters import PEFT_PREFIX, adapted_modules
 from loong_transfermesh import LoraMerge, adapter_shapes
 
-__all__ = ["LoraRoutes"]
+__all__ = ["LoraRoutes", "ServedAdapter"]
 
 # PEFT options that change what an adapter computes, and the value this server computes with
 _PLAIN = {"use_dora": False, "use_rslora": False, "bias": "none", "modules_to_save": None}
-_UNLOADED = object()  # ``merged`` after the merged adapter was unloaded: no name matches it
+_UNKNOWN = object()  # ``merged`` while a switch runs, and after one failed: the next request switches
 
 
-class _Adapter(NamedTuple):
+class ServedAdapter(NamedTuple):
     """A loaded adapter: its modules (the merge's layout), those stored ``[in, out]``, rank,
     scale, and tensors by :func:`loong_transfermesh.adapter_names`."""
 
@@ -77,56 +77,71 @@ class LoraRoutes:
         self._server, self.engine = server, server.engine
         self.max_rank = max_rank
         self.target_modules = frozenset(target_modules) - {"all", "all-linear"}
-        self.adapters: dict[str, _Adapter] = {}
-        self.merged: str | object | None = None  # the adapter the engine's weights hold now
+        self.adapters: dict[str, ServedAdapter] = {}
+        # the adapter the engine's weights hold now (None: the base; _UNKNOWN: a switch failed)
+        self.merged: ServedAdapter | object | None = None
         self._merge: LoraMerge | None = None
         self._layout: tuple | None = None  # the merge's modules, transposed modules and rank
-        # every linear layer an adapter may adapt (all but the LM head), and the [in, out] ones
-        every, flipped = adapted_modules(server.engine.model, "all-linear")
-        self._linear, self._transposed = every, frozenset(flipped)
         self._users = 0  # admitted requests, all under ``merged``
+        self._switching = False
         self._queue: collections.deque[object] = collections.deque()
-        self._changed = asyncio.Condition()
+        self._wake = asyncio.Event()  # set (and replaced) whenever the gate's state changed
 
     # ---- the gate /generate passes through ----
-    def check_name(self, name: str | None, field: str = "lora_path") -> None:
-        if name is not None and name not in self.adapters:
+    def adapter(self, name: str | None, field: str = "lora_path") -> ServedAdapter | None:
+        """The loaded adapter ``name`` names (None: the base model); a request holds it from its
+        arrival, so an unload after that does not touch it."""
+        if name is None:
+            return None
+        if name not in self.adapters:
             raise BadRequest(
                 field, f"no LoRA adapter named {name!r} is loaded (loaded: {sorted(self.adapters)})"
             )
+        return self.adapters[name]
 
     @contextlib.asynccontextmanager
-    async def serving(self, name: str | None) -> AsyncIterator[None]:
-        """Run the block with adapter ``name`` (None: the base model) merged into the weights,
-        once every request admitted before it under another adapter has ended."""
+    async def serving(self, adapter: ServedAdapter | None) -> AsyncIterator[None]:
+        """Run the block with ``adapter`` (None: the base model) merged into the weights, once
+        every request that arrived before it under another adapter has ended."""
         ticket = object()
-        async with self._changed:
-            self._queue.append(ticket)
+        self._queue.append(ticket)
+        try:
+            while not self._admits(ticket, adapter):
+                await self._wake.wait()
+        finally:  # admitted, or cancelled while waiting
+            self._queue.remove(ticket)
+            self._changed()
+        if self.merged is not adapter:
+            self._switching = True
             try:
-                await self._changed.wait_for(
-                    lambda: self._queue[0] is ticket and (not self._users or self.merged == name)
-                )
+                await self._switch(adapter)
             finally:
-                self._queue.remove(ticket)
-                self._changed.notify_all()
-            self.check_name(name)  # unloaded while it waited
-            if name != self.merged:
-                await self._switch(name)
-            self._users += 1
+                self._switching = False
+                self._changed()
+        self._users += 1
         try:
             yield
-        finally:
-            async with self._changed:
-                self._users -= 1
-                self._changed.notify_all()
+        finally:  # no await here: a cancelled request must not skip it
+            self._users -= 1
+            self._changed()
 
-    async def _switch(self, name: str | None) -> None:
-        """Merge adapter ``name`` (None: restore the base) while no request runs."""
-        engine, adapter = self.engine, self.adapters.get(name) if name else None
-        layout = adapter and (adapter.modules, adapter.transposed, adapter.rank)
+    def _admits(self, ticket: object, adapter: ServedAdapter | None) -> bool:
+        """Its turn (first in line, no switch running), and nothing runs under another adapter."""
+        first = self._queue[0] is ticket and not self._switching
+        return first and (not self._users or self.merged is adapter)
+
+    def _changed(self) -> None:
+        self._wake.set()
+        self._wake = asyncio.Event()
+
+    async def _switch(self, adapter: ServedAdapter | None) -> None:
+        """Merge ``adapter`` (None: restore the base) while no request runs."""
+        engine = self.engine
+        layout = None if adapter is None else (adapter.modules, adapter.transposed, adapter.rank)
         engine.pause()
         try:
             await engine.wait_idle()
+            self.merged = _UNKNOWN  # until the merge below completes
             if self._merge is not None and (adapter is None or layout != self._layout):
                 self._fill(None)  # the base back in place (before another layout copies it)
             if adapter is not None:
@@ -138,17 +153,20 @@ class LoraRoutes:
                     )
                     self._layout = layout
                 self._fill(adapter)
-            self.merged = name
+            self.merged = adapter
         finally:
             if not self._server.paused:
                 engine.resume()
 
     @torch.no_grad()
-    def _fill(self, adapter: _Adapter | None) -> None:
+    def _fill(self, adapter: ServedAdapter | None) -> None:
         """Merge ``adapter``'s tensors (None: zeros, which gives the base back exactly)."""
         for key, buffer in self._merge.buffers.items():
-            buffer.copy_(adapter.tensors[key]) if adapter else buffer.zero_()
-        self._merge.scale = adapter.scale if adapter else 0.0
+            if adapter is None:
+                buffer.zero_()
+            else:
+                buffer.copy_(adapter.tensors[key])
+        self._merge.scale = 0.0 if adapter is None else adapter.scale
         self._merge.merge()
 
     # ---- routes ----
@@ -166,17 +184,15 @@ class LoraRoutes:
 
     async def unload(self, request: Request) -> Response:
         name = (await decode_body(request, UnloadLoRAAdapterRequest)).lora_name
-        self.check_name(name, "lora_name")
-        del self.adapters[name]  # new requests are refused; admitted ones still run under it
-        if self.merged == name:
-            self.merged = _UNLOADED  # an adapter loaded again under this name is merged anew
+        self.adapter(name, "lora_name")
+        del self.adapters[name]  # new requests are refused; those that arrived still run under it
         return self._answer()
 
     def _answer(self) -> Response:
         loaded = {n: {"lora_name": n, "lora_path": "__tensor__"} for n in self.adapters}
         return json_response(LoRAUpdateResponse(success=True, loaded_adapters=loaded))
 
-    def _checked(self, config: dict, loaded: dict[str, torch.Tensor]) -> _Adapter:
+    def _checked(self, config: dict, loaded: dict[str, torch.Tensor]) -> ServedAdapter:
         """The adapter ``config`` and ``loaded`` describe, checked against the served model."""
         for key, plain in _PLAIN.items():
             if config.get(key, plain) not in (plain, [], {}):
@@ -197,15 +213,10 @@ class LoraRoutes:
                 "serialized_named_tensors",
                 f"adapts {outside}, outside the server's --lora-target-modules {sorted(self.target_modules)}",
             )
-        linear = {m.rsplit(".", 1)[-1] for m in self._linear}
-        if unknown := sorted(set(leaves) - linear):
-            raise BadRequest(
-                "serialized_named_tensors",
-                f"adapts modules named {unknown}, but the served model's linear layers are called "
-                f"{sorted(linear)} (the LM head is never adapted)",
-            )
-        modules = [m for m in self._linear if m.rsplit(".", 1)[-1] in leaves]
-        transposed = [m for m in modules if m in self._transposed]
+        try:
+            modules, transposed = adapted_modules(self.engine.model, leaves, "the adapter")
+        except ValueError as e:
+            raise BadRequest("serialized_named_tensors", str(e)) from None
         want = adapter_shapes(dict(self.engine.model.named_parameters()), modules, rank, transposed)
         missing, unknown = sorted(set(want) - set(tensors)), sorted(set(tensors) - set(want))
         wrong = [
@@ -219,4 +230,6 @@ class LoraRoutes:
                 f"missing {missing[:3]} ({len(missing)} in all), unknown {unknown[:3]} ({len(unknown)}), "
                 f"wrong shapes {wrong[:3]} ({len(wrong)})",
             )
-        return _Adapter(tuple(modules), tuple(transposed), rank, alpha / rank, {n: tensors[n] for n in want})
+        return ServedAdapter(
+            tuple(modules), tuple(transposed), rank, alpha / rank, {n: tensors[n] for n in want}
+        )

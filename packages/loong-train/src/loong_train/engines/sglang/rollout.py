@@ -57,6 +57,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -73,12 +74,20 @@ from loong_train.engines.config import SGLangEngineConfig
 from loong_train.engines.sglang.supervisor import SGLangSupervisor
 from loong_train.models.adapters import PEFT_PREFIX, adapted_modules, read_adapter
 from loong_train.models.auto import load_causal_lm, skeleton
-from loong_transfermesh import SGLangPusherConfig, SGLangUpdateError, SGLangWeightPusher, adapter_shapes
+from loong_transfermesh import (
+    SGLangPusherConfig,
+    SGLangUpdateError,
+    SGLangWeightPusher,
+    adapter_shapes,
+    copy_adapter,
+)
 
 if TYPE_CHECKING:
     from loong_train.backends.config import LoraConfig
 
 __all__ = ["SGLangRollout"]
+
+log = logging.getLogger("loong.sglang")
 
 
 class SGLangRollout:
@@ -121,19 +130,19 @@ class SGLangRollout:
         # what TransferMesh fills: the adapter (LoRA), or a host copy of the model (neither when
         # the trainer pushes into the server itself)
         self.model, self.adapter, self._served_adapter = None, None, ""
-        launch_lora = None
+        lora_flags = {}
         if lora is not None and not self.direct:
             self.adapter, self._adapter_config = _adapter_buffers(
                 model_path, lora, trust_remote_code, adapter
             )
-            launch_lora = (lora.rank, self._adapter_config["target_modules"])
+            lora_flags = {"lora_rank": lora.rank, "lora_modules": self._adapter_config["target_modules"]}
         elif not self.direct:
             self.model = load_causal_lm(model_path, trust_remote_code)
         self._version = 0
         self._pusher: SGLangWeightPusher | None = None
         self._push_lock = threading.Lock()  # updates come from the worker and the supervisor
         self.supervisor = SGLangSupervisor(
-            config.server(model_path, worker_id, log_dir, seed, trust_remote_code, lora=launch_lora),
+            config.server(model_path, worker_id, log_dir, seed, trust_remote_code, **lora_flags),
             on_restart=self._push_again,
         )
         self.supervisor.start()
@@ -191,8 +200,8 @@ class SGLangRollout:
         self.client.resume()
 
     def set_version(self, version: int) -> None:
-        """The host copy now holds ``version``: push it into the server, which then serves it.
-        Direct weights: wait until the server reports ``version`` or newer (the trainer pushed it,
+        """The host copy (LoRA: the adapter) now holds ``version``: push it into the server, which
+        then serves it. Direct weights: wait until the server reports ``version`` or newer (the trainer pushed it,
         or catches a restarted server up), for at most ``startup_timeout_s``."""
         if self.direct:
             self._wait_for(version)
@@ -249,13 +258,18 @@ class SGLangRollout:
     def _push_adapter(self, version: int) -> None:
         """Serve the adapter buffers as ``loong-v<version>``, send new requests to it, unload the
         previous one (updates land between rollout calls, so no request still uses it)."""
-        name, device = f"loong-v{version}", "cuda" if torch.cuda.is_available() else "cpu"
-        tensors = {PEFT_PREFIX + n: t.to(device) for n, t in self.adapter.items()}
+        name, previous = f"loong-v{version}", self._served_adapter
+        # SGLang's server opens CUDA IPC handles; the CPU stand-in reads torch.save bytes
+        on_gpu = self.config.launcher == "sglang" and torch.cuda.is_available()
+        tensors = {PEFT_PREFIX + n: t.to("cuda" if on_gpu else "cpu") for n, t in self.adapter.items()}
         self._pusher.load_adapter(name, tensors, self._adapter_config)
         self.client.use_adapter(name, version)
-        if self._served_adapter:
-            self._pusher.unload_adapter(self._served_adapter)
-        self._served_adapter = name
+        self._served_adapter, self._version = name, version
+        if previous:
+            try:
+                self._pusher.unload_adapter(previous)
+            except (SGLangUpdateError, httpx.HTTPError) as e:  # it only holds server memory
+                log.warning("could not unload adapter %s from %s: %s", previous, self.supervisor.url, e)
 
     def _push_again(self) -> None:
         """After a restart: the old group died with the old server; rebuild it and push the
@@ -290,13 +304,10 @@ def _adapter_buffers(
     shapes = adapter_shapes(dict(model.named_parameters()), modules, lora.rank, transposed)
     buffers = {name: torch.zeros(shape) for name, shape in shapes.items()}
     if checkpoint:
-        saved = read_adapter(checkpoint)
-        if missing := sorted(set(buffers) - set(saved)):
-            raise ValueError(
-                f"{checkpoint} holds no adapter weights for {missing[:3]} ({len(missing)} in all)"
-            )
-        for name, t in buffers.items():
-            t.copy_(saved[name])
+        try:
+            copy_adapter(buffers, read_adapter(checkpoint))
+        except ValueError as e:
+            raise ValueError(f"{checkpoint}: {e}") from None
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
