@@ -163,8 +163,10 @@ class RolloutWorker:
         """What updates are applied into: the adapter buffers (LoRA: the worker's merge, or the
         engine's own), the float32 copy of a lower-precision engine's weights, or the engine's
         weights themselves."""
-        if self.lora or self.engine.adapter is not None:
-            return self.lora.buffers if self.lora else self.engine.adapter
+        if self.lora:
+            return self.lora.buffers
+        if self.engine.adapter is not None:
+            return self.engine.adapter
         return self._staged or dict(self.engine.model.named_parameters())
 
     @torch.no_grad()

@@ -38,10 +38,11 @@ alone (``adapter``: float32 buffers, as the trainer sends them), the server star
 ``--enable-lora`` (rank and target modules from ``[train.lora]``), and ``set_version(v)`` loads the
 buffers as adapter ``loong-v<v>`` through SGLang's ``/load_lora_adapter_from_tensors``, points
 the client's requests at it (``lora_path``; their tokens carry ``v``) and unloads the previous
-one. The adapter travels in memory: as CUDA IPC handles where this worker sees a GPU (SGLang's
-server opens them on the same GPU), else as ``torch.save`` bytes in the request, which only
-``launcher = "loong"`` reads (SGLang's own server has no CPU path for adapter tensors but
-``/load_lora_adapter`` from a directory, which Loong does not use). Base weights never change.
+one. The adapter travels in memory: for ``launcher = "sglang"`` as CUDA IPC handles (the worker
+sees its server's GPU; SGLang's server opens them there), for ``launcher = "loong"`` as
+``torch.save`` bytes in the request, which only Loong's stand-in reads (SGLang's own server has
+no CPU path for adapter tensors but ``/load_lora_adapter`` from a directory, which Loong does
+not use). Base weights never change.
 A relaunched server serves no adapter: the supervisor's hook loads the current one again, and a
 request that reaches the server before it is refused (400), never sampled with the base model.
 
@@ -201,8 +202,8 @@ class SGLangRollout:
 
     def set_version(self, version: int) -> None:
         """The host copy (LoRA: the adapter) now holds ``version``: push it into the server, which
-        then serves it. Direct weights: wait until the server reports ``version`` or newer (the trainer pushed it,
-        or catches a restarted server up), for at most ``startup_timeout_s``."""
+        then serves it. Direct weights: wait until the server reports ``version`` or newer (the
+        trainer pushed it, or catches a restarted server up), for at most ``startup_timeout_s``."""
         if self.direct:
             self._wait_for(version)
             return
