@@ -135,8 +135,8 @@ class GenerateRoutes:
         if body.stream:
             if batch:
                 raise BadRequest("stream", "streams one prompt at a time here (send a batch unstreamed)")
-            return StreamingResponse(self._stream(*jobs[0]), media_type="text/event-stream")
-        results = await asyncio.gather(*(self._one(*job) for job in jobs))
+            return StreamingResponse(self._stream(jobs[0]), media_type="text/event-stream")
+        results = await asyncio.gather(*(self._one(job) for job in jobs))
         return json_response(results if batch else results[0])
 
     def _adapters(self, lora_path: str | list[str | None] | None, n: int) -> list[ServedAdapter | None]:
@@ -226,17 +226,8 @@ class GenerateRoutes:
             return FinishReason(type="stop", matched=out[-1])
         return FinishReason(type="length", length=max_new)
 
-    async def _one(
-        self,
-        prompt,
-        sampling: SamplingParams,
-        max_new: int,
-        logprob: bool,
-        start: int,
-        rid,
-        top_k: int,
-        adapter,
-    ) -> GenerateResponse:
+    async def _one(self, job: _Job) -> GenerateResponse:
+        prompt, sampling, max_new, logprob, start, rid, top_k, adapter = job
         t0 = time.perf_counter()
         async with self._serving(adapter):
             logprobs, version = await self._prompt_logprobs(prompt, logprob, start, top_k)
@@ -254,29 +245,18 @@ class GenerateRoutes:
         finish = self._finish(out, sampling, max_new, aborted)
         return self._answer(prompt, rid, out, lps, top, version, logprobs, finish, t0)
 
-    async def _stream(
-        self,
-        prompt,
-        sampling: SamplingParams,
-        max_new: int,
-        logprob: bool,
-        start: int,
-        rid,
-        top_k: int,
-        adapter,
-    ) -> AsyncIterator[bytes]:
+    async def _stream(self, job: _Job) -> AsyncIterator[bytes]:
         """SGLang's streamed ``/generate``: one event per batch of new tokens, each carrying the
         whole answer so far (``output_ids`` and logprobs cumulative, SGLang's default without
         ``--incremental-streaming-output``), ``finish_reason`` only on the last; then ``[DONE]``.
         A client that hangs up cancels the request."""
-        events = self._events(prompt, sampling, max_new, logprob, start, rid, top_k)
-        async with self._serving(adapter), contextlib.aclosing(events):  # a hang-up ends both
+        events = self._events(job)
+        async with self._serving(job.adapter), contextlib.aclosing(events):  # a hang-up ends both
             async for event in events:
                 yield event
 
-    async def _events(
-        self, prompt, sampling: SamplingParams, max_new: int, logprob: bool, start: int, rid, top_k: int
-    ) -> AsyncIterator[bytes]:
+    async def _events(self, job: _Job) -> AsyncIterator[bytes]:
+        prompt, sampling, max_new, logprob, start, rid, top_k, _ = job
         t0 = time.perf_counter()
         logprobs, version = await self._prompt_logprobs(prompt, logprob, start, top_k)
         out: list[int] = []
