@@ -34,6 +34,7 @@ from loong_train.backends.config import LoraConfig
 from loong_train.backends.metrics import mismatch_stats
 from loong_train.models.auto import load_causal_lm
 from loong_train.models.decoder import CausalLM
+from loong_train.models.prepack import prepacked
 from loong_train.models.tokenizer import copy_model_files
 
 __all__ = ["TorchBackend", "logprobs_and_entropy", "token_logprobs"]
@@ -249,13 +250,15 @@ class TorchBackend:
         self, model: CausalLM, batch: TrainBatch, wanted: torch.Tensor | None = None
     ) -> torch.Tensor:
         """``model``'s logprobs of the batch, [rows, max_len], packed and chunked like the train
-        forward (only where ``wanted`` is nonzero, when given)."""
+        forward (only where ``wanted`` is nonzero, when given), the body's products from
+        prepacked weights (:mod:`loong_train.models.prepack`; dropped afterwards)."""
         out = torch.zeros(len(batch.row_lens), max(batch.row_lens), dtype=self._dtype)
-        for micro, counts in self._micro_batches(batch):
-            part = None if wanted is None else wanted[micro.rows, : micro.width]
-            lp = packing.logprobs(model, micro, self.temperature, None, part)[0]
-            if counts:
-                out[micro.rows, : micro.width] = lp
+        with prepacked(model):
+            for micro, counts in self._micro_batches(batch):
+                part = None if wanted is None else wanted[micro.rows, : micro.width]
+                lp = packing.logprobs(model, micro, self.temperature, None, part)[0]
+                if counts:
+                    out[micro.rows, : micro.width] = lp
         self._combine([out], 0.0, {})
         return out
 

@@ -33,6 +33,9 @@ update lists per-token ``versions`` (``TokenSpan``) with ``weight_version`` the 
 drops the running rows' KV cache, so they are re-prefilled when generation continues (SGLang's
 ``retract`` pause).
 
+Products: the engine's linear layers run from weights oneDNN has laid out once
+(:mod:`loong_train.models.prepack`), laid out again after each ``set_version``.
+
 ``continuous=False`` admits requests only into an empty batch (static batching: a batch runs
 until its longest row finishes); it exists as the benchmark's baseline.
 """
@@ -52,6 +55,7 @@ from loong_core.protocols import RequestRefused, SamplingParams
 from loong_core.records import SpanSource, TokenSpan
 from loong_train.engines.embedded.batching import BatchStats, Request, RunningBatch
 from loong_train.models.decoder import CausalLM
+from loong_train.models.prepack import prepack, release
 
 __all__ = ["EmbeddedEngine", "RequestAborted"]
 
@@ -85,7 +89,7 @@ class EmbeddedEngine:
         pad_id: int = 0,
         continuous: bool = True,
     ) -> None:
-        self.model = model.eval()
+        self.model = prepack(model.eval())
         self.seed, self.max_batch, self.pad_id, self.continuous = seed, max_batch, pad_id, continuous
         self.stats = BatchStats()
         self._version = 0
@@ -227,6 +231,7 @@ class EmbeddedEngine:
         """Stamp everything generated from now on with ``version`` (after weights were copied in)."""
         self._version = version
         self._epoch += 1
+        release(self.model)  # new weights may sit where the old ones did (a rewritten shared buffer)
 
     @torch.no_grad()
     def load_weights(self, named: dict[str, torch.Tensor], version: int) -> None:

@@ -1,0 +1,135 @@
+"""Prepacked linear layers (loong_train.models.prepack): the blocked weight gives the product of
+the weight as it is now, against float64, through every way the weight changes."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+
+import pytest
+import torch
+
+from loong_train.engines.embedded.engine import EmbeddedEngine
+from loong_train.models.decoder import CausalLM, DecoderConfig
+from loong_train.models.prepack import Linear, available, prepack, prepacked, release
+
+pytestmark = pytest.mark.skipif(not available(), reason="prepacking needs oneDNN on an x86-64 CPU")
+
+TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # relative to the output's scale
+
+
+def _layer(dtype: torch.dtype, seed: int = 0) -> Linear:
+    torch.manual_seed(seed)
+    return prepack(Linear(96, 160, bias=True)).to(dtype)
+
+
+def _close(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> bool:
+    """``out`` equals ``x @ weight^T + bias`` computed in float64, to ``out``'s dtype's rounding."""
+    ref = x.double() @ weight.double().T + bias.double()
+    return bool((out.double() - ref).abs().max() <= TOL[out.dtype] * ref.abs().max())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(7, 96), (128, 96), (3, 5, 96)])
+def test_a_prepacked_layer_computes_its_product(dtype, shape):
+    layer = _layer(dtype)
+    x = torch.randn(shape).to(dtype)
+    with torch.no_grad():
+        assert layer.runs_prepacked(x)
+        out = layer(x)
+    assert out.shape == (*shape[:-1], 160) and out.dtype == dtype
+    assert _close(out, x, layer.weight, layer.bias)
+
+
+def test_a_forward_that_needs_a_gradient_runs_the_plain_product():
+    layer = _layer(torch.float32)
+    x = torch.randn(4, 96, requires_grad=True)
+    assert not layer.runs_prepacked(x)
+    out = layer(x)
+    assert torch.equal(out, torch.nn.functional.linear(x, layer.weight, layer.bias))
+    out.sum().backward()
+    assert x.grad is not None and layer.weight.grad is not None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_blocked_copy_follows_every_change_of_the_weight(dtype):
+    layer = _layer(dtype)
+    x = torch.randn(16, 96).to(dtype)
+    with torch.no_grad():
+        before = layer(x)
+        layer.weight.copy_(torch.randn_like(layer.weight))  # a weight update copied in
+        assert _close(layer(x), x, layer.weight, layer.bias)
+
+        opt = torch.optim.SGD(layer.parameters(), lr=0.5)  # an optimizer step
+        layer.weight.grad = torch.randn_like(layer.weight)
+        layer.bias.grad = torch.zeros_like(layer.bias)
+        opt.step()
+        assert _close(layer(x), x, layer.weight, layer.bias)
+
+        layer.weight.data = torch.randn(160, 96).to(dtype)  # storage swapped (zero-copy install)
+        assert _close(layer(x), x, layer.weight, layer.bias)
+
+        shared = torch.randn(160, 96).to(dtype)  # the weight a view of a buffer rewritten in place
+        layer.weight.data = shared
+        layer(x)
+        shared.copy_(torch.randn(160, 96).to(dtype))  # moves neither storage nor version
+        release(layer)
+        after = layer(x)
+    assert _close(after, x, shared, layer.bias)
+    assert not torch.equal(after, before)
+
+
+def test_prepacked_switches_on_for_the_block_only():
+    layer = prepack(_layer(torch.float32), False)
+    x = torch.randn(8, 96)
+    with torch.no_grad():
+        assert not layer.runs_prepacked(x)
+        with prepacked(layer):
+            assert layer.runs_prepacked(x)
+            assert _close(layer(x), x, layer.weight, layer.bias)
+            assert layer._blocked.weight is not None
+        assert not layer.runs_prepacked(x)
+        assert layer._blocked.weight is None  # the copy made inside is dropped
+        prepack(layer)
+        with prepacked(layer):
+            pass
+        assert layer.runs_prepacked(x)  # on before the block: stays on
+
+
+def test_a_prepacked_model_copies_and_pickles_without_its_blocked_weights():
+    cfg = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=8)  # fmt: skip
+    model = CausalLM(cfg)
+    model.init_weights(0)
+    ids = torch.randint(0, 64, (2, 9))
+    with torch.no_grad():
+        plain = model(ids)
+        prepack(model)
+        model(ids)  # the blocked copies now exist
+        for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
+            assert all(m._blocked.weight is None for m in twin.modules() if isinstance(m, Linear))
+            assert torch.allclose(twin(ids), plain, atol=1e-5)
+
+
+def test_the_engine_samples_from_weights_rewritten_in_their_buffer():
+    """An update that rewrites the memory the engine's weights live in (no copy into them, no
+    version bump): after ``set_version`` the engine scores with the new weights."""
+    cfg = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=2, head_dim=8)  # fmt: skip
+    model, other = CausalLM(cfg), CausalLM(cfg)
+    model.init_weights(0)
+    other.init_weights(1)
+    engine = EmbeddedEngine(model)
+    prompt = [int(t) for t in torch.randint(0, 64, (12,))]
+    engine.score_batch([prompt])  # blocked copies of the version-0 weights
+    for p in model.parameters():
+        p.data = p.data.clone()  # each weight alone in a buffer we can rewrite
+    engine.score_batch([prompt])
+    with torch.no_grad():
+        for p, q in zip(model.parameters(), other.parameters(), strict=True):
+            p.data.copy_(q)  # through .data: the parameter's version counter does not move
+    engine.set_version(1)
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        expected = torch.log_softmax(other(ids)[0, :-1].double(), -1).gather(-1, ids[0, 1:, None])
+    assert torch.allclose(torch.tensor(engine.score_batch([prompt])[0]).double(), expected[:, 0], atol=1e-5)
