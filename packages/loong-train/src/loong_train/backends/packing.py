@@ -31,6 +31,7 @@ import torch
 
 from loong_train.algo.config import LossConfig
 from loong_train.models.packed import PackedRows, common_prefixes
+from loong_train.models.prepack import Linear
 
 __all__ = ["CHUNK", "MicroBatch", "logprobs", "micro_batches", "share"]
 
@@ -114,12 +115,18 @@ def logprobs(
     target = torch.nonzero(predicts).squeeze(-1)  # token j, predicted at position j - 1
     h, ids = hidden[target - 1], micro.ids[target]
     head = model.lm_head
-    parts = [
-        _HeadLogprobs.apply(
-            h[lo : lo + CHUNK], head.weight, head.bias, ids[lo : lo + CHUNK], temperature, entropy_grad
-        )
-        for lo in range(0, len(target), CHUNK)
-    ]
+    if entropy_grad is None and not torch.is_grad_enabled():  # scoring only
+        parts = [
+            (_picked(head, h[lo : lo + CHUNK], ids[lo : lo + CHUNK], temperature),)
+            for lo in range(0, len(target), CHUNK)
+        ]
+    else:
+        parts = [
+            _HeadLogprobs.apply(
+                h[lo : lo + CHUNK], head.weight, head.bias, ids[lo : lo + CHUNK], temperature, entropy_grad
+            )
+            for lo in range(0, len(target), CHUNK)
+        ]
 
     def spread(values: list[torch.Tensor]) -> torch.Tensor:  # per target -> [rows, width]
         flat = torch.zeros(len(micro.ids), dtype=torch.promote_types(hidden.dtype, torch.float32))
@@ -127,6 +134,22 @@ def logprobs(
 
     lp = spread([p[0] for p in parts])
     return lp, None if entropy_grad is None else spread([p[1] for p in parts])
+
+
+def _picked(head: torch.nn.Module, h: torch.Tensor, ids: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Logprobs of ``ids`` [C] given hidden states ``h`` [C, d], with no gradient and no entropy:
+    the logits from the head's prepacked weight where it runs (:mod:`loong_train.models.prepack`),
+    and the log-normaliser taken in place, since nothing reads the logits afterwards (1.5x faster
+    than ``logsumexp``'s out-of-place passes over 512 x 49,152 logits)."""
+    if isinstance(head, Linear) and head.runs_prepacked(h):
+        z = head(h).T  # [vocab, C], a view of the row-major logits
+        z = z.float() if z.dtype.itemsize < 4 else z
+        z = z / temperature if temperature != 1.0 else z
+    else:
+        z = _logits(h, head.weight, head.bias, temperature)
+    picked = z[ids, torch.arange(len(ids))]
+    top = z.amax(0)
+    return picked - z.sub_(top).exp_().sum(0).log_().add_(top)
 
 
 class _HeadLogprobs(torch.autograd.Function):
