@@ -77,7 +77,7 @@ def test_kl_reference_is_the_frozen_initial_model():
     batch = _batch()
     backend = TorchBackend(_model(), lr=1e-2, loss=LossConfig(kl_coef=0.1))
     first = backend.train_step(batch)
-    # the reference's no-grad forward (prepacked products) agrees with the policy's to rounding
+    # the reference's scoring forward (normaliser taken in place) agrees with the policy's to rounding
     assert abs(first["kl"]) < 1e-9 and first["loss"] == pytest.approx(first["pg_loss"], abs=1e-9)
     second = backend.train_step(batch)
     assert second["kl"] > 0

@@ -11,16 +11,22 @@ import torch
 
 from loong_train.engines.embedded.engine import EmbeddedEngine
 from loong_train.models.decoder import CausalLM, DecoderConfig
-from loong_train.models.prepack import Linear, available, prepack, prepacked, release
+from loong_train.models.prepack import MIN_ELEMENTS, Linear, available, prepack, prepacked, release
 
 pytestmark = pytest.mark.skipif(not available(), reason="prepacking needs oneDNN on an x86-64 CPU")
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # relative to the output's scale
 
 
+IN, OUT = 384, 512  # a weight large enough to prepack (MIN_ELEMENTS)
+# hidden 384: the query and MLP projections and the head prepack, the keys' and values' do not
+CFG = DecoderConfig(vocab_size=512, hidden_size=384, intermediate_size=512, num_hidden_layers=2,
+                    num_attention_heads=6, num_key_value_heads=2, head_dim=64)  # fmt: skip
+
+
 def _layer(dtype: torch.dtype, seed: int = 0) -> Linear:
     torch.manual_seed(seed)
-    return prepack(Linear(96, 160, bias=True)).to(dtype)
+    return prepack(Linear(IN, OUT, bias=True)).to(dtype)
 
 
 def _close(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor) -> bool:
@@ -30,20 +36,29 @@ def _close(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("shape", [(7, 96), (128, 96), (3, 5, 96)])
+@pytest.mark.parametrize("shape", [(7, IN), (128, IN), (3, 5, IN)])
 def test_a_prepacked_layer_computes_its_product(dtype, shape):
     layer = _layer(dtype)
     x = torch.randn(shape).to(dtype)
     with torch.no_grad():
         assert layer.runs_prepacked(x)
         out = layer(x)
-    assert out.shape == (*shape[:-1], 160) and out.dtype == dtype
+    assert out.shape == (*shape[:-1], OUT) and out.dtype == dtype
     assert _close(out, x, layer.weight, layer.bias)
+
+
+def test_a_small_weight_runs_the_plain_product():
+    layer = prepack(Linear(128, MIN_ELEMENTS // 128 - 1))
+    x = torch.randn(8, 128)
+    with torch.no_grad():
+        assert not layer.runs_prepacked(x)
+        assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+    assert layer._blocked.weight is None
 
 
 def test_a_forward_that_needs_a_gradient_runs_the_plain_product():
     layer = _layer(torch.float32)
-    x = torch.randn(4, 96, requires_grad=True)
+    x = torch.randn(4, IN, requires_grad=True)
     assert not layer.runs_prepacked(x)
     out = layer(x)
     assert torch.equal(out, torch.nn.functional.linear(x, layer.weight, layer.bias))
@@ -54,7 +69,7 @@ def test_a_forward_that_needs_a_gradient_runs_the_plain_product():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_blocked_copy_follows_every_change_of_the_weight(dtype):
     layer = _layer(dtype)
-    x = torch.randn(16, 96).to(dtype)
+    x = torch.randn(16, IN).to(dtype)
     with torch.no_grad():
         before = layer(x)
         layer.weight.copy_(torch.randn_like(layer.weight))  # a weight update copied in
@@ -66,13 +81,13 @@ def test_the_blocked_copy_follows_every_change_of_the_weight(dtype):
         opt.step()
         assert _close(layer(x), x, layer.weight, layer.bias)
 
-        layer.weight.data = torch.randn(160, 96).to(dtype)  # storage swapped (zero-copy install)
+        layer.weight.data = torch.randn(OUT, IN).to(dtype)  # storage swapped (zero-copy install)
         assert _close(layer(x), x, layer.weight, layer.bias)
 
-        shared = torch.randn(160, 96).to(dtype)  # the weight a view of a buffer rewritten in place
+        shared = torch.randn(OUT, IN).to(dtype)  # the weight a view of a buffer rewritten in place
         layer.weight.data = shared
         layer(x)
-        shared.copy_(torch.randn(160, 96).to(dtype))  # moves neither storage nor version
+        shared.copy_(torch.randn(OUT, IN).to(dtype))  # moves neither storage nor version
         release(layer)
         after = layer(x)
     assert _close(after, x, shared, layer.bias)
@@ -81,7 +96,7 @@ def test_the_blocked_copy_follows_every_change_of_the_weight(dtype):
 
 def test_prepacked_switches_on_for_the_block_only():
     layer = prepack(_layer(torch.float32), False)
-    x = torch.randn(8, 96)
+    x = torch.randn(8, IN)
     with torch.no_grad():
         assert not layer.runs_prepacked(x)
         with prepacked(layer):
@@ -97,15 +112,15 @@ def test_prepacked_switches_on_for_the_block_only():
 
 
 def test_a_prepacked_model_copies_and_pickles_without_its_blocked_weights():
-    cfg = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=8)  # fmt: skip
+    cfg = CFG
     model = CausalLM(cfg)
     model.init_weights(0)
-    ids = torch.randint(0, 64, (2, 9))
+    ids = torch.randint(0, 512, (2, 9))
     with torch.no_grad():
         plain = model(ids)
         prepack(model)
         model(ids)  # the blocked copies now exist
+        assert any(m._blocked.weight is not None for m in model.modules() if isinstance(m, Linear))
         for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
             assert all(m._blocked.weight is None for m in twin.modules() if isinstance(m, Linear))
             assert torch.allclose(twin(ids), plain, atol=1e-5)
@@ -114,13 +129,12 @@ def test_a_prepacked_model_copies_and_pickles_without_its_blocked_weights():
 def test_the_engine_samples_from_weights_rewritten_in_their_buffer():
     """An update that rewrites the memory the engine's weights live in (no copy into them, no
     version bump): after ``set_version`` the engine scores with the new weights."""
-    cfg = DecoderConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=4, num_key_value_heads=2, head_dim=8)  # fmt: skip
+    cfg = CFG
     model, other = CausalLM(cfg), CausalLM(cfg)
     model.init_weights(0)
     other.init_weights(1)
     engine = EmbeddedEngine(model)
-    prompt = [int(t) for t in torch.randint(0, 64, (12,))]
+    prompt = [int(t) for t in torch.randint(0, 512, (12,))]
     engine.score_batch([prompt])  # blocked copies of the version-0 weights
     for p in model.parameters():
         p.data = p.data.clone()  # each weight alone in a buffer we can rewrite

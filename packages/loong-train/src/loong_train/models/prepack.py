@@ -3,7 +3,8 @@
 A CPU product ``x @ W^T`` from a plain row-major ``W`` lays ``W`` out afresh for the kernel on
 every call. :class:`Linear` (every linear layer of Loong's decoder) keeps oneDNN's blocked copy of
 its weight once :func:`prepack` switched it on, and every forward that needs no gradient runs from
-that copy. Measured on SmolLM2-135M-Instruct, two threads of an AVX512 EPYC: bfloat16 products of
+that copy (a weight of at least ``MIN_ELEMENTS`` entries: below that the plain call is as
+fast). Measured on SmolLM2-135M-Instruct, two threads of an AVX512 EPYC: bfloat16 products of
 a 128-row decode step 5-10% faster, float32 10-20% (the 49,152-row LM head 1.6x), the embedded
 engine 8% (bfloat16) and 21% (float32) more tokens/s; float32 products of 2,232 rows 10-15%.
 
@@ -29,9 +30,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["Linear", "available", "prepack", "prepacked", "release"]
+__all__ = ["MIN_ELEMENTS", "Linear", "available", "prepack", "prepacked", "release"]
 
 _ROWS_HINT = 128  # rows oneDNN chooses the blocked layout for (fixed: the layout sets the summation order)
+# Smaller weights run the plain product: the prepacked call costs about 15 us more per call, which
+# a float32 weight of 64K elements does not win back even at 128 rows (576 x 576 does: 390 vs 452 us).
+MIN_ELEMENTS = 1 << 17
 _DTYPES = (torch.float32, torch.bfloat16)
 
 
@@ -74,6 +78,7 @@ class Linear(nn.Linear):
         w = self.weight
         return (
             self.prepacked
+            and w.numel() >= MIN_ELEMENTS
             and x.device.type == "cpu"
             and x.dtype == w.dtype
             and w.dtype in _DTYPES
