@@ -5,17 +5,26 @@ from __future__ import annotations
 
 import copy
 import pickle
+import threading
 
 import pytest
 import torch
 
+from loong_train.backends.packing import _picked
 from loong_train.engines.embedded.engine import EmbeddedEngine
 from loong_train.models.decoder import CausalLM, DecoderConfig
-from loong_train.models.prepack import MIN_ELEMENTS, Linear, available, prepack, prepacked, release
+from loong_train.models.prepack import MIN_ELEMENTS, Linear, available, dtypes, prepack, prepacked, release
 
 pytestmark = pytest.mark.skipif(not available(), reason="prepacking needs oneDNN on an x86-64 CPU")
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}  # relative to the output's scale
+DTYPES = [
+    torch.float32,
+    pytest.param(
+        torch.bfloat16,
+        marks=pytest.mark.skipif(torch.bfloat16 not in dtypes(), reason="no oneDNN bfloat16 on this CPU"),
+    ),
+]
 
 
 IN, OUT = 384, 512  # a weight large enough to prepack (MIN_ELEMENTS)
@@ -35,7 +44,7 @@ def _close(out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor, bias: torch
     return bool((out.double() - ref).abs().max() <= TOL[out.dtype] * ref.abs().max())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("shape", [(7, IN), (128, IN), (3, 5, IN)])
 def test_a_prepacked_layer_computes_its_product(dtype, shape):
     layer = _layer(dtype)
@@ -53,7 +62,7 @@ def test_a_small_weight_runs_the_plain_product():
     with torch.no_grad():
         assert not layer.runs_prepacked(x)
         assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
-    assert layer._blocked.weight is None
+    assert layer._blocked.entry is None
 
 
 def test_a_forward_that_needs_a_gradient_runs_the_plain_product():
@@ -66,7 +75,7 @@ def test_a_forward_that_needs_a_gradient_runs_the_plain_product():
     assert x.grad is not None and layer.weight.grad is not None
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_the_blocked_copy_follows_every_change_of_the_weight(dtype):
     layer = _layer(dtype)
     x = torch.randn(16, IN).to(dtype)
@@ -102,9 +111,9 @@ def test_prepacked_switches_on_for_the_block_only():
         with prepacked(layer):
             assert layer.runs_prepacked(x)
             assert _close(layer(x), x, layer.weight, layer.bias)
-            assert layer._blocked.weight is not None
+            assert layer._blocked.entry is not None
         assert not layer.runs_prepacked(x)
-        assert layer._blocked.weight is None  # the copy made inside is dropped
+        assert layer._blocked.entry is None  # the copy made inside is dropped
         prepack(layer)
         with prepacked(layer):
             pass
@@ -120,9 +129,9 @@ def test_a_prepacked_model_copies_and_pickles_without_its_blocked_weights():
         plain = model(ids)
         prepack(model)
         model(ids)  # the blocked copies now exist
-        assert any(m._blocked.weight is not None for m in model.modules() if isinstance(m, Linear))
+        assert any(m._blocked.entry is not None for m in model.modules() if isinstance(m, Linear))
         for twin in (copy.deepcopy(model), pickle.loads(pickle.dumps(model))):
-            assert all(m._blocked.weight is None for m in twin.modules() if isinstance(m, Linear))
+            assert all(m._blocked.entry is None for m in twin.modules() if isinstance(m, Linear))
             assert torch.allclose(twin(ids), plain, atol=1e-5)
 
 
@@ -147,3 +156,46 @@ def test_the_engine_samples_from_weights_rewritten_in_their_buffer():
     with torch.no_grad():
         expected = torch.log_softmax(other(ids)[0, :-1].double(), -1).gather(-1, ids[0, 1:, None])
     assert torch.allclose(torch.tensor(engine.score_batch([prompt])[0]).double(), expected[:, 0], atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_scoring_from_a_prepacked_head_gives_each_tokens_logprob(dtype, bias, temperature):
+    """The trainer's scoring path (no gradient, no entropy): logits from the prepacked head, the
+    log-normaliser in place, against log_softmax((h W^T + b) / T) in float64."""
+    torch.manual_seed(1)
+    head = prepack(Linear(IN, OUT, bias=bias)).to(dtype)
+    h = torch.randn(40, IN).to(dtype)
+    ids = torch.randint(0, OUT, (40,))
+    with torch.no_grad():
+        assert head.runs_prepacked(h)
+        got = _picked(head, h, ids, temperature)
+        logits = h.double() @ head.weight.double().T + (head.bias.double() if bias else 0.0)
+    want = torch.log_softmax(logits / temperature, -1).gather(-1, ids[:, None])[:, 0]
+    assert torch.allclose(got.double(), want, atol=1e-4 if dtype == torch.float32 else 0.05)
+
+
+def test_threads_that_forward_at_once_after_a_weight_change_all_get_the_new_product():
+    """An engine scores and decodes in two threads at once: after each weight change, forwards
+    started together (one of them remaking the blocked copy) all return the new product."""
+    layer = _layer(torch.float32)
+    x = torch.randn(32, IN)
+    results: list[torch.Tensor] = []
+    for _ in range(5):
+        with torch.no_grad():
+            layer.weight.copy_(torch.randn_like(layer.weight))
+        start = threading.Barrier(6)
+
+        def forward(start=start):
+            start.wait()
+            with torch.no_grad():
+                results.append(layer(x))
+
+        threads = [threading.Thread(target=forward) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert len(results) == 6 and all(_close(r, x, layer.weight, layer.bias) for r in results)
+        results.clear()

@@ -92,6 +92,10 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 class FsdpBackend(TorchBackend):
     """:class:`TorchBackend` on this rank of an initialised default process group."""
 
+    # a prepacked copy of each block's gathered weight would outlive the block's forward and
+    # undo the resharding (every rank would hold the whole model once more)
+    prepack_scoring = False
+
     @classmethod
     def from_pretrained(cls, path: str | Path, trust_remote_code: bool = False, **kwargs: Any) -> FsdpBackend:
         from torch.distributed.device_mesh import init_device_mesh

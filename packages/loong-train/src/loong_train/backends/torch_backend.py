@@ -19,6 +19,7 @@ reference the packed one is tested against.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 from pathlib import Path
 from typing import Any
@@ -81,6 +82,8 @@ def _pad(values: list, lens: list[int], fill, dtype) -> torch.Tensor:
 
 class TorchBackend:
     """AdamW with linear warmup, gradient clipping, one optimizer step per batch."""
+
+    prepack_scoring = True  # no-grad logprobs from prepacked weights (loong_train.models.prepack)
 
     def __init__(
         self,
@@ -250,10 +253,10 @@ class TorchBackend:
         self, model: CausalLM, batch: TrainBatch, wanted: torch.Tensor | None = None
     ) -> torch.Tensor:
         """``model``'s logprobs of the batch, [rows, max_len], packed and chunked like the train
-        forward (only where ``wanted`` is nonzero, when given), the body's products from
-        prepacked weights (:mod:`loong_train.models.prepack`; dropped afterwards)."""
+        forward (only where ``wanted`` is nonzero, when given), the products from prepacked
+        weights (:mod:`loong_train.models.prepack`; dropped afterwards) where the backend allows."""
         out = torch.zeros(len(batch.row_lens), max(batch.row_lens), dtype=self._dtype)
-        with prepacked(model):
+        with prepacked(model) if self.prepack_scoring else contextlib.nullcontext():
             for micro, counts in self._micro_batches(batch):
                 part = None if wanted is None else wanted[micro.rows, : micro.width]
                 lp = packing.logprobs(model, micro, self.temperature, None, part)[0]

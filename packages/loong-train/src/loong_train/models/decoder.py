@@ -399,7 +399,7 @@ class CausalLM(nn.Module):
         return self.model.norm(x)[rows.index.to(device)]
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
-        """The LM head: final hidden states -> logits, row-major. From the prepacked weight where
+        """The LM head: final hidden states -> logits. From the prepacked weight where
         it runs (:mod:`loong_train.models.prepack`); otherwise in float32 taken as ``W @ h^T``
         (then viewed back), which runs 1.2-1.4x faster on CPU than ``h @ W^T`` for a
         vocabulary-wide head; in bfloat16 both run alike, and ``h @ W^T``'s row-major logits

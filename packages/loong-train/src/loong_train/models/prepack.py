@@ -9,10 +9,13 @@ a 128-row decode step 5-10% faster, float32 10-20% (the 49,152-row LM head 1.6x)
 engine 8% (bfloat16) and 21% (float32) more tokens/s; float32 products of 2,232 rows 10-15%.
 
 The copy is made at the first forward that uses it and again after the weight changed: its
-storage moved (``.data`` swapped) or its version counter did (any in-place write: an optimizer
-step, a weight update copied in, an adapter merged). A writer that bypasses both (a shared-memory
-buffer the weight is a view of, rewritten) calls :func:`release`. The copy costs the weight's own
-memory again while it is kept.
+storage moved (``.data`` swapped) or its version counter did (an in-place write through the
+parameter: an optimizer step, a weight update copied in, an adapter merged). A writer that
+bypasses both (``p.data.copy_(...)``, a shared-memory buffer the weight is a view of, rewritten)
+calls :func:`release`. The copy costs the weight's own memory again while it is kept, and pins
+the storage it was made from (so a new weight can never reuse that address unnoticed).
+Forwards under CPU autocast, and bfloat16 ones on a CPU whose oneDNN has no bfloat16 support,
+run the plain product.
 
 Results agree with the plain product to the dtype's rounding (oneDNN's blocked kernel sums in
 its own order); the layout is chosen for a fixed row count, so the same inputs give the same
@@ -24,19 +27,19 @@ from __future__ import annotations
 import contextlib
 import functools
 import platform
+import threading
 from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["MIN_ELEMENTS", "Linear", "available", "prepack", "prepacked", "release"]
+__all__ = ["MIN_ELEMENTS", "Linear", "available", "dtypes", "prepack", "prepacked", "release"]
 
 _ROWS_HINT = 128  # rows oneDNN chooses the blocked layout for (fixed: the layout sets the summation order)
 # Smaller weights run the plain product: the prepacked call costs about 15 us more per call, which
 # a float32 weight of 64K elements does not win back even at 128 rows (576 x 576 does: 390 vs 452 us).
 MIN_ELEMENTS = 1 << 17
-_DTYPES = (torch.float32, torch.bfloat16)
 
 
 @functools.cache
@@ -49,16 +52,26 @@ def available() -> bool:
     )
 
 
-class _Blocked:
-    """A layer's blocked weight and the (storage, version) of the weight it was made from.
-    Never copied or pickled with the module (a blocked tensor has no storage to copy): a copy
-    starts empty and blocks its own weight when it first needs to."""
+@functools.cache
+def dtypes() -> tuple[torch.dtype, ...]:
+    """The weight dtypes that prepack here: float32, and bfloat16 where oneDNN supports it (its
+    bfloat16 reorder refuses CPUs without AVX512 or AVX-NE-CONVERT)."""
+    bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
+    return (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
 
-    __slots__ = ("key", "weight")
+
+class _Blocked:
+    """A layer's blocked weight, published whole as ``entry``: ``(key, source, blocked)`` with
+    ``key`` the (address, version, dtype) of the weight it was made from and ``source`` that
+    weight (pinning its storage). Threads that forward at once (an engine's decode steps and
+    scoring) read ``entry`` once; one at a time makes a new copy. Never copied or pickled with
+    the module (a blocked tensor has no storage to copy): a copy starts empty."""
+
+    __slots__ = ("entry", "lock")
 
     def __init__(self) -> None:
-        self.key: tuple[int, int, torch.dtype] | None = None
-        self.weight: torch.Tensor | None = None
+        self.entry: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
+        self.lock = threading.Lock()
 
     def __reduce__(self):
         return (_Blocked, ())
@@ -70,19 +83,20 @@ class Linear(nn.Linear):
 
     def __init__(self, *args, **kwargs) -> None:
         super().__init__(*args, **kwargs)
-        self.prepacked = False
+        self.prepack_on = False
         self._blocked = _Blocked()
 
     def runs_prepacked(self, x: torch.Tensor) -> bool:
         """Whether ``forward(x)`` runs from the blocked weight."""
         w = self.weight
         return (
-            self.prepacked
+            self.prepack_on
             and w.numel() >= MIN_ELEMENTS
             and x.device.type == "cpu"
             and x.dtype == w.dtype
-            and w.dtype in _DTYPES
+            and w.dtype in dtypes()
             and not (torch.is_grad_enabled() and (x.requires_grad or w.requires_grad))
+            and not torch.is_autocast_enabled("cpu")
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -93,15 +107,20 @@ class Linear(nn.Linear):
     def _blocked_weight(self) -> torch.Tensor:
         w, blocked = self.weight, self._blocked
         key = (w.data_ptr(), w._version, w.dtype)
-        if blocked.key != key:
-            blocked.weight = None  # the stale copy goes before the new one is made
-            blocked.weight = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), _ROWS_HINT)
-            blocked.key = key
-        return blocked.weight
+        entry = blocked.entry
+        if entry is not None and entry[0] == key:
+            return entry[2]
+        with blocked.lock:
+            entry = blocked.entry
+            if entry is None or entry[0] != key:
+                blocked.entry = None  # the stale copy goes before the new one is made
+                packed = torch.ops.mkldnn._reorder_linear_weight(w.detach().contiguous(), _ROWS_HINT)
+                entry = blocked.entry = (key, w.detach(), packed)
+        return entry[2]
 
     def release(self) -> None:
         """Drop the blocked copy (the next forward that uses it makes it again)."""
-        self._blocked.key = self._blocked.weight = None
+        self._blocked.entry = None
 
 
 def _layers(model: nn.Module) -> Iterator[Linear]:
@@ -113,7 +132,7 @@ def prepack(model: nn.Module, on: bool = True) -> nn.Module:
     ``model``; a no-op where :func:`available` is False. Returns ``model``."""
     on = on and available()
     for layer in _layers(model):
-        layer.prepacked = on
+        layer.prepack_on = on
         if not on:
             layer.release()
     return model
@@ -128,9 +147,9 @@ def release(model: nn.Module) -> None:
 
 @contextlib.contextmanager
 def prepacked(model: nn.Module) -> Iterator[nn.Module]:
-    """:func:`prepack` for the ``with`` block; on leaving it, prepacking is off again (or stays as
-    it was, if it was on already) and copies made inside are dropped."""
-    was_on = any(layer.prepacked for layer in _layers(model))
+    """:func:`prepack` for the ``with`` block. A model that was not prepacked before is switched
+    off again on leaving it, its copies dropped; one that was stays as it was."""
+    was_on = any(layer.prepack_on for layer in _layers(model))
     prepack(model)
     try:
         yield model

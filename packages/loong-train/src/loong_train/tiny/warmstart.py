@@ -26,6 +26,7 @@ from loong_core.records import Trajectory
 from loong_train.config import Recipe
 from loong_train.engines.embedded.engine import EmbeddedEngine
 from loong_train.models.decoder import CausalLM, DecoderConfig
+from loong_train.models.prepack import prepack
 from loong_train.models.source import resolve
 from loong_train.models.tokenizer import HFCodec, load_tokenizer
 from loong_train.tasks import Task, TaskTables, build_task
@@ -100,6 +101,7 @@ def probe_episodes(
     if (group := task.group_reward) is not None:  # each probe episode is a group of one
         text = functools.partial(final_turn, decode=codec.decode, strip_end=ChatML.strip_end)
         score_groups(group, trajs, {s.sample_id: s.task for s in specs}, text)
+    prepack(model, False)  # the engine prepacked the model it borrowed; training goes on with it
     model.train()
     return trajs
 

@@ -70,7 +70,7 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
         cdf = weights.cumsum(-1)
         return _first_above(cdf, u * cdf[:, -1])[0]
     full = vocab - vocab % CDF_BLOCK
-    totals = weights[:, :full].view(n, -1, CDF_BLOCK).sum(-1)
+    totals = weights[:, :full].view(n, full // CDF_BLOCK, CDF_BLOCK).sum(-1)
     if full < vocab:
         totals = torch.cat([totals, weights[:, full:].sum(-1, keepdim=True)], -1)
     cdf = totals.cumsum(-1)
@@ -84,10 +84,12 @@ def _inverse_cdf(weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
 def _first_above(cdf: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Per row of ``cdf`` [n, m] (non-decreasing, non-negative, a positive last entry), the first
     index whose value exceeds ``target`` [n], and the target used: kept below the last entry, so
-    rounding never carries a draw past the last positive increase."""
+    rounding never carries a draw past the last positive increase (a row of NaN or zero weights,
+    which breaks the precondition, still gets an index in range)."""
     last = cdf[:, -1]
     target = torch.minimum(target, last.nextafter(torch.zeros_like(last)))
-    return torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1), target
+    index = torch.searchsorted(cdf, target[:, None], right=True).squeeze(-1)
+    return index.clamp_(max=cdf.shape[-1] - 1), target
 
 
 def _shared_prefix(contexts: list[list[int]]) -> int:
