@@ -55,7 +55,10 @@ def available() -> bool:
 @functools.cache
 def dtypes() -> tuple[torch.dtype, ...]:
     """The weight dtypes that prepack here: float32, and bfloat16 where oneDNN supports it (its
-    bfloat16 reorder refuses CPUs without AVX512 or AVX-NE-CONVERT)."""
+    bfloat16 reorder refuses CPUs without AVX512 or AVX-NE-CONVERT); none where not
+    :func:`available`."""
+    if not available():
+        return ()
     bf16 = torch.ops.mkldnn._is_mkldnn_bf16_supported()
     return (torch.float32, torch.bfloat16) if bf16 else (torch.float32,)
 
