@@ -154,9 +154,15 @@ class RMSNorm(nn.Module):
         return self.weight * (wide * torch.rsqrt(var + self.eps)).to(x.dtype)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
+def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """``x * cos + rotate_half(x) * sin`` as transformers computes it (``rotate_half`` of ``[x1,
+    x2]`` is ``[-x2, x1]``), to the bit, without building the rotated copy: subtracting ``x2 *
+    sin`` rounds as adding its negation does."""
+    half = x.shape[-1] // 2
+    out = x * cos
+    out[..., :half] -= x[..., half:] * sin[..., :half]
+    out[..., half:] += x[..., :half] * sin[..., half:]
+    return out
 
 
 def _scaled(inv_freq: torch.Tensor, scaling: dict | None) -> torch.Tensor:
@@ -269,7 +275,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = q.transpose(1, 2), k.transpose(1, 2)
         v = self.v_proj(x).view(b, t, self.n_kv, self.head_dim).transpose(1, 2)
-        q, k = q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+        q, k = _rotary(q, cos, sin), _rotary(k, cos, sin)
         if cache is not None:
             cache[0][:, :, start : start + t] = k
             cache[1][:, :, start : start + t] = v
@@ -318,7 +324,10 @@ class MLP(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, bias=bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if torch.is_grad_enabled():
+            return self.down_proj(F.silu(gate) * up)
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up))  # the same values, no new tensors
 
 
 class DecoderLayer(nn.Module):
