@@ -155,9 +155,10 @@ class RMSNorm(nn.Module):
 
 
 def _rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """``x * cos + rotate_half(x) * sin`` as transformers computes it (``rotate_half`` of ``[x1,
-    x2]`` is ``[-x2, x1]``), to the bit, without building the rotated copy: subtracting ``x2 *
-    sin`` rounds as adding its negation does."""
+    """Rotary embedding of ``x`` [b, heads, t, head_dim] by ``cos`` and ``sin`` [b, 1, t,
+    head_dim] (in ``x``'s dtype): ``x * cos + rotate_half(x) * sin`` as transformers computes it
+    (``rotate_half`` of ``[x1, x2]`` is ``[-x2, x1]``), to the bit, without building the rotated
+    copy: subtracting ``x2 * sin`` rounds as adding its negation does."""
     half = x.shape[-1] // 2
     out = x * cos
     out[..., :half] -= x[..., half:] * sin[..., :half]
@@ -327,7 +328,7 @@ class MLP(nn.Module):
         gate, up = self.gate_proj(x), self.up_proj(x)
         if torch.is_grad_enabled():
             return self.down_proj(F.silu(gate) * up)
-        return self.down_proj(F.silu(gate, inplace=True).mul_(up))  # the same values, no new tensors
+        return self.down_proj(F.silu(gate, inplace=True).mul_(up))  # nothing reads gate or up again
 
 
 class DecoderLayer(nn.Module):
