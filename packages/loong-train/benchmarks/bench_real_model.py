@@ -135,6 +135,13 @@ def _seconds(fn) -> float:
     return time.perf_counter() - start
 
 
+def _turn_seconds(benchmark, turn: int, fn, *args) -> float:
+    """Seconds of ``fn(*args)``; the first turn runs under pytest-benchmark, which records it."""
+    if turn:
+        return _seconds(lambda: fn(*args))
+    return _seconds(lambda: benchmark.pedantic(fn, args, rounds=1, iterations=1))
+
+
 def _engine_rows(vocab: int) -> list[list[int]]:
     gen = random.Random(0)
     prompts = [[gen.randrange(1, vocab) for _ in range(PROMPT_TOKENS)] for _ in range(PROMPTS)]
@@ -189,8 +196,7 @@ def test_engine(benchmark, checkpoint, generate_runs, dtype):
     loong()  # warm: the first call pays one-time costs (thread pools, first allocations)
     loong_rates, generate_rates = [], {d: [] for d in generate_runs}
     for turn in range(ROUNDS):
-        timed = loong if turn else lambda: benchmark.pedantic(loong, rounds=1, iterations=1)
-        loong_rates.append(tokens / _seconds(timed))
+        loong_rates.append(tokens / _turn_seconds(benchmark, turn, loong))
         for d, generate in generate_runs.items():
             generate_rates[d].append(tokens / _seconds(generate))
     loong_rate = max(loong_rates)
@@ -296,12 +302,7 @@ def test_train(benchmark, checkpoint, shape):
             times["padded_lp"].append(
                 _seconds(lambda: token_logprobs(backend.model, backend.tensors(batch)["ids"]))
             )
-        if turn:
-            times["step"].append(_seconds(lambda: backend.train_step(batch)))
-        else:
-            times["step"].append(
-                _seconds(lambda: benchmark.pedantic(backend.train_step, (batch,), rounds=1, iterations=1))
-            )
+        times["step"].append(_turn_seconds(benchmark, turn, backend.train_step, batch))
         times["lp"].append(_seconds(lambda: backend.logprobs(batch)))
         if shape == "groups":  # the same step computing every row whole
             backend.model.shares_prefixes = False
