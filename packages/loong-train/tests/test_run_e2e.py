@@ -65,6 +65,10 @@ def test_short_run_writes_the_run_directory(tmp_path, window):
     events = json.loads((out / "trace.json").read_text())["traceEvents"]
     cats = {e.get("cat") for e in events if e.get("ph") == "X"}
     assert {"rollout", "train", "sync", "eval"} <= cats
+    # version 0's evaluation queued behind the first rollout calls, and still ran at version 0 (the
+    # summary's "0": an evaluation that ran at another version is lost)
+    first = {c: min(e["ts"] for e in events if e.get("cat") == c and e.get("ph") == "X") for c in cats}
+    assert first["rollout"] < first["eval"]
     assert {p.name for p in (out / "plots").iterdir()} == {
         "reward.png",
         "staleness.png",

@@ -89,6 +89,8 @@ def run(recipe: Recipe, out: Path, cache: Path, resume: bool = False) -> Path:
                 len(pipe.window.reissue),
             )
         run_dir.begin()
+        if pipe.sync.updates_wait_for_queued_evaluations:
+            pipe.admit()  # the first batches go ahead of the first evaluation: training starts sooner
         evaluator.begin(pipe)
         _train(recipe, pipe, run_dir, evaluator, ckpt.version if ckpt else None)
         if pipe.stopped:

@@ -1,15 +1,18 @@
 """Held-out evaluation: which versions are evaluated, the rollout calls that do it, their results.
 
-Version 0 is evaluated before training, then every ``eval.every`` versions and the last one. An
-evaluation is a rollout call of every held-out item (one episode each, seeded by the run seed and
-the item's sample id, so a version's evaluation samples the same tokens in every run), queued on a
-live worker behind the weight update to that version, and never crossed by a later update
-(:meth:`Pipeline.queue_rollout` with ``evaluation=True``).
+Version 0 (the weights before training) is evaluated first, then every ``eval.every`` versions
+and the last one. An evaluation is a rollout call of every held-out item (one episode each, seeded
+by the run seed and the item's sample id, so a version's evaluation samples the same tokens in
+every run), queued on a live worker behind the weight update to that version, and never crossed
+by a later update (:meth:`Pipeline.queue_rollout` with ``evaluation=True``). Where updates wait
+for the evaluations queued before them (:mod:`loong_train.weight_sync`), version 0's queues behind
+the first rollout calls, so the trainer starts on their batch while it runs.
 
-An evaluation whose worker died is recorded as lost (logged, ``lost_evals`` in the summary), not
-re-run: a later run would evaluate other weights than the version it names. Resumed from a
-checkpoint at version v, an evaluation of v that had not finished is queued again (the engines
-start at v); older unfinished ones are lost.
+An evaluation whose worker died, or that ran at another version than it names (an update
+overtook it while it waited behind other calls), is recorded as lost (logged, ``lost_evals`` in
+the summary), not re-run: a later run would evaluate other weights than the version it names.
+Resumed from a checkpoint at version v, an evaluation of v that had not finished is queued again
+(the engines start at v); older unfinished ones are lost.
 """
 
 from __future__ import annotations
@@ -104,6 +107,10 @@ class Evaluator:
             except ray.exceptions.RayActorError as e:
                 self.lost.add(v)
                 log.warning("evaluation of version %d lost: its worker died (%s)", v, type(e).__name__)
+                continue
+            if result.version != v:  # an update that did not wait for it (it ran behind other calls)
+                self.lost.add(v)
+                log.warning("evaluation of version %d lost: it ran at version %d", v, result.version)
                 continue
             trajs = result.trajectories
             _warn_unfinished(v, trajs)

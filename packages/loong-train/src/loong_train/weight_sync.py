@@ -37,6 +37,9 @@ class WeightSync:
     """The strategy's interface (see the module docstring); :class:`InOrder` is the base case."""
 
     reuses_buffers = True  # a publish waits for the applies of the buffer it overwrites
+    # an update waits for the evaluations queued before it, started or not, so an evaluation may
+    # queue behind rollout calls and still run at its version
+    updates_wait_for_queued_evaluations = True
 
     def rollout(self, worker: Any, specs: list[EpisodeSpec], version: int, evaluation: bool) -> Any:
         """Queue a rollout call that runs at ``version`` or newer; returns its ref."""
@@ -61,6 +64,8 @@ class InOrder(WeightSync):
 
 
 class Beside(WeightSync):
+    updates_wait_for_queued_evaluations = False  # an update lands beside a call not yet started
+
     def __init__(self, concurrent_calls: int, restart: bool) -> None:
         self.concurrent, self.restart = concurrent_calls > 1, restart
 
