@@ -74,7 +74,9 @@ def spec(seed: int, out: Path, cache: Path) -> None:
 def loong(seed: int, out: Path) -> None:
     cmd = ["loong-train", "run", RECIPE, "--set", f"seed={seed}", "--out", str(out)]
     subprocess.run(cmd, check=True)
-    (out / "peer.json").write_text(json.dumps({"process_wall_s": time.time() - START}))
+    (out / "peer.json").write_text(
+        json.dumps({"process_start": START, "process_wall_s": time.time() - START})
+    )
 
 
 def last_integer(text: str) -> int | None:
@@ -180,15 +182,15 @@ def trl(spec_path: Path, out: Path, steps: int, stop_at: float, bf16: bool = Fal
 
 
 def _loong_evals(run: Path) -> tuple[list[tuple[int, float, float]], float]:
-    """(version, success, wall seconds from the process start) per evaluation, and the process
-    wall time. The run directory's clock starts after Ray and the model are up: the offset is the
-    process time outside it."""
+    """(version, success, wall seconds from the process start to the evaluation's end) per
+    evaluation, and the process wall time. The run directory's clock starts after Ray and the model
+    are up (``started_at``): the offset is the time before it."""
     summary = json.loads((run / "summary.json").read_text())
-    process = json.loads((run / "peer.json").read_text())["process_wall_s"]
-    offset = process - summary["wall_s"]
+    peer = json.loads((run / "peer.json").read_text())
+    offset, process = summary["started_at"] - peer["process_start"], peer["process_wall_s"]
     rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return [
-        (r["eval_policy_version"], r["eval_reward_mean"], offset + r["elapsed_s"])
+        (r["eval_policy_version"], r["eval_reward_mean"], offset + r["eval_elapsed_s"])
         for r in rows
         if "eval_reward_mean" in r
     ], process

@@ -8,17 +8,24 @@ import json
 import peer_trl
 
 
-def _loong_run(path, evals: list[tuple[int, float, float]], wall_s: float, process_s: float) -> None:
-    """A Loong run directory: evaluations as (version, success, run-directory elapsed seconds)."""
+def _loong_run(path, evals: list[tuple[int, float, float]], clock_after: float, process_s: float) -> None:
+    """A Loong run directory: evaluations as (version, success, run-directory seconds at the
+    evaluation's end); its clock starts ``clock_after`` seconds after the process."""
     path.mkdir()
     rows = [
-        {"step": i + 1, "elapsed_s": t, "eval_policy_version": v, "eval_reward_mean": x}
+        {
+            "step": i + 1,
+            "elapsed_s": t + 5.0,
+            "eval_policy_version": v,
+            "eval_reward_mean": x,
+            "eval_elapsed_s": t,
+        }
         for i, (v, x, t) in enumerate(evals)
-    ]
+    ]  # a line is written after the evaluation it reports ended
     rows.insert(1, {"step": 9, "elapsed_s": 50.0})  # a step without an evaluation
     (path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (path / "summary.json").write_text(json.dumps({"wall_s": wall_s}))
-    (path / "peer.json").write_text(json.dumps({"process_wall_s": process_s}))
+    (path / "summary.json").write_text(json.dumps({"wall_s": process_s, "started_at": 1e9 + clock_after}))
+    (path / "peer.json").write_text(json.dumps({"process_start": 1e9, "process_wall_s": process_s}))
 
 
 def _trl_run(path, evals: list[tuple[int, float, float]], process_s: float) -> None:
@@ -32,16 +39,17 @@ def _trl_run(path, evals: list[tuple[int, float, float]], process_s: float) -> N
 def test_time_to_target_counts_from_the_process_start(tmp_path, capsys):
     for seed in (0, 1):
         (tmp_path / f"spec-s{seed}.json").write_text(json.dumps({"group_size": 8, "batch_groups": 4}))
-    # Loong: 30 s outside the run directory (230 - 200); reaches 0.4 at version 8, elapsed 150 s
+    # Loong: its run directory's clock starts 30 s after the process; reaches 0.4 at version 8,
+    # whose evaluation ends at 150 s on that clock
     _loong_run(
         tmp_path / "loong-s0",
         [(0, 0.1, 40.0), (4, 0.3, 100.0), (8, 0.45, 150.0), (12, 0.6, 198.0)],
-        200.0,
-        230.0,
+        30.0,
+        240.0,
     )
     _trl_run(tmp_path / "trl-s0", [(0, 0.1, 30.0), (4, 0.2, 150.0), (8, 0.41, 300.0)], 310.0)
     # seed 1: TRL never reaches the target within its 8 steps
-    _loong_run(tmp_path / "loong-s1", [(0, 0.1, 40.0), (4, 0.5, 90.0)], 100.0, 120.0)
+    _loong_run(tmp_path / "loong-s1", [(0, 0.1, 40.0), (4, 0.5, 90.0)], 20.0, 130.0)
     _trl_run(tmp_path / "trl-s1", [(0, 0.1, 30.0), (8, 0.3, 270.0)], 280.0)
     peer_trl.table(tmp_path, 0.4)
     rows = [

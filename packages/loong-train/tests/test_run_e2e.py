@@ -60,6 +60,7 @@ def test_short_run_writes_the_run_directory(tmp_path, window):
     assert all(r["no_signal_share"] == 1.0 for r in rows)  # untrained: every sample scores 0
     assert rows[0]["mismatch_kl"] < 1e-9  # first step: same weights in engine and trainer
     assert any("eval_reward_mean" in r for r in rows)
+    assert all(0 < r["eval_elapsed_s"] <= r["elapsed_s"] for r in rows if "eval_reward_mean" in r)
     summary = json.loads((out / "summary.json").read_text())
     assert set(summary["eval_reward_by_version"]) == {"0", "2", "4"}
     events = json.loads((out / "trace.json").read_text())["traceEvents"]

@@ -89,6 +89,7 @@ class RunDir:
         self.reported_evals: set[int] = set()
         self.evals: dict[int, float] = {}  # mean held-out reward by version
         self.evals_by_domain: dict[int, dict[str, float]] = {}
+        self.eval_ends: dict[int, float] = {}  # version -> when its evaluation finished (time.time())
         self.start = self.last_step_end = time.time()
         self.rollout_busy = self.trainer_busy = 0.0  # rollout: of the run before a resume
         self.worker_busy: dict[tuple[int, int], float] = {}  # (worker, pid) -> busy_s, cumulative
@@ -253,6 +254,7 @@ class RunDir:
         """An evaluation finished: its result is kept for the metrics and the summary (its worker
         counts its time)."""
         self.evals[r.version], self.evals_by_domain[r.version] = r.reward, r.by_domain
+        self.eval_ends[r.version] = r.end
         span = {"version": r.version, "reward": r.reward}
         self.trace.span("eval", "eval", f"rollout-worker-{r.worker}", "engine", r.start, r.end, span)
 
@@ -264,7 +266,10 @@ class RunDir:
         self.reported_evals.update(fresh)
         v = max(fresh)
         by_domain = {f"eval_reward/{d}": x for d, x in self.evals_by_domain[v].items()}
-        return {"eval_reward_mean": self.evals[v], "eval_policy_version": v, **by_domain}
+        row = {"eval_reward_mean": self.evals[v], "eval_policy_version": v, **by_domain}
+        if v in self.eval_ends:  # not for one finished before the checkpoint this run resumed from
+            row["eval_elapsed_s"] = self.eval_ends[v] - self.start
+        return row
 
     def postfix(self) -> dict[str, str]:
         out = {
@@ -287,6 +292,7 @@ class RunDir:
             "final_eval": evals[max(evals)] if evals else None,
             "steps": steps,
             "wall_s": time.time() - self.start,
+            "started_at": self.start,
             "worker_restarts": counters.worker_restarts,
             "reissued_groups": counters.reissued_groups,
         }
