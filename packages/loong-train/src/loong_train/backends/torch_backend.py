@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 from pathlib import Path
 from typing import Any
 
@@ -105,10 +106,7 @@ class TorchBackend:
         self.peft_config = lora_adapters.add_adapters(model, self.lora) if self.lora else None
         self.source = str(source)  # the checkpoint loaded: an adapter's base
         trained = [p for p in model.parameters() if p.requires_grad]
-        self.opt = torch.optim.AdamW(trained, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
-        self.sched = torch.optim.lr_scheduler.LambdaLR(
-            self.opt, lambda s: min(1.0, (s + 1) / max(1, warmup_steps))
-        )
+        self._optimizer_args = (trained, lr, weight_decay, warmup_steps)
         self.grad_clip, self.temperature = grad_clip, temperature
         self.max_tokens = max_tokens_per_micro_batch
         self.loss_cfg = loss or LossConfig()
@@ -118,6 +116,23 @@ class TorchBackend:
         self.reference = reference
         self.steps = 0
         self.trust_remote_code = False
+
+    @functools.cached_property
+    def _optimizer(self) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
+        """AdamW and its warmup, built on first use: a process's first optimizer imports
+        ``torch._dynamo`` (3-5 s on a CPU core), which a trainer then pays beside the first
+        rollouts instead of before them (:class:`loong_train.workers.trainer.TrainerWorker`)."""
+        trained, lr, weight_decay, warmup_steps = self._optimizer_args
+        opt = torch.optim.AdamW(trained, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
+        return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, warmup_steps)))
+
+    @property
+    def opt(self) -> torch.optim.AdamW:
+        return self._optimizer[0]
+
+    @property
+    def sched(self) -> torch.optim.lr_scheduler.LambdaLR:
+        return self._optimizer[1]
 
     @classmethod
     def from_pretrained(
