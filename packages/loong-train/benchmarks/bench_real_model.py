@@ -282,6 +282,7 @@ def _child(path: str, mode: str) -> None:
     torch.set_num_threads(2)
     backend = TorchBackend.from_pretrained(path, lr=1e-6, lora=LORA if mode == "lora" else None)
     batch = _grpo_batch(backend.model.config.vocab_size)
+    assert backend.opt is not None  # built on first use: its imports are no step's memory
     Path("/proc/self/clear_refs").write_text("5")  # resets the peak (VmHWM) to the current VmRSS
     loaded = _status_mb("VmRSS:")
     for _ in range(2):

@@ -304,8 +304,8 @@ def test_adapters_reach_an_sglang_server_through_its_lora_api(tiny_dir, tmp_path
 
     import httpx
     from test_first_step import _rollout
+    from train_testkit import server_port
 
-    from loong_core.net import free_port
     from loong_train.algo.losses import pack_batch
     from loong_train.config import load_recipe
     from loong_train.controller import trainer_options
@@ -316,7 +316,7 @@ def test_adapters_reach_an_sglang_server_through_its_lora_api(tiny_dir, tmp_path
 
     transport = TransportConfig(name=f"lora-sglang-{os.getpid()}")
     recipe = load_recipe("tiny-calc-agent", ["train.lora.rank=4", "train.lr=0.05"])
-    engine = SGLangEngineConfig(launcher="loong", port_base=free_port(), health_interval_s=0.3)
+    engine = SGLangEngineConfig(launcher="loong", port_base=server_port(2), health_interval_s=0.3)
     worker, trajs = _rollout(
         tiny_dir, groups=2, transport=transport, lora=recipe.train.lora, engine=engine, log_dir=str(tmp_path)
     )
@@ -339,7 +339,7 @@ def test_adapters_reach_an_sglang_server_through_its_lora_api(tiny_dir, tmp_path
         resumed = RolloutWorker(
             str(tiny_dir), seed=1, sampling={"temperature": 1.0, "max_new_tokens": 24},
             limits={"max_turns": 2, "max_model_tokens": 40}, transport=transport, version=1,
-            engine=msgspec.structs.replace(engine, port_base=free_port()), lora=recipe.train.lora,
+            engine=msgspec.structs.replace(engine, port_base=server_port(2)), lora=recipe.train.lora,
             adapter=str(tmp_path / "ckpt" / "adapter"), log_dir=str(tmp_path / "resumed"),
         )  # fmt: skip
         try:

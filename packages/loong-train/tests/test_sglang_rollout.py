@@ -18,8 +18,8 @@ import time
 import httpx
 import pytest
 import torch
+from train_testkit import server_port
 
-from loong_core.net import free_port
 from loong_core.protocols import SamplingParams
 from loong_train.algo.losses import grpo_advantages, pack_batch
 from loong_train.backends.config import MegatronBackendConfig
@@ -58,7 +58,7 @@ def _rollout(worker: RolloutWorker, seed: int, groups: int = 1):
 @pytest.mark.integration
 def test_worker_generates_takes_weights_and_survives_a_server_restart(tiny_dir, recipe, tmp_path):
     transport = TransportConfig(name=f"sglang-rollout-{os.getpid()}")
-    config = SGLangEngineConfig(launcher="loong", port_base=free_port(), health_interval_s=0.3)
+    config = SGLangEngineConfig(launcher="loong", port_base=server_port(2), health_interval_s=0.3)
     worker = RolloutWorker(
         str(tiny_dir),
         seed=0,
@@ -117,7 +117,7 @@ def test_direct_weights_reach_both_servers_and_a_restarted_one_is_caught_up(tiny
     each version into both (bit for bit, every tensor) and the workers only confirm it. One
     server is killed: relaunched from the checkpoint (version 0), the trainer's watcher catches it
     up to the newest version, and the worker's next rollout runs on it."""
-    config = SGLangEngineConfig(port_base=free_port(), health_interval_s=0.2, weights="direct")
+    config = SGLangEngineConfig(port_base=server_port(2), health_interval_s=0.2, weights="direct")
     workers = [
         RolloutWorker(
             str(tiny_dir),
@@ -170,7 +170,7 @@ def test_direct_weights_reach_both_servers_and_a_restarted_one_is_caught_up(tiny
 
 @pytest.mark.integration
 def test_a_server_the_supervisor_gave_up_on_fails_the_rollout_call(tiny_dir, tmp_path):
-    config = SGLangEngineConfig(port_base=free_port(), health_interval_s=0.2, max_restarts=0)
+    config = SGLangEngineConfig(port_base=server_port(2), health_interval_s=0.2, max_restarts=0)
     worker = RolloutWorker(
         str(tiny_dir),
         seed=0,
@@ -275,7 +275,7 @@ def test_a_ray_run_with_an_sglang_engine_trains_and_logs_the_server(tiny_dir, tm
     from loong_train.controller import run
 
     sets = [f"model.path={tiny_dir}", "rollout.engine.type=sglang",
-            f"rollout.engine.port_base={free_port()}", "train.steps=3", "train.batch_groups=2",
+            f"rollout.engine.port_base={server_port(2)}", "train.steps=3", "train.batch_groups=2",
             "rollout.group_size=4", "rollout.max_new_tokens=16", "rollout.max_model_tokens=32",
             "eval.every=100", "eval.num_tasks=4", *lora]  # fmt: skip
     out = run(load_recipe("tiny-calc-agent", sets), tmp_path / "run", tmp_path / "cache")
@@ -299,7 +299,7 @@ def test_a_ray_run_with_direct_weights_into_two_servers(tiny_dir, tmp_path):
     from loong_train.controller import run
 
     sets = [f"model.path={tiny_dir}", "rollout.engine.type=sglang", "rollout.engine.weights=direct",
-            f"rollout.engine.port_base={free_port()}", "rollout.workers=2", "train.max_staleness=0",
+            f"rollout.engine.port_base={server_port(2)}", "rollout.workers=2", "train.max_staleness=0",
             "train.steps=3", "train.batch_groups=2", "rollout.group_size=4", "rollout.max_new_tokens=16",
             "rollout.max_model_tokens=32", "eval.every=100", "eval.num_tasks=4"]  # fmt: skip
     out = run(load_recipe("tiny-calc-agent", sets), tmp_path / "run", tmp_path / "cache")

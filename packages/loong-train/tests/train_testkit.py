@@ -24,6 +24,8 @@ import glob
 import importlib.util
 import json
 import os
+import random
+import socket
 import struct
 import sys
 import threading
@@ -118,6 +120,23 @@ _SHAPE = {
     "num_key_value_heads": 2,
     "head_dim": 8,
 }
+
+
+def server_port(count: int = 1) -> int:
+    """A port base for ``count`` servers on loopback, free now and below the OS's ephemeral range:
+    a server killed and relaunched on its port finds it free again (a port from that range, where
+    :func:`loong_core.net.free_port` picks, can meanwhile become any outgoing connection's source)."""
+    ranges = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    low = int(ranges.read_text().split()[0]) if ranges.exists() else 32768
+    for base in random.sample(range(20000, low - count), 500):
+        try:
+            with contextlib.ExitStack() as stack:
+                for port in range(base, base + count):
+                    stack.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+    raise RuntimeError(f"no {count} free consecutive ports between 20000 and {low}")
 
 
 def sglang_python() -> str | None:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import logging
 import os
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -63,35 +62,23 @@ def run(recipe: Recipe, out: Path, cache: Path, resume: bool = False) -> Path:
     task = _preflight(recipe)
     held_out = task.held_out(recipe.eval.num_tasks)
     model_path = str(_prepare_model(recipe, cache))
+    _check_model(recipe, model_path)  # what the workers would fail on, before Ray starts
+    if recipe.opd.build:  # OPD recipes: build their teachers
+        recipe = plugins.teacher_builder().prepare(recipe, cache, Path(model_path))
+    ckpt = checkpoint.latest(out, recipe) if resume else None
+    e = recipe.eval
+    evaluator = Evaluator(held_out, seed=recipe.seed, every=e.every, last=recipe.train.steps)
+    run_dir = RunDir(out, recipe, recipe.rollout.workers)
     started_ray = not ray.is_initialized()
-    with ThreadPoolExecutor(1) as pool:  # what the workers would fail on, checked while Ray starts
-        checked = pool.submit(_check_model, recipe, model_path)
-        try:
-            if started_ray:
-                _init_ray(recipe)
-            checked.result()
-        except BaseException:
-            _shutdown_ray(started_ray)
-            raise
-    try:
-        if recipe.opd.build:  # OPD recipes: build their teachers
-            recipe = plugins.teacher_builder().prepare(recipe, cache, Path(model_path))
-        ckpt = checkpoint.latest(out, recipe) if resume else None
-        e = recipe.eval
-        evaluator = Evaluator(held_out, seed=recipe.seed, every=e.every, last=recipe.train.steps)
-        run_dir = RunDir(out, recipe, recipe.rollout.workers)
-        transport = msgspec.structs.replace(recipe.transport, name=run_dir.name).with_free_port()
-        curriculum = Curriculum(recipe.curriculum, recipe.seed) if recipe.curriculum.enabled else None
-        source = GroupSource(  # the warm start used seed + 1
-            task.train_stream(recipe.seed + 2, held_out),
-            recipe.rollout.group_size,
-            seed=recipe.seed,
-            curriculum=curriculum,
-        )
-        pipe = _start(recipe, model_path, transport, run_dir.path, ckpt, source)
-    except BaseException:
-        _shutdown_ray(started_ray)
-        raise
+    transport = msgspec.structs.replace(recipe.transport, name=run_dir.name).with_free_port()
+    curriculum = Curriculum(recipe.curriculum, recipe.seed) if recipe.curriculum.enabled else None
+    source = GroupSource(  # the warm start used seed + 1
+        task.train_stream(recipe.seed + 2, held_out),
+        recipe.rollout.group_size,
+        seed=recipe.seed,
+        curriculum=curriculum,
+    )
+    pipe = _start(recipe, model_path, transport, run_dir.path, ckpt, source)
     try:
         if ckpt:
             checkpoint.restore(_components(pipe, run_dir, evaluator), ckpt)
@@ -120,28 +107,9 @@ def run(recipe: Recipe, out: Path, cache: Path, resume: bool = False) -> Path:
         run_dir.close()
         pipe.shutdown()
         remove_slots(run_dir.name)  # also when the trainer died before unlinking them
-        _shutdown_ray(started_ray)
+        if started_ray:
+            ray.shutdown()
     return run_dir.path
-
-
-def _init_ray(recipe: Recipe) -> None:
-    """A Ray cluster of the run's own, or the one ``--address`` (or ``RAY_ADDRESS``, as Ray reads
-    it) names; never one Ray would find by chance on this machine (another user's `ray start`)."""
-    address = recipe.ray_address or os.environ.get("RAY_ADDRESS") or "local"
-    local = address == "local"
-    ray.init(
-        address=address,
-        num_cpus=recipe.rollout.workers * recipe.threads + recipe.trainer_cpus if local else None,
-        include_dashboard=False,
-        logging_level=logging.WARNING,
-        log_to_driver=True,
-    )
-
-
-def _shutdown_ray(started: bool) -> None:
-    """Shut Ray down if this run started it."""
-    if started:
-        ray.shutdown()
 
 
 def _train(
@@ -299,9 +267,21 @@ def _start(
     ckpt: Checkpoint | None,
     source: GroupSource,
 ) -> Pipeline:
-    """The rollout workers and the trainer on Ray (logs in ``run_path/logs``); resumed, all three
+    """Ray, the rollout workers and the trainer (logs in ``run_path/logs``); resumed, all three
     start from ``ckpt``. Each actor reserves its torch threads as CPUs (``threads``; the
     trainer's ``train.threads``) and its GPUs, so Ray places them by resources."""
+    if not ray.is_initialized():
+        # --address, or RAY_ADDRESS as Ray reads it; else a cluster of the run's own, never one
+        # Ray would find by chance on this machine (another user's `ray start`, say)
+        address = recipe.ray_address or os.environ.get("RAY_ADDRESS") or "local"
+        local = address == "local"
+        ray.init(
+            address=address,
+            num_cpus=recipe.rollout.workers * recipe.threads + recipe.trainer_cpus if local else None,
+            include_dashboard=False,
+            logging_level=logging.WARNING,
+            log_to_driver=True,
+        )
     engine_path, version = (str(ckpt.path), ckpt.version) if ckpt else (model_path, 0)
     adapter = ""
     if ckpt and _adapter_updates(recipe):  # the engines merge adapters into the base weights

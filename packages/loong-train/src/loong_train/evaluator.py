@@ -3,8 +3,8 @@
 Version 0 (the weights before training) is evaluated first, then every ``eval.every`` versions
 and the last one. An evaluation is a rollout call of every held-out item (one episode each, seeded
 by the run seed and the item's sample id, so a version's evaluation samples the same tokens in
-every run), queued on a live worker behind the weight update to that version, and never crossed
-by a later update (:meth:`Pipeline.queue_rollout` with ``evaluation=True``). Where updates wait
+every run), queued on a live worker behind the weight update to that version; once it runs, no
+later update crosses it (:meth:`Pipeline.queue_rollout` with ``evaluation=True``). Where updates wait
 for the evaluations queued before them (:mod:`loong_train.weight_sync`), version 0's queues behind
 the first rollout calls, so the trainer starts on their batch while it runs.
 

@@ -22,6 +22,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import importlib
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -107,6 +109,9 @@ class TorchBackend:
         self.source = str(source)  # the checkpoint loaded: an adapter's base
         trained = [p for p in model.parameters() if p.requires_grad]
         self._optimizer_args = (trained, lr, weight_decay, warmup_steps)
+        # what the first optimizer imports, on a thread: a trainer is up without it
+        self._warm = threading.Thread(target=importlib.import_module, args=("torch._dynamo",), daemon=True)
+        self._warm.start()
         self.grad_clip, self.temperature = grad_clip, temperature
         self.max_tokens = max_tokens_per_micro_batch
         self.loss_cfg = loss or LossConfig()
@@ -120,8 +125,9 @@ class TorchBackend:
     @functools.cached_property
     def _optimizer(self) -> tuple[torch.optim.AdamW, torch.optim.lr_scheduler.LambdaLR]:
         """AdamW and its warmup, built on first use: a process's first optimizer imports
-        ``torch._dynamo`` (3-5 s on a CPU core), which a trainer then pays beside the first
-        rollouts instead of before them (:class:`loong_train.workers.trainer.TrainerWorker`)."""
+        ``torch._dynamo`` (3-5 s on a CPU core), which a trainer then imports on a thread while the
+        first rollouts run, instead of before they start."""
+        self._warm.join()
         trained, lr, weight_decay, warmup_steps = self._optimizer_args
         opt = torch.optim.AdamW(trained, lr=lr, weight_decay=weight_decay, betas=(0.9, 0.99))
         return opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / max(1, warmup_steps)))

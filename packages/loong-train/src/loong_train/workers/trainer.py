@@ -3,7 +3,6 @@ the rollout workers, or (``[rollout.engine] weights = "direct"``) every SGLang s
 
 from __future__ import annotations
 
-import importlib
 import logging
 import threading
 import time
@@ -71,9 +70,6 @@ class TrainerWorker:
                 target=self._watch, args=(watch_interval_s,), name="catch-up", daemon=True
             )
             watcher.start()
-        # what the first optimizer imports (3-5 s; the torch backend builds it on first use),
-        # imported while the first rollouts run rather than before they start
-        threading.Thread(target=importlib.import_module, args=("torch._dynamo",), daemon=True).start()
 
     def train_step(self, batch: TrainBatch, wait_for: Sequence[ray.ObjectRef] = ()) -> StepResult:
         """One optimizer step; an all-failed (empty) batch skips the step but still advances.
