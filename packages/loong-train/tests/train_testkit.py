@@ -122,7 +122,7 @@ _SHAPE = {
 }
 
 
-def server_port(count: int = 1) -> int:
+def server_port(count: int) -> int:
     """A port base for ``count`` servers on loopback, free now and below the OS's ephemeral range:
     a server killed and relaunched on its port finds it free again (a port from that range, where
     :func:`loong_core.net.free_port` picks, can meanwhile become any outgoing connection's source)."""
