@@ -232,6 +232,11 @@ RULE_CASES = {
         _MEGATRON,
         r'opd.objective = "jsd" is a torch-backend option',
     ),
+    "borrowed_threads_from_embedded_engines": (
+        "tiny-calc-agent",
+        ["train.borrow_idle_threads=true", "rollout.engine.type='sglang'"],
+        r"borrows the CPU threads of embedded engines; rollout.engine.type = 'sglang' lends none",
+    ),
 }
 
 

@@ -1,6 +1,8 @@
 """A real end-to-end run: Ray, one rollout worker, one trainer, shm weight sync, run directory."""
 
 import json
+import tempfile
+from pathlib import Path
 
 import pytest
 from train_testkit import tensorboard_scalars, wandb_history
@@ -39,11 +41,17 @@ SMALL = [
 @pytest.mark.integration
 @pytest.mark.parametrize("window", [0, 1])
 def test_short_run_writes_the_run_directory(tmp_path, window):
-    loggers = ['log.loggers=["tensorboard", "wandb"]'] if window else []  # one run is enough
-    recipe = load_recipe("tiny-calc-agent", [*SMALL, f"train.max_staleness={window}", *loggers])
+    # one run is enough for the loggers, and for the trainer borrowing the engine's thread
+    extra = ['log.loggers=["tensorboard", "wandb"]', "train.borrow_idle_threads=true"] if window else []
+    recipe = load_recipe("tiny-calc-agent", [*SMALL, f"train.max_staleness={window}", *extra])
     out = run(recipe, tmp_path / "run", tmp_path / "cache")
     rows = read_metrics(out / "metrics.jsonl")
-    if loggers:  # the same rows, read back with each tool's reader
+    if window:  # its own thread, and at times the resting engine's one; the board is removed
+        assert all(1 <= r["trainer_threads_mean"] <= 2 for r in rows)
+        assert not (Path(tempfile.gettempdir()) / f"loong-{out.name}.cores").exists()
+    else:
+        assert all("trainer_threads_mean" not in r for r in rows)
+    if window:  # the same rows, read back with each tool's reader
         expected = [(r["step"], r["reward_mean"]) for r in rows]
         assert [
             (s, pytest.approx(v)) for s, v in tensorboard_scalars(out / "tensorboard")["reward_mean"]

@@ -183,7 +183,10 @@ class TrainConfig(_Section):
     last step); the newest ``keep_checkpoints`` are kept (:mod:`loong_train.run.checkpoint`).
     ``threads``: the trainer's torch threads (and the CPUs Ray reserves for it); 0: the recipe's
     ``threads``. More than the rollout workers' lets training use the cores an engine leaves
-    idle while its episodes wait on tools."""
+    idle while its episodes wait on tools. ``borrow_idle_threads``: the trainer also runs on the
+    threads of the rollout workers on its node whenever their embedded engines have nothing to
+    run, and gives them back as soon as they do (:mod:`loong_train.cores`; the torch backend;
+    thread counts then follow timing, so a fixed seed reproduces a run only up to rounding)."""
 
     steps: int = 100
     batch_groups: int = 16
@@ -197,6 +200,7 @@ class TrainConfig(_Section):
     checkpoint_every: int = 0
     keep_checkpoints: int = 2
     threads: int = 0
+    borrow_idle_threads: bool = False
 
     def __post_init__(self) -> None:
         _at_least(self, checkpoint_every=0, keep_checkpoints=1, threads=0)

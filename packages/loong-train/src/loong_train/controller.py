@@ -286,14 +286,16 @@ def _start(
     adapter = ""
     if ckpt and _adapter_updates(recipe):  # the engines merge adapters into the base weights
         engine_path, adapter = model_path, str(ckpt.path / "adapter")
+    cores = run_path.name if recipe.train.borrow_idle_threads else ""  # the board's name
+    logs = run_path / "logs"
     if transport.type == "tcp" and _host(transport.address) in _WILDCARD:
         # the sender binds every interface of a node Ray picks: workers learn its address from it
-        trainer = _start_trainer(recipe, model_path, transport, [])
+        trainer = _start_trainer(recipe, model_path, transport, [], cores)
         transport = msgspec.structs.replace(transport, address=ray.get(trainer.weights_address.remote()))
-        workers = _start_workers(recipe, engine_path, version, transport, run_path / "logs", adapter)
+        workers = _start_workers(recipe, engine_path, version, transport, logs, adapter, cores)
     else:
-        workers = _start_workers(recipe, engine_path, version, transport, run_path / "logs", adapter)
-        trainer = _start_trainer(recipe, model_path, transport, workers)
+        workers = _start_workers(recipe, engine_path, version, transport, logs, adapter, cores)
+        trainer = _start_trainer(recipe, model_path, transport, workers, cores)
     _check_reach(recipe, transport, trainer, workers)
     if ckpt:
         ray.get(trainer.load_checkpoint.remote(str(ckpt.path)))
@@ -344,10 +346,17 @@ def _adapter_updates(recipe: Recipe) -> bool:
 
 
 def _start_workers(
-    recipe: Recipe, engine_path: str, version: int, transport: TransportConfig, log_dir: Path, adapter: str
+    recipe: Recipe,
+    engine_path: str,
+    version: int,
+    transport: TransportConfig,
+    log_dir: Path,
+    adapter: str,
+    cores: str,
 ) -> list:
     """``rollout.workers`` rollout worker actors, their engines loading ``engine_path`` at ``version``
-    (with ``adapter``, a checkpoint's LoRA adapter, merged in)."""
+    (with ``adapter``, a checkpoint's LoRA adapter, merged in), lending their threads on board
+    ``cores`` while they rest (:mod:`loong_train.cores`; "": not)."""
     r = recipe.rollout
     sampling = {"temperature": r.temperature, "top_p": r.top_p, "max_new_tokens": r.max_new_tokens}
     limits = {
@@ -383,13 +392,15 @@ def _start_workers(
             else None,
             lora=recipe.train.lora if _adapter_updates(recipe) else None,
             adapter=adapter,
+            cores=cores,
         )
         for i in range(r.workers)
     ]
 
 
-def _start_trainer(recipe: Recipe, model_path: str, transport: TransportConfig, workers: list):
-    """The trainer actor, from the initial model (which stays the KL reference when resumed)."""
+def _start_trainer(recipe: Recipe, model_path: str, transport: TransportConfig, workers: list, cores: str):
+    """The trainer actor, from the initial model (which stays the KL reference when resumed),
+    borrowing the threads lent on board ``cores`` ("": none)."""
     b = recipe.train.backend
     ranks = isinstance(b, FsdpBackendConfig)  # the ranks reserve their own CPUs
     trainer_actor = ray.remote(num_cpus=0 if ranks else recipe.trainer_threads, num_gpus=b.trainer_gpus)(
@@ -399,4 +410,4 @@ def _start_trainer(recipe: Recipe, model_path: str, transport: TransportConfig, 
     if options["servers"] is not None:  # direct weights: to the servers where Ray placed them
         urls = ray.get([w.server_url.remote() for w in workers])
         options["servers"] = msgspec.structs.replace(options["servers"], urls=urls)
-    return trainer_actor.remote(model_path, transport=transport, **options)
+    return trainer_actor.remote(model_path, transport=transport, cores=cores, **options)

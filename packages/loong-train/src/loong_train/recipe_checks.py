@@ -163,6 +163,24 @@ def dense_distillation_needs_torch(recipe: Recipe) -> str | None:
     )
 
 
+def borrowed_threads_from_embedded_engines(recipe: Recipe) -> str | None:
+    """Embedded engines lend their CPU threads, to the torch backend's one trainer process."""
+    engine, backend = recipe.rollout.engine, recipe.train.backend.type
+    if not recipe.train.borrow_idle_threads:
+        return None
+    if not isinstance(engine, EmbeddedEngineConfig):
+        return (
+            f"train.borrow_idle_threads = true borrows the CPU threads of embedded engines; "
+            f"rollout.engine.type = {engine.type!r} lends none (set it to false)"
+        )
+    if backend != "torch":
+        return (
+            f"train.borrow_idle_threads = true lends threads to the torch backend's trainer, "
+            f"not train.backend.type = {backend!r} (set it to false, or train.backend.type = 'torch')"
+        )
+    return None
+
+
 RULES = (
     known_task,
     transport_loong_drives,
@@ -175,6 +193,7 @@ RULES = (
     cuda_ipc_needs_real_sglang,
     groups_of_two_for_task_reward,
     dense_distillation_needs_torch,
+    borrowed_threads_from_embedded_engines,
 )
 """Every cross-table rule, in the order a recipe is checked."""
 

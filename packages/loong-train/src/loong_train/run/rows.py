@@ -32,9 +32,10 @@ _TRAIN_KEYS = (
     "kl_loss",
 )
 _TRAIN_IF_PRESENT = (
-    "distill_kl",
+    "distill_kl",  # loong_train.algo.losses.distill_loss (dense OPD objectives)
     "distill_jsd",
-)  # loong_train.algo.losses.distill_loss (dense OPD objectives)
+    "trainer_threads_mean",  # threads borrowed from resting engines (loong_train.cores)
+)
 _TRAIN_PREFIXES = ("opd/", "teacher/")  # per-teacher OPD metrics (loong_train.algo.opd), named by teacher
 
 

@@ -31,8 +31,10 @@ from loong_agentflow import (
 from loong_core.protocols import SamplingParams
 from loong_core.records import Trajectory, WeightManifest
 from loong_train.backends.config import LoraConfig
+from loong_train.cores import CoreBoard
 from loong_train.engines.base import build_engine, build_host
 from loong_train.engines.config import EmbeddedEngineConfig, EngineConfig
+from loong_train.engines.embedded.engine import EmbeddedEngine
 from loong_train.memory import keep_freed_memory
 from loong_train.messages import ApplyResult, EngineCounts, RolloutResult
 from loong_train.models.adapters import adapted_modules, read_adapter
@@ -65,6 +67,9 @@ class RolloutWorker:
     up to the newest weights the trainer published (:meth:`_catch_up`). Weight updates never move
     a worker backwards (an update older than what it holds is skipped), so every call queued
     after an update runs at that version or a newer one.
+
+    ``cores``: the name of the run's :class:`~loong_train.cores.CoreBoard`, where an embedded
+    engine lends the worker's ``threads`` to the trainer while it rests ("": it lends nothing).
     """
 
     def __init__(
@@ -87,6 +92,7 @@ class RolloutWorker:
         tool_latency: Latency | None = None,
         lora: LoraConfig | None = None,
         adapter: str = "",
+        cores: str = "",
     ) -> None:
         torch.set_num_threads(threads)
         keep_freed_memory()
@@ -120,6 +126,20 @@ class RolloutWorker:
         self.between_calls = (engine or EmbeddedEngineConfig()).partial == "off"
         self._calls_lock, self._calls, self._calls_since, self.busy_s = threading.Lock(), 0, 0.0, 0.0
         self._open_weights(transport or TransportConfig(), version, lora, adapter)
+        self.board = self._lend_cores(cores, threads) if cores else None
+
+    def _lend_cores(self, name: str, threads: int) -> CoreBoard:
+        """Lend ``threads`` on board ``name`` whenever the engine has nothing to run."""
+        if not isinstance(self.engine, EmbeddedEngine):
+            raise ValueError(f"only the embedded engine lends its cores, not {type(self.engine).__name__}")
+        board, slot = CoreBoard(name, self.worker_id + 1), self.worker_id
+
+        def on_work(working: bool) -> None:
+            board.reclaim(slot) if working else board.lend(slot, threads)
+
+        self.engine.on_work = on_work
+        on_work(False)
+        return board
 
     def _episode_runner(self, agent: AgentConfig | None, tokenizer) -> tuple[BlackBoxHost | None, Any]:
         """Black-box episodes run through a :class:`BlackBoxHost`; white-box ones through the
@@ -286,6 +306,9 @@ class RolloutWorker:
             self.host.close()
         if self.receiver is not None:
             self.receiver.close()
+        if self.board is not None:
+            self.board.reclaim(self.worker_id)
+            self.board.close()
         self.engine.close()
 
     def model_path(self) -> str:

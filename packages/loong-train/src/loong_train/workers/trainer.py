@@ -18,6 +18,7 @@ from loong_core.records import TrainBatch, WeightManifest
 from loong_train.algo.config import OPDConfig
 from loong_train.algo.opd import Distiller
 from loong_train.backends.base import BackendOptions, build_backend
+from loong_train.cores import Borrower, CoreBoard
 from loong_train.memory import keep_freed_memory
 from loong_train.messages import Published, StepResult
 from loong_transfermesh import SGLangPusherConfig, SGLangServers, TransportConfig, open_sender
@@ -40,6 +41,10 @@ class TrainerWorker:
     holds one lock, so the watcher never runs beside a step, a save or a Megatron gather, and it
     waits while a train step has changed weights not yet published: a server never gets a
     half-trained version.
+
+    ``cores``: the run's :class:`~loong_train.cores.CoreBoard`, with a slot for each of
+    ``receivers`` rollout workers: a torch backend's step also runs on the threads the engines on
+    this node lend while they rest (a :class:`~loong_train.cores.Borrower`; "": on its own).
     """
 
     def __init__(
@@ -53,6 +58,7 @@ class TrainerWorker:
         receivers: int = 0,
         servers: SGLangPusherConfig | None = None,
         watch_interval_s: float = 1.0,
+        cores: str = "",
     ) -> None:
         torch.set_num_threads(options.threads)
         keep_freed_memory()
@@ -62,6 +68,7 @@ class TrainerWorker:
         self.distiller = Distiller(opd, model_path) if opd is not None and opd.enabled else None
         self.sender = open_sender(transport, receivers) if servers is None else None  # the rollout workers
         self.servers = None if servers is None else SGLangServers(_reachable(servers))
+        self.borrower = Borrower(CoreBoard(cores, receivers), options.threads) if cores else None
         self._lock = threading.RLock()  # the backend, the servers and the flag below
         self._unpublished = False  # a train step changed the weights since the last push
         self._closed = threading.Event()
@@ -85,8 +92,15 @@ class TrainerWorker:
             teacher_end = time.time()
         with self._lock:
             self._unpublished = bool(batch.row_lens)
-            metrics = self.backend.train_step(batch) if batch.row_lens else {"skipped": 1.0}
+            metrics = self._step(batch) if batch.row_lens else {"skipped": 1.0}
         return StepResult(metrics={**metrics, **opd}, start=start, end=time.time(), teacher_end=teacher_end)
+
+    def _step(self, batch: TrainBatch) -> dict[str, float]:
+        if self.borrower is None:
+            return self.backend.train_step(batch)
+        with self.borrower.hooks(self.backend.model):
+            metrics = self.backend.train_step(batch)
+        return {**metrics, "trainer_threads_mean": self.borrower.threads_mean}
 
     def publish(self, step: StepResult, readers: Sequence[ray.ObjectRef] = ()) -> Published:
         """Push the weights as version + 1. ``readers`` are the engines' applies of the version
@@ -191,6 +205,8 @@ class TrainerWorker:
         self.backend.close()
         if self.distiller is not None:
             self.distiller.close()
+        if self.borrower is not None:
+            self.borrower.board.close(unlink=True)
 
 
 def _reachable(config: SGLangPusherConfig) -> SGLangPusherConfig:

@@ -46,7 +46,7 @@ import asyncio
 import contextlib
 import hashlib
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import msgspec
 import torch
@@ -75,6 +75,8 @@ class EmbeddedEngine:
     ``stats`` counts sampling steps, tokens (``stats.mean_occupancy``: rows per step) and busy
     seconds.
     Weight updates may land between decode steps of a running call (``mid_call_updates``).
+    ``on_work``: called with True when the engine starts having work (a request to decode, a
+    prompt to score) and with False once it has none (it lends its cores: :mod:`loong_train.cores`).
     """
 
     mid_call_updates = True
@@ -101,6 +103,8 @@ class EmbeddedEngine:
         self._running = asyncio.Event()
         self._running.set()
         self._busy, self._busy_since = 0, 0.0
+        self._work = 0  # the driver, and each step or scoring pass
+        self.on_work: Callable[[bool], None] | None = None
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -170,12 +174,19 @@ class EmbeddedEngine:
             self._busy_since = time.perf_counter()
         self._busy += 1
         self._idle.clear()
+        self._working(1)
 
     def _end_work(self) -> None:
         self._busy -= 1
         if not self._busy:
             self.stats.busy_s += time.perf_counter() - self._busy_since
             self._idle.set()
+        self._working(-1)
+
+    def _working(self, change: int) -> None:
+        before, self._work = self._work, self._work + change
+        if self.on_work is not None and (before == 0) != (self._work == 0):
+            self.on_work(self._work > 0)
 
     async def score(self, input_ids: list[int]) -> tuple[list[float], int]:
         """Prefill only: ``log p(x_i | x_<i)`` for i = 1..n-1 ([n - 1]) and the weight version used."""
@@ -330,6 +341,13 @@ class EmbeddedEngine:
                 request.future.cancel()  # seen by the stepping thread: the row leaves
 
     async def _drive(self) -> None:
+        self._working(1)  # from the first request to the last row's end, steps or not
+        try:
+            await self._decode()
+        finally:
+            self._working(-1)
+
+    async def _decode(self) -> None:
         batch = self._batch
         while self._queue or batch.rows:
             for _ in range(4):  # let every runnable episode enqueue its request first

@@ -1,0 +1,140 @@
+"""Idle cores lent to the trainer (:mod:`loong_train.cores`): the board between processes, the
+borrower's thread counts in forward and backward, and when an engine and its worker lend."""
+
+import asyncio
+import subprocess
+import sys
+import uuid
+from typing import ClassVar
+
+import pytest
+import torch
+from train_testkit import tiny_family_model
+
+from loong_core.config import ConfigError
+from loong_core.protocols import SamplingParams
+from loong_train.config import load_recipe
+from loong_train.cores import Borrower, CoreBoard
+from loong_train.engines.embedded.engine import EmbeddedEngine
+from loong_train.source import GroupSource
+from loong_train.tiny import calc
+from loong_train.workers.rollout import RolloutWorker
+
+
+@pytest.fixture
+def board():
+    board = CoreBoard(f"test-{uuid.uuid4().hex[:8]}", 2)
+    yield board
+    board.close(unlink=True)
+
+
+@pytest.fixture
+def threads():
+    """Restores this process's torch threads after a test that changes them."""
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_a_board_is_shared_between_processes_and_lends_nothing_until_written(board):
+    assert board.lent() == 0  # a fresh board: no worker has said it rests
+    name = board.path.name.removeprefix("loong-").removesuffix(".cores")
+    lend = f"from loong_train.cores import CoreBoard; CoreBoard({name!r}, 2).lend(1, 3)"
+    subprocess.run([sys.executable, "-c", lend], check=True)
+    assert board.lent() == 3
+    board.lend(0, 1)
+    assert board.lent() == 4
+    board.reclaim(1)
+    assert board.lent() == 1
+
+
+class _Seen(torch.autograd.Function):
+    """The identity, noting torch's thread count when its forward and its backward run."""
+
+    seen: ClassVar[list[tuple[str, int]]] = []
+
+    @staticmethod
+    def forward(ctx, x):
+        _Seen.seen.append(("forward", torch.get_num_threads()))
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        _Seen.seen.append(("backward", torch.get_num_threads()))
+        return grad
+
+
+class _Probe(torch.nn.Linear):
+    def forward(self, x):
+        return _Seen.apply(super().forward(x))
+
+
+def test_the_borrower_takes_lent_threads_before_each_linear_forward_and_backward(board, threads):
+    torch.set_num_threads(1)
+    model = torch.nn.Sequential(_Probe(4, 4), torch.nn.Tanh(), _Probe(4, 1))
+    borrower = Borrower(board, own=1)
+    _Seen.seen.clear()
+    with borrower.hooks(model):
+        board.lend(0, 1)  # the engine rests while the forward runs
+        out = model(torch.randn(3, 4)).sum()
+        board.reclaim(0)  # and works again before the backward
+        out.backward()
+    assert _Seen.seen == [("forward", 2), ("forward", 2), ("backward", 1), ("backward", 1)]
+    assert torch.get_num_threads() == 1  # the lent threads given back
+    assert 1 < borrower.threads_mean < 2
+    _Seen.seen.clear()
+    board.lend(0, 1)
+    model(torch.randn(3, 4)).sum().backward()  # outside the hooks: own threads only
+    assert {n for _, n in _Seen.seen} == {1}
+
+
+def test_the_engine_reports_work_once_a_busy_spell_not_each_decode_step():
+    engine = EmbeddedEngine(tiny_family_model("qwen3", 0, vocab_size=40), seed=0)
+    calls = []
+    engine.on_work = calls.append
+
+    async def spell():
+        return await asyncio.gather(
+            *(engine.generate([1, i], SamplingParams(max_new_tokens=4 + i)) for i in range(3))
+        )
+
+    asyncio.run(spell())
+    assert engine.stats.steps >= 6 and calls == [True, False]
+    asyncio.run(engine.score([1, 2, 3]))
+    assert calls == [True, False, True, False]
+
+
+def test_a_rollout_worker_lends_its_threads_while_its_engine_rests(tiny_dir, board):
+    name = board.path.name.removeprefix("loong-").removesuffix(".cores")
+    worker = RolloutWorker(
+        str(tiny_dir),
+        seed=0,
+        sampling={"temperature": 1.0, "max_new_tokens": 8},
+        limits={"max_turns": 1, "max_model_tokens": 40},
+        threads=1,
+        worker_id=1,
+        cores=name,
+    )
+    try:
+        assert board.lent() == 1  # up and resting
+        during = []
+        lend = worker.engine.on_work
+
+        def noting(working):
+            lend(working)
+            during.append((working, board.lent()))
+
+        worker.engine.on_work = noting
+        source = GroupSource(calc.train_tasks(0, []), group_size=2)
+        worker.rollout(source.specs(source.next_group()))
+        assert during[0] == (True, 0) and during[-1] == (False, 1)
+    finally:
+        worker.close()
+    assert board.lent() == 0  # a closed worker lends nothing
+
+
+def test_borrowing_is_refused_for_a_trainer_of_other_processes():
+    """The torch backend's one process borrows (an SGLang engine lends nothing:
+    ``test_recipe_config.py``'s rule cases)."""
+    with pytest.raises(ConfigError, match="train.borrow_idle_threads = true lends threads to the torch"):
+        load_recipe("tiny-calc-agent", ["train.borrow_idle_threads=true", "train.backend.type=megatron"])
