@@ -4,6 +4,8 @@ borrower's thread counts in forward and backward, and when an engine and its wor
 import asyncio
 import subprocess
 import sys
+import threading
+import time
 import uuid
 from typing import ClassVar
 
@@ -48,6 +50,26 @@ def test_a_board_is_shared_between_processes_and_lends_nothing_until_written(boa
     assert board.lent() == 1
 
 
+def test_a_worker_taking_its_threads_back_waits_until_the_trainer_gave_them_back(board):
+    board.lend(0, 1)
+    board.borrowed = 1  # the trainer runs on the lent thread
+    events = []
+
+    def give_back():
+        time.sleep(0.05)
+        events.append("given back")
+        board.borrowed = 0
+
+    trainer = threading.Thread(target=give_back)
+    trainer.start()
+    board.reclaim(0, wait_s=30)
+    events.append("reclaimed")
+    trainer.join()
+    assert events == ["given back", "reclaimed"] and board.lent() == 0
+    board.borrowed = 1  # a trainer that never gives them back (stuck, gone): the wait ends
+    board.reclaim(0, wait_s=0.01)
+
+
 class _Seen(torch.autograd.Function):
     """The identity, noting torch's thread count when its forward and its backward run."""
 
@@ -80,7 +102,7 @@ def test_the_borrower_takes_lent_threads_before_each_linear_forward_and_backward
         board.reclaim(0)  # and works again before the backward
         out.backward()
     assert _Seen.seen == [("forward", 2), ("forward", 2), ("backward", 1), ("backward", 1)]
-    assert torch.get_num_threads() == 1  # the lent threads given back
+    assert torch.get_num_threads() == 1 and board.borrowed == 0  # the lent threads given back
     assert 1 < borrower.threads_mean < 2
     _Seen.seen.clear()
     board.lend(0, 1)
@@ -136,5 +158,5 @@ def test_a_rollout_worker_lends_its_threads_while_its_engine_rests(tiny_dir, boa
 def test_borrowing_is_refused_for_a_trainer_of_other_processes():
     """The torch backend's one process borrows (an SGLang engine lends nothing:
     ``test_recipe_config.py``'s rule cases)."""
-    with pytest.raises(ConfigError, match="train.borrow_idle_threads = true lends threads to the torch"):
+    with pytest.raises(ConfigError, match=r"train\.borrow_idle_threads = true lends threads to the torch"):
         load_recipe("tiny-calc-agent", ["train.borrow_idle_threads=true", "train.backend.type=megatron"])

@@ -12,8 +12,10 @@ A :class:`CoreBoard` is one small shared file per run and node, one byte a worke
 it lends now (0 while its engine works). Engines write their byte (an unwritten one lends
 nothing); the trainer reads the sum. A :class:`Borrower` sets the trainer's torch threads to its
 own plus the lent ones before every linear layer's forward and backward, so it follows an
-engine within one layer. Thread counts then follow timing: a run with lending on gives the same
-results only up to rounding (``[train] borrow_idle_threads``, off by default).
+engine within one layer, and writes how many it borrows; an engine taking its threads back waits
+(a bounded time) until the trainer has given them back. Thread counts then follow timing: a run
+with lending on gives the same results only up to rounding (``[train] borrow_idle_threads``, off
+by default).
 """
 
 from __future__ import annotations
@@ -32,30 +34,45 @@ __all__ = ["Borrower", "CoreBoard"]
 
 
 class CoreBoard:
-    """The threads the resting workers of run ``name`` lend on this node (``slots``: one per worker)."""
+    """The threads the resting workers of run ``name`` lend on this node (``slots``: one per
+    worker), and how many of them the trainer runs on now (``borrowed``)."""
 
     def __init__(self, name: str, slots: int) -> None:
         self.path = Path(tempfile.gettempdir()) / f"loong-{name}.cores"
         self.slots = slots
+        size = 1 + slots  # byte 0: borrowed; then one a worker
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
-            if os.fstat(fd).st_size < slots:  # the first to open it sizes it; zeros lend nothing
-                os.ftruncate(fd, slots)
-            self._map = mmap.mmap(fd, slots)
+            if os.fstat(fd).st_size < size:  # the first to open it sizes it; zeros lend nothing
+                os.ftruncate(fd, size)
+            self._map = mmap.mmap(fd, size)
         finally:
             os.close(fd)
 
+    @property
+    def borrowed(self) -> int:
+        return self._map[0]
+
+    @borrowed.setter
+    def borrowed(self, threads: int) -> None:
+        self._map[0] = min(threads, 255)
+
     def lend(self, slot: int, threads: int) -> None:
         """Worker ``slot`` rests: its ``threads`` may train."""
-        self._map[slot] = min(threads, 255)
+        self._map[1 + slot] = min(threads, 255)
 
-    def reclaim(self, slot: int) -> None:
-        """Worker ``slot`` works again: it lends nothing."""
-        self._map[slot] = 0
+    def reclaim(self, slot: int, wait_s: float = 0.0) -> None:
+        """Worker ``slot`` works again: it lends nothing. Waits up to ``wait_s`` for the trainer
+        to give the threads back (it does before its next linear layer), so the two never share
+        a core, which would slow both."""
+        self._map[1 + slot] = 0
+        deadline = time.monotonic() + wait_s
+        while self.borrowed > self.lent() and time.monotonic() < deadline:
+            time.sleep(0.0005)
 
     def lent(self) -> int:
         """Threads lent now, by every worker on this node."""
-        return sum(self._map[: self.slots])
+        return sum(self._map[1 : 1 + self.slots])
 
     def close(self, unlink: bool = False) -> None:
         """Unmap (``unlink``: and remove the file; a worker's map stays valid until it closes)."""
@@ -98,6 +115,7 @@ class Borrower:
             self._thread_s += self.threads * (now - self._changed)
             self._changed, self.threads = now, threads
             torch.set_num_threads(threads)
+            self.board.borrowed = threads - self.own
 
     @contextlib.contextmanager
     def hooks(self, model: torch.nn.Module) -> Iterator[None]:

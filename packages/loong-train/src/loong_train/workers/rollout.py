@@ -135,7 +135,7 @@ class RolloutWorker:
         board, slot = CoreBoard(name, self.worker_id + 1), self.worker_id
 
         def on_work(working: bool) -> None:
-            board.reclaim(slot) if working else board.lend(slot, threads)
+            board.reclaim(slot, wait_s=0.25) if working else board.lend(slot, threads)
 
         self.engine.on_work = on_work
         on_work(False)
