@@ -15,7 +15,8 @@ import signal
 import sys
 from pathlib import Path
 
-from loong_train.ray_env import prepare_local_ray
+from loong_train.ray_env import close as close_ray
+from loong_train.ray_env import connect_in_background, prepare_local_ray
 
 __all__ = ["main"]
 
@@ -103,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
     exit_on_sigterm()
     if not recipe.ray_address:
         prepare_local_ray()
+    connect_in_background(recipe)  # Ray starts while the controller imports and checks the model
     from loong_train.controller import run
 
     try:
@@ -112,6 +114,8 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:  # --resume: no checkpoint, or a recipe that does not fit it
         print(f"loong-train: {e}", file=sys.stderr)
         return 2
+    finally:
+        close_ray()
     print(f"run directory: {out}")
     return 0
 

@@ -16,7 +16,6 @@ The driver is the loop of docs/architecture.md, "The asynchronous loop":
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,7 @@ from tqdm import tqdm
 from loong_agentflow import EpisodeLimits, Latency
 from loong_core.config import ConfigError
 from loong_core.window import StalenessWindow
-from loong_train import plugins
+from loong_train import plugins, ray_env
 from loong_train.backends.base import BackendOptions, backend_problem
 from loong_train.backends.config import FsdpBackendConfig, TorchBackendConfig, require_installed
 from loong_train.config import Recipe
@@ -69,7 +68,7 @@ def run(recipe: Recipe, out: Path, cache: Path, resume: bool = False) -> Path:
     e = recipe.eval
     evaluator = Evaluator(held_out, seed=recipe.seed, every=e.every, last=recipe.train.steps)
     run_dir = RunDir(out, recipe, recipe.rollout.workers)
-    started_ray = not ray.is_initialized()
+    started_ray = ray_env.starts_ray()
     transport = msgspec.structs.replace(recipe.transport, name=run_dir.name).with_free_port()
     curriculum = Curriculum(recipe.curriculum, recipe.seed) if recipe.curriculum.enabled else None
     source = GroupSource(  # the warm start used seed + 1
@@ -270,18 +269,7 @@ def _start(
     """Ray, the rollout workers and the trainer (logs in ``run_path/logs``); resumed, all three
     start from ``ckpt``. Each actor reserves its torch threads as CPUs (``threads``; the
     trainer's ``train.threads``) and its GPUs, so Ray places them by resources."""
-    if not ray.is_initialized():
-        # --address, or RAY_ADDRESS as Ray reads it; else a cluster of the run's own, never one
-        # Ray would find by chance on this machine (another user's `ray start`, say)
-        address = recipe.ray_address or os.environ.get("RAY_ADDRESS") or "local"
-        local = address == "local"
-        ray.init(
-            address=address,
-            num_cpus=recipe.rollout.workers * recipe.threads + recipe.trainer_cpus if local else None,
-            include_dashboard=False,
-            logging_level=logging.WARNING,
-            log_to_driver=True,
-        )
+    ray_env.connect(recipe)
     engine_path, version = (str(ckpt.path), ckpt.version) if ckpt else (model_path, 0)
     adapter = ""
     if ckpt and _adapter_updates(recipe):  # the engines merge adapters into the base weights
