@@ -30,6 +30,7 @@ from loong_train import plugins, ray_env
 from loong_train.backends.base import BackendOptions, backend_problem
 from loong_train.backends.config import FsdpBackendConfig, TorchBackendConfig, require_installed
 from loong_train.config import Recipe
+from loong_train.cores import remove_board
 from loong_train.curriculum import Curriculum
 from loong_train.engines.config import SGLangEngineConfig
 from loong_train.evaluator import Evaluator
@@ -106,6 +107,7 @@ def run(recipe: Recipe, out: Path, cache: Path, resume: bool = False) -> Path:
         run_dir.close()
         pipe.shutdown()
         remove_slots(run_dir.name)  # also when the trainer died before unlinking them
+        remove_board(run_dir.name)
         if started_ray:
             ray.shutdown()
     return run_dir.path

@@ -30,7 +30,17 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["Borrower", "CoreBoard"]
+__all__ = ["Borrower", "CoreBoard", "remove_board"]
+
+
+def _path(name: str) -> Path:
+    return Path(tempfile.gettempdir()) / f"loong-{name}.cores"
+
+
+def remove_board(name: str) -> None:
+    """Remove run ``name``'s board on this node (the trainer removes it at its end; this also
+    when the trainer died first)."""
+    _path(name).unlink(missing_ok=True)
 
 
 class CoreBoard:
@@ -38,7 +48,7 @@ class CoreBoard:
     worker), and how many of them the trainer runs on now (``borrowed``)."""
 
     def __init__(self, name: str, slots: int) -> None:
-        self.path = Path(tempfile.gettempdir()) / f"loong-{name}.cores"
+        self.path = _path(name)
         self.slots = slots
         size = 1 + slots  # byte 0: borrowed; then one a worker
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
