@@ -4,6 +4,7 @@ import subprocess
 import sys
 
 import pytest
+import ray
 
 from loong_train.cli import main
 
@@ -75,8 +76,6 @@ def test_resume_needs_a_checkpoint(tmp_path, capsys):
     fast = ["--set", "warmstart.steps=0", "--cache", str(tmp_path / "cache")]
     code, err = _run(capsys, "run", "tiny-calc-agent", "--resume", str(tmp_path / "run"), *fast)
     assert code == 2 and "no checkpoint" in err
-    import ray
-
     assert not ray.is_initialized()  # the Ray it began starting beside the checks is stopped
     code, err = _run(capsys, "run", "tiny-calc-agent", "--resume", "runs/a", "--out", "runs/b")
     assert code == 2 and "--resume DIR continues in DIR" in err

@@ -16,7 +16,7 @@ from train_testkit import tiny_family_model
 from loong_core.config import ConfigError
 from loong_core.protocols import SamplingParams
 from loong_train.config import load_recipe
-from loong_train.cores import Borrower, CoreBoard
+from loong_train.cores import Borrower, CoreBoard, Lender
 from loong_train.engines.embedded.engine import EmbeddedEngine
 from loong_train.source import GroupSource
 from loong_train.tiny import calc
@@ -25,7 +25,9 @@ from loong_train.workers.rollout import RolloutWorker
 
 @pytest.fixture
 def board():
-    board = CoreBoard(f"test-{uuid.uuid4().hex[:8]}", 2)
+    """A run's board, as a reader beside the lenders and borrowers under test sees it."""
+    board = CoreBoard(f"test-{uuid.uuid4().hex[:8]}")
+    board.name = board.path.name.removeprefix("loong-").removesuffix(".cores")
     yield board
     board.close(unlink=True)
 
@@ -40,8 +42,7 @@ def threads():
 
 def test_a_board_is_shared_between_processes_and_lends_nothing_until_written(board):
     assert board.lent() == 0  # a fresh board: no worker has said it rests
-    name = board.path.name.removeprefix("loong-").removesuffix(".cores")
-    lend = f"from loong_train.cores import CoreBoard; CoreBoard({name!r}, 2).lend(1, 3)"
+    lend = f"from loong_train.cores import CoreBoard; CoreBoard({board.name!r}).lend(1, 3)"
     subprocess.run([sys.executable, "-c", lend], check=True)
     assert board.lent() == 3
     board.lend(0, 1)
@@ -50,8 +51,14 @@ def test_a_board_is_shared_between_processes_and_lends_nothing_until_written(boa
     assert board.lent() == 1
 
 
-def test_a_worker_taking_its_threads_back_waits_until_the_trainer_gave_them_back(board):
-    board.lend(0, 1)
+def test_a_lender_lends_while_no_work_is_open_and_waits_for_its_threads_back(board):
+    lender = Lender(board.name, slot=0, threads=1, wait_s=30)
+    assert board.lent() == 1
+    assert lender.begin() and not lender.begin()  # two spells overlap: one takes the threads back
+    lender.end()
+    assert board.lent() == 0
+    lender.end()
+    assert board.lent() == 1
     board.borrowed = 1  # the trainer runs on the lent thread
     events = []
 
@@ -62,12 +69,16 @@ def test_a_worker_taking_its_threads_back_waits_until_the_trainer_gave_them_back
 
     trainer = threading.Thread(target=give_back)
     trainer.start()
-    board.reclaim(0, wait_s=30)
-    events.append("reclaimed")
+    with lender.working():
+        events.append("working")
     trainer.join()
-    assert events == ["given back", "reclaimed"] and board.lent() == 0
+    assert events == ["given back", "working"] and board.lent() == 1
     board.borrowed = 1  # a trainer that never gives them back (stuck, gone): the wait ends
-    board.reclaim(0, wait_s=0.01)
+    lender.wait_s = 0.01
+    with lender.working():
+        pass
+    lender.close()
+    assert board.lent() == 0
 
 
 class _Seen(torch.autograd.Function):
@@ -94,7 +105,7 @@ class _Probe(torch.nn.Linear):
 def test_the_borrower_takes_lent_threads_before_each_linear_forward_and_backward(board, threads):
     torch.set_num_threads(1)
     model = torch.nn.Sequential(_Probe(4, 4), torch.nn.Tanh(), _Probe(4, 1))
-    borrower = Borrower(board, own=1)
+    borrower = Borrower(board.name, own=1)
     _Seen.seen.clear()
     with borrower.hooks(model):
         board.lend(0, 1)  # the engine rests while the forward runs
@@ -110,10 +121,14 @@ def test_the_borrower_takes_lent_threads_before_each_linear_forward_and_backward
     assert {n for _, n in _Seen.seen} == {1}
 
 
-def test_the_engine_reports_work_once_a_busy_spell_not_each_decode_step():
+def test_the_engine_takes_its_threads_back_once_a_spell_of_work_not_each_decode_step(board):
     engine = EmbeddedEngine(tiny_family_model("qwen3", 0, vocab_size=40), seed=0)
+    lender = Lender(board.name, slot=0, threads=1)
     calls = []
-    engine.on_work = calls.append
+    begin, end = lender.begin, lender.end
+    lender.begin = lambda: calls.append(("begin", board.lent())) or begin()
+    lender.end = lambda: end() or calls.append(("end", board.lent()))
+    engine.lend_idle_cores(lender)
 
     async def spell():
         return await asyncio.gather(
@@ -121,13 +136,16 @@ def test_the_engine_reports_work_once_a_busy_spell_not_each_decode_step():
         )
 
     asyncio.run(spell())
-    assert engine.stats.steps >= 6 and calls == [True, False]
+    # the spell and each run of decode steps within it open work; only the spell took the
+    # thread back, and the engine lent it again at the spell's end, not before
+    assert engine.stats.steps >= 6 and len(calls) >= 4
+    assert [n for what, n in calls if what == "begin"] == [1] + [0] * (len(calls) // 2 - 1)
+    assert [n for what, n in calls if what == "end"] == [0] * (len(calls) // 2 - 1) + [1]
     asyncio.run(engine.score([1, 2, 3]))
-    assert calls == [True, False, True, False]
+    assert calls[-2:] == [("begin", 1), ("end", 1)]  # a scoring pass: a spell of its own
 
 
 def test_a_rollout_worker_lends_its_threads_while_its_engine_rests(tiny_dir, board):
-    name = board.path.name.removeprefix("loong-").removesuffix(".cores")
     worker = RolloutWorker(
         str(tiny_dir),
         seed=0,
@@ -135,21 +153,22 @@ def test_a_rollout_worker_lends_its_threads_while_its_engine_rests(tiny_dir, boa
         limits={"max_turns": 1, "max_model_tokens": 40},
         threads=1,
         worker_id=1,
-        cores=name,
+        cores=board.name,
     )
     try:
         assert board.lent() == 1  # up and resting
         during = []
-        lend = worker.engine.on_work
+        begin = worker.lender.begin
 
-        def noting(working):
-            lend(working)
-            during.append((working, board.lent()))
+        def noting():
+            reclaimed = begin()
+            during.append((reclaimed, board.lent()))
+            return reclaimed
 
-        worker.engine.on_work = noting
+        worker.lender.begin = noting
         source = GroupSource(calc.train_tasks(0, []), group_size=2)
         worker.rollout(source.specs(source.next_group()))
-        assert during[0] == (True, 0) and during[-1] == (False, 1)
+        assert during[0] == (True, 0) and board.lent() == 1
     finally:
         worker.close()
     assert board.lent() == 0  # a closed worker lends nothing

@@ -48,10 +48,11 @@ def test_an_override_of_type_replaces_the_recipes_table():
     """smollm2-arithmetic's [rollout.engine] sets the embedded engine's dtype: switching the type
     drops it, and a key given for the new type on the command line is kept."""
     assert load_recipe("smollm2-arithmetic").rollout.engine == EmbeddedEngineConfig(dtype="auto")
-    r = load_recipe("smollm2-arithmetic", ["rollout.engine.type=sglang", "rollout.engine.port_base=31000"])
+    sglang = ["rollout.engine.type=sglang", "train.borrow_idle_threads=false"]  # an SGLang engine lends none
+    r = load_recipe("smollm2-arithmetic", [*sglang, "rollout.engine.port_base=31000"])
     assert r.rollout.engine == SGLangEngineConfig(port_base=31000)
     with pytest.raises(ConfigError, match=r"unknown config key 'rollout\.engine\.dtype'"):
-        load_recipe("smollm2-arithmetic", ["rollout.engine.type=sglang", "rollout.engine.dtype=bfloat16"])
+        load_recipe("smollm2-arithmetic", [*sglang, "rollout.engine.dtype=bfloat16"])
 
 
 @pytest.mark.parametrize(

@@ -105,9 +105,9 @@ def main(argv: list[str] | None = None) -> int:
     if not recipe.ray_address:
         prepare_local_ray()
     connect_in_background(recipe)  # Ray starts while the controller imports and checks the model
-    from loong_train.controller import run
-
     try:
+        from loong_train.controller import run
+
         out = run(
             recipe, args.resume or args.out or Path("runs") / recipe.name, args.cache, args.resume is not None
         )

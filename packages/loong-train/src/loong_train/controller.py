@@ -276,7 +276,7 @@ def _start(
     adapter = ""
     if ckpt and _adapter_updates(recipe):  # the engines merge adapters into the base weights
         engine_path, adapter = model_path, str(ckpt.path / "adapter")
-    cores = run_path.name if recipe.train.borrow_idle_threads else ""  # the board's name
+    cores = transport.name if recipe.train.borrow_idle_threads else ""  # the run's name, as its slots'
     logs = run_path / "logs"
     if transport.type == "tcp" and _host(transport.address) in _WILDCARD:
         # the sender binds every interface of a node Ray picks: workers learn its address from it

@@ -107,7 +107,9 @@ def connect_in_background(recipe: Recipe) -> None:
     busy for 5-6 s, the imports one core for 5 s: Ray is up 2.5-3 s sooner). The run's
     :func:`connect` waits for it; joining an existing cluster is left to that call."""
     global _background
-    if _address(recipe) == "local":
+    import ray
+
+    if _address(recipe) == "local" and not ray.is_initialized():
         _background = _Start(recipe)
 
 

@@ -164,7 +164,8 @@ def dense_distillation_needs_torch(recipe: Recipe) -> str | None:
 
 
 def borrowed_threads_from_embedded_engines(recipe: Recipe) -> str | None:
-    """Embedded engines lend their CPU threads, to the torch backend's one trainer process."""
+    """Embedded engines lend their CPU threads, to the torch backend's one trainer process, while
+    no agent program of theirs runs on them."""
     engine, backend = recipe.rollout.engine, recipe.train.backend.type
     if not recipe.train.borrow_idle_threads:
         return None
@@ -177,6 +178,11 @@ def borrowed_threads_from_embedded_engines(recipe: Recipe) -> str | None:
         return (
             f"train.borrow_idle_threads = true lends threads to the torch backend's trainer, "
             f"not train.backend.type = {backend!r} (set it to false, or train.backend.type = 'torch')"
+        )
+    if recipe.agent.type != "whitebox":
+        return (
+            f"train.borrow_idle_threads = true lends a worker's threads while its engine rests, but "
+            f"agent.type = {recipe.agent.type!r} runs agent programs on them then (set it to false)"
         )
     return None
 

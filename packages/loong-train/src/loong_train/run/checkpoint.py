@@ -61,6 +61,7 @@ RESUMABLE = (
     "train.keep_checkpoints",
     "eval.every",
     "threads",
+    "train.borrow_idle_threads",
     "ray_address",
     "rollout.workers",
     "rollout.max_restarts",

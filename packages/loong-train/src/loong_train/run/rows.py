@@ -34,7 +34,7 @@ _TRAIN_KEYS = (
 _TRAIN_IF_PRESENT = (
     "distill_kl",  # loong_train.algo.losses.distill_loss (dense OPD objectives)
     "distill_jsd",
-    "trainer_threads_mean",  # threads borrowed from resting engines (loong_train.cores)
+    "trainer_threads_mean",  # its own threads and those borrowed from resting workers (loong_train.cores)
 )
 _TRAIN_PREFIXES = ("opd/", "teacher/")  # per-teacher OPD metrics (loong_train.algo.opd), named by teacher
 

@@ -8,6 +8,7 @@ chosen by the recipe's ``[agent] type`` (:mod:`loong_train.workers.agent`); eith
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import os
@@ -31,7 +32,7 @@ from loong_agentflow import (
 from loong_core.protocols import SamplingParams
 from loong_core.records import Trajectory, WeightManifest
 from loong_train.backends.config import LoraConfig
-from loong_train.cores import CoreBoard
+from loong_train.cores import Lender
 from loong_train.engines.base import build_engine, build_host
 from loong_train.engines.config import EmbeddedEngineConfig, EngineConfig
 from loong_train.engines.embedded.engine import EmbeddedEngine
@@ -126,20 +127,16 @@ class RolloutWorker:
         self.between_calls = (engine or EmbeddedEngineConfig()).partial == "off"
         self._calls_lock, self._calls, self._calls_since, self.busy_s = threading.Lock(), 0, 0.0, 0.0
         self._open_weights(transport or TransportConfig(), version, lora, adapter)
-        self.board = self._lend_cores(cores, threads) if cores else None
+        self.lender = self._lend_cores(cores, threads) if cores else None
 
-    def _lend_cores(self, name: str, threads: int) -> CoreBoard:
-        """Lend ``threads`` on board ``name`` whenever the engine has nothing to run."""
+    def _lend_cores(self, name: str, threads: int) -> Lender:
+        """Lend ``threads`` on board ``name`` whenever the engine has nothing to run and no
+        weights go in."""
         if not isinstance(self.engine, EmbeddedEngine):
             raise ValueError(f"only the embedded engine lends its cores, not {type(self.engine).__name__}")
-        board, slot = CoreBoard(name, self.worker_id + 1), self.worker_id
-
-        def on_work(working: bool) -> None:
-            board.reclaim(slot, wait_s=0.25) if working else board.lend(slot, threads)
-
-        self.engine.on_work = on_work
-        on_work(False)
-        return board
+        lender = Lender(name, self.worker_id, threads)
+        self.engine.lend_idle_cores(lender)
+        return lender
 
     def _episode_runner(self, agent: AgentConfig | None, tokenizer) -> tuple[BlackBoxHost | None, Any]:
         """Black-box episodes run through a :class:`BlackBoxHost`; white-box ones through the
@@ -199,8 +196,9 @@ class RolloutWorker:
                 p.copy_(self._staged[name])
 
     def _receive(self, version: int) -> None:
-        self.receiver.apply(self._targets(), version=version)
-        self._install()
+        with self.lender.working() if self.lender else contextlib.nullcontext():
+            self.receiver.apply(self._targets(), version=version)
+            self._install()
 
     def _catch_up(self, transport: TransportConfig) -> None:
         """Take the newest version the transport still holds, if newer than ours (a restarted
@@ -306,9 +304,8 @@ class RolloutWorker:
             self.host.close()
         if self.receiver is not None:
             self.receiver.close()
-        if self.board is not None:
-            self.board.reclaim(self.worker_id)
-            self.board.close()
+        if self.lender is not None:
+            self.lender.close()
         self.engine.close()
 
     def model_path(self) -> str:

@@ -18,7 +18,7 @@ from loong_core.records import TrainBatch, WeightManifest
 from loong_train.algo.config import OPDConfig
 from loong_train.algo.opd import Distiller
 from loong_train.backends.base import BackendOptions, build_backend
-from loong_train.cores import Borrower, CoreBoard
+from loong_train.cores import Borrower
 from loong_train.memory import keep_freed_memory
 from loong_train.messages import Published, StepResult
 from loong_transfermesh import SGLangPusherConfig, SGLangServers, TransportConfig, open_sender
@@ -42,9 +42,9 @@ class TrainerWorker:
     waits while a train step has changed weights not yet published: a server never gets a
     half-trained version.
 
-    ``cores``: the run's :class:`~loong_train.cores.CoreBoard`, with a slot for each of
-    ``receivers`` rollout workers: a torch backend's step also runs on the threads the engines on
-    this node lend while they rest (a :class:`~loong_train.cores.Borrower`; "": on its own).
+    ``cores``: the name of the run's :class:`~loong_train.cores.CoreBoard`: a torch backend's
+    step also runs on the threads the rollout workers on this node lend while they rest (a
+    :class:`~loong_train.cores.Borrower`; "": on its own).
     """
 
     def __init__(
@@ -68,7 +68,11 @@ class TrainerWorker:
         self.distiller = Distiller(opd, model_path) if opd is not None and opd.enabled else None
         self.sender = open_sender(transport, receivers) if servers is None else None  # the rollout workers
         self.servers = None if servers is None else SGLangServers(_reachable(servers))
-        self.borrower = Borrower(CoreBoard(cores, receivers), options.threads) if cores else None
+        self.borrower = None
+        if cores:
+            if not hasattr(self.backend, "model"):
+                raise ValueError(f"only the torch backend borrows threads, not {type(self.backend).__name__}")
+            self.borrower = Borrower(cores, options.threads)
         self._lock = threading.RLock()  # the backend, the servers and the flag below
         self._unpublished = False  # a train step changed the weights since the last push
         self._closed = threading.Event()
@@ -206,7 +210,7 @@ class TrainerWorker:
         if self.distiller is not None:
             self.distiller.close()
         if self.borrower is not None:
-            self.borrower.board.close(unlink=True)
+            self.borrower.close()
 
 
 def _reachable(config: SGLangPusherConfig) -> SGLangPusherConfig:

@@ -46,13 +46,14 @@ import asyncio
 import contextlib
 import hashlib
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import msgspec
 import torch
 
 from loong_core.protocols import RequestRefused, SamplingParams
 from loong_core.records import SpanSource, TokenSpan
+from loong_train.cores import Lender
 from loong_train.engines.embedded.batching import BatchStats, Request, RunningBatch
 from loong_train.models.decoder import CausalLM
 from loong_train.models.prepack import prepack, release
@@ -75,8 +76,8 @@ class EmbeddedEngine:
     ``stats`` counts sampling steps, tokens (``stats.mean_occupancy``: rows per step) and busy
     seconds.
     Weight updates may land between decode steps of a running call (``mid_call_updates``).
-    ``on_work``: called with True when the engine starts having work (a request to decode, a
-    prompt to score) and with False once it has none (it lends its cores: :mod:`loong_train.cores`).
+    With :meth:`lend_idle_cores`, its worker's threads are lent to the trainer while it has no
+    request to decode and no prompt to score (:mod:`loong_train.cores`).
     """
 
     mid_call_updates = True
@@ -103,8 +104,7 @@ class EmbeddedEngine:
         self._running = asyncio.Event()
         self._running.set()
         self._busy, self._busy_since = 0, 0.0
-        self._work = 0  # the driver, and each step or scoring pass
-        self.on_work: Callable[[bool], None] | None = None
+        self._lender: Lender | None = None
         self._idle = asyncio.Event()
         self._idle.set()
 
@@ -166,27 +166,44 @@ class EmbeddedEngine:
             await self._idle.wait()
 
     async def _start_work(self) -> None:
+        await self._work_opens()
+        try:
+            while not self._running.is_set():
+                await self._running.wait()
+        except BaseException:  # cancelled: no _end_work follows
+            self._work_closes()
+            raise
         # No await between the running check and the busy count: a pause() seen by the
         # caller of wait_idle() can never be followed by a step starting.
-        while not self._running.is_set():
-            await self._running.wait()
         if not self._busy:
             self._busy_since = time.perf_counter()
         self._busy += 1
         self._idle.clear()
-        self._working(1)
 
     def _end_work(self) -> None:
         self._busy -= 1
         if not self._busy:
             self.stats.busy_s += time.perf_counter() - self._busy_since
             self._idle.set()
-        self._working(-1)
+        self._work_closes()
 
-    def _working(self, change: int) -> None:
-        before, self._work = self._work, self._work + change
-        if self.on_work is not None and (before == 0) != (self._work == 0):
-            self.on_work(self._work > 0)
+    def lend_idle_cores(self, lender: Lender) -> None:
+        """Lend through ``lender`` whenever no request is queued or running and nothing is scored:
+        a spell of work (from its first request to its last row's end, decode steps or not) takes
+        the threads back, waiting off the event loop until the trainer gave them back."""
+        self._lender = lender
+
+    async def _work_opens(self) -> None:
+        if self._lender is not None and self._lender.begin():
+            try:
+                await asyncio.to_thread(self._lender.wait_returned)
+            except BaseException:  # cancelled: the caller closes nothing
+                self._lender.end()
+                raise
+
+    def _work_closes(self) -> None:
+        if self._lender is not None:
+            self._lender.end()
 
     async def score(self, input_ids: list[int]) -> tuple[list[float], int]:
         """Prefill only: ``log p(x_i | x_<i)`` for i = 1..n-1 ([n - 1]) and the weight version used."""
@@ -341,11 +358,11 @@ class EmbeddedEngine:
                 request.future.cancel()  # seen by the stepping thread: the row leaves
 
     async def _drive(self) -> None:
-        self._working(1)  # from the first request to the last row's end, steps or not
+        await self._work_opens()  # from the first request to the last row's end, steps or not
         try:
             await self._decode()
         finally:
-            self._working(-1)
+            self._work_closes()
 
     async def _decode(self) -> None:
         batch = self._batch
