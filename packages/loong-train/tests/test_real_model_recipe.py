@@ -89,6 +89,7 @@ def test_a_black_box_agent_on_the_gguf_model_trains_token_exact(stand_in, tmp_pa
         "agent.type=blackbox",
         f'agent.command=["{sys.executable}", "-m", "loong_train.tiny.calc_agent"]',
         'agent.preload=["openai"]',
+        "train.borrow_idle_threads=false",  # an agent program runs on the worker's cores
     ]
     overrides = [f'model.path="{stand_in["path"]}"', *SMALL, *agent, "train.steps=1", "eval.every=1"]
     out = run(load_recipe("smollm2-arithmetic", overrides), tmp_path / "run", tmp_path / "cache")
