@@ -74,9 +74,10 @@ def test_address_flag_sets_the_ray_address(monkeypatch):
 
 def test_resume_needs_a_checkpoint(tmp_path, capsys):
     fast = ["--set", "warmstart.steps=0", "--cache", str(tmp_path / "cache")]
+    up = ray.is_initialized()  # left up by an earlier test in this process: no Ray is begun then
     code, err = _run(capsys, "run", "tiny-calc-agent", "--resume", str(tmp_path / "run"), *fast)
     assert code == 2 and "no checkpoint" in err
-    assert not ray.is_initialized()  # the Ray it began starting beside the checks is stopped
+    assert ray.is_initialized() == up  # the Ray it began starting beside the checks is stopped
     code, err = _run(capsys, "run", "tiny-calc-agent", "--resume", "runs/a", "--out", "runs/b")
     assert code == 2 and "--resume DIR continues in DIR" in err
 
