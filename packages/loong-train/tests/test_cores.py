@@ -27,7 +27,6 @@ from loong_train.workers.rollout import RolloutWorker
 def board():
     """A run's board, as a reader beside the lenders and borrowers under test sees it."""
     board = CoreBoard(f"test-{uuid.uuid4().hex[:8]}")
-    board.name = board.path.name.removeprefix("loong-").removesuffix(".cores")
     yield board
     board.close(unlink=True)
 

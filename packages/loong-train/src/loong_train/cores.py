@@ -58,7 +58,7 @@ class CoreBoard:
     the trainer runs on now (``borrowed``)."""
 
     def __init__(self, name: str) -> None:
-        self.path = board_path(name)
+        self.name, self.path = name, board_path(name)
         size = 1 + _WORKERS  # byte 0: borrowed; then one a worker
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
