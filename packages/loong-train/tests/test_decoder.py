@@ -6,7 +6,7 @@ import pytest
 import torch
 from train_testkit import DECODER_SHAPE, tiny_hf_checkpoint
 
-from loong_train.models.decoder import CausalLM, DecoderConfig
+from loong_train.models.decoder import CausalLM, DecoderConfig, RMSNorm
 
 
 @pytest.mark.parametrize("tied", [True, False])
@@ -31,6 +31,29 @@ def test_logits_match_transformers(tmp_path, tied):
         ours, theirs = model(ids), reference(ids).logits
     assert ours.shape == theirs.shape == (3, 17, 97)
     torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_equals_transformers_to_the_bit(dtype):
+    """The norm (one ``F.rms_norm`` call for the normalisation) gives transformers' bits: forward
+    in float32 and bfloat16, gradients of input and weight in float32 (the trainer's dtype)."""
+    transformers = pytest.importorskip("transformers")
+    gen = torch.Generator().manual_seed(0)
+    ours, theirs = RMSNorm(576, 1e-5), transformers.models.llama.modeling_llama.LlamaRMSNorm(576, 1e-5)
+    with torch.no_grad():
+        ours.weight.copy_(1 + 0.1 * torch.randn(576, generator=gen))
+        theirs.weight.copy_(ours.weight)
+    ours, theirs = ours.to(dtype), theirs.to(dtype)
+    for shape in [(128, 1, 576), (2, 300, 576)]:
+        x = (torch.randn(shape, generator=gen) * 8 * torch.rand(*shape[:-1], 1, generator=gen)).to(dtype)
+        a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
+        out, ref = ours(a), theirs(b)
+        assert torch.equal(out, ref)
+        if dtype == torch.float32:
+            grad = torch.randn(shape, generator=gen)
+            mine = torch.autograd.grad(out, (a, ours.weight), grad)
+            reference = torch.autograd.grad(ref, (b, theirs.weight), grad)
+            assert all(torch.equal(m, r) for m, r in zip(mine, reference, strict=True))
 
 
 def test_save_and_load_round_trip(tmp_path):

@@ -13,7 +13,16 @@ import torch
 from loong_train.backends.packing import _picked
 from loong_train.engines.embedded.engine import EmbeddedEngine
 from loong_train.models.decoder import CausalLM, DecoderConfig
-from loong_train.models.prepack import MIN_ELEMENTS, Linear, available, dtypes, prepack, prepacked, release
+from loong_train.models.prepack import (
+    MIN_ELEMENTS,
+    Linear,
+    available,
+    dtypes,
+    prepack,
+    prepacked,
+    release,
+    stacked,
+)
 
 pytestmark = pytest.mark.skipif(not available(), reason="prepacking needs oneDNN on an x86-64 CPU")
 
@@ -28,7 +37,8 @@ DTYPES = [
 
 
 IN, OUT = 384, 512  # a weight large enough to prepack (MIN_ELEMENTS)
-# hidden 384: the query and MLP projections and the head prepack, the keys' and values' do not
+# hidden 384: the query and MLP projections and the head prepack, the keys' and values' only stacked
+# with the query's (`stacked`)
 CFG = DecoderConfig(vocab_size=512, hidden_size=384, intermediate_size=512, num_hidden_layers=2,
                     num_attention_heads=6, num_key_value_heads=2, head_dim=64)  # fmt: skip
 
@@ -101,6 +111,60 @@ def test_the_blocked_copy_follows_every_change_of_the_weight(dtype):
         after = layer(x)
     assert _close(after, x, shared, layer.bias)
     assert not torch.equal(after, before)
+
+
+def _stack(dtype: torch.dtype) -> tuple[Linear, ...]:
+    """Attention-shaped projections of one input: the query's with a bias, the key's and value's
+    (too small to prepack alone) without."""
+    torch.manual_seed(2)
+    return tuple(prepack(Linear(IN, out, bias=out == IN)).to(dtype) for out in (IN, 128, 128))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 128, 300])
+def test_stacked_layers_each_get_their_own_prepacked_product(dtype, rows):
+    layers = _stack(dtype)
+    x = torch.randn(rows, IN).to(dtype)
+    with torch.no_grad():
+        outs = stacked(layers, x)
+        alone = [  # each weight blocked on its own, as a layer large enough to prepack runs
+            torch.ops.mkldnn._linear_pointwise(
+                x, torch.ops.mkldnn._reorder_linear_weight(m.weight, 128), m.bias, "none", [], ""
+            )
+            for m in layers
+        ]
+    assert [o.shape for o in outs] == [(rows, IN), (rows, 128), (rows, 128)]
+    for out, layer, own in zip(outs, layers, alone, strict=True):
+        bias = layer.bias if layer.bias is not None else torch.zeros(layer.out_features, dtype=dtype)
+        assert _close(out, x, layer.weight, bias)
+        assert torch.equal(out, own)  # stacking changes no bit
+    assert layers[0]._stacked.entry is not None and all(m._blocked.entry is None for m in layers)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_stacked_copy_follows_a_change_of_any_weight(dtype):
+    query, key, value = layers = _stack(dtype)
+    x = torch.randn(16, IN).to(dtype)
+    with torch.no_grad():
+        stacked(layers, x)
+        key.weight.copy_(torch.randn_like(key.weight))  # an update copied into one of them
+        assert _close(stacked(layers, x)[1], x, key.weight, torch.zeros(128, dtype=dtype))
+        value.weight.data = torch.randn(128, IN).to(dtype)  # storage swapped
+        assert _close(stacked(layers, x)[2], x, value.weight, torch.zeros(128, dtype=dtype))
+        release(query)
+        assert query._stacked.entry is None
+
+
+def test_stacked_layers_run_alone_where_a_stack_is_not_prepacked():
+    layers = _stack(torch.float32)
+    x = torch.randn(8, IN, requires_grad=True)
+    outs = stacked(layers, x)  # a gradient is needed: each layer's plain product
+    sum(o.sum() for o in outs).backward()
+    assert all(m.weight.grad is not None for m in layers) and layers[0]._stacked.entry is None
+    small = tuple(prepack(Linear(64, 64)) for _ in range(3))  # 3 x 4,096 entries: under MIN_ELEMENTS
+    with torch.no_grad():
+        outs = stacked(small, torch.randn(8, 64))
+    assert small[0]._stacked.entry is None and len(outs) == 3
 
 
 def test_prepacked_switches_on_for_the_block_only():
