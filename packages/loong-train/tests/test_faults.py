@@ -107,3 +107,48 @@ def test_a_restarted_worker_takes_the_newest_published_weights(tiny_dir):
         assert worker.weight_version() == 3
     finally:
         sender.close()
+
+
+@pytest.mark.integration
+def test_a_run_that_fails_to_start_ends_the_actors_it_began(tmp_path, monkeypatch):
+    """A failure after the actors began (here the reach check raising, as a call on a worker that
+    died in its constructor does): the run raises it, ends every actor it started on a cluster
+    that outlives it, and removes its core board."""
+    import ray
+
+    from loong_train import ray_env
+    from loong_train.cores import board_path
+
+    began: list = []
+
+    def recording(real):
+        def record(*args):
+            out = real(*args)
+            began.extend(out if isinstance(out, list) else [out])
+            return out
+
+        return record
+
+    for name in ("_start_workers", "_start_trainer"):
+        monkeypatch.setattr(controller, name, recording(getattr(controller, name)))
+
+    def unreachable(*args):
+        raise RuntimeError("no worker answered")
+
+    monkeypatch.setattr(controller, "_check_reach", unreachable)
+    recipe = load_recipe("tiny-calc-agent", [*FAST, "train.borrow_idle_threads=true"])
+    ours = not ray.is_initialized()
+    if ours:
+        ray_env.connect(recipe)  # a cluster the run did not start: it stays up after the run
+    try:
+        boards = set(board_path("*").parent.glob(board_path("tiny-calc-agent-*").name))
+        with pytest.raises(RuntimeError, match="no worker answered"):
+            controller.run(recipe, tmp_path / "run", tmp_path / "cache")
+        assert len(began) == 3 and ray.is_initialized()
+        for actor in began:
+            with pytest.raises(ray.exceptions.RayActorError):
+                ray.get(actor.node.remote(), timeout=60)
+        assert set(board_path("*").parent.glob(board_path("tiny-calc-agent-*").name)) == boards
+    finally:
+        if ours:
+            ray.shutdown()

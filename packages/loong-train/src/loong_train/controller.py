@@ -78,8 +78,9 @@ def run(recipe: Recipe, out: Path, cache: Path, resume: bool = False) -> Path:
         seed=recipe.seed,
         curriculum=curriculum,
     )
-    pipe = _start(recipe, model_path, transport, run_dir.path, ckpt, source)
+    pipe = None
     try:
+        pipe = _start(recipe, model_path, transport, run_dir.path, ckpt, source)
         if ckpt:
             checkpoint.restore(_components(pipe, run_dir, evaluator), ckpt)
             log.info(
@@ -105,7 +106,8 @@ def run(recipe: Recipe, out: Path, cache: Path, resume: bool = False) -> Path:
         run_dir.finish(pipe.window.version, pipe.counters, evaluator.lost, pipe.stopped)
     finally:
         run_dir.close()
-        pipe.shutdown()
+        if pipe is not None:  # an actor that failed to start: _start ended the others
+            pipe.shutdown()
         remove_slots(run_dir.name)  # also when the trainer died before unlinking them
         remove_board(run_dir.name)
         if started_ray:
@@ -278,20 +280,27 @@ def _start(
         engine_path, adapter = model_path, str(ckpt.path / "adapter")
     cores = transport.name if recipe.train.borrow_idle_threads else ""  # the run's name, as its slots'
     logs = run_path / "logs"
-    if transport.type == "tcp" and _host(transport.address) in _WILDCARD:
-        # the sender binds every interface of a node Ray picks: workers learn its address from it
-        trainer = _start_trainer(recipe, model_path, transport, [], cores)
-        transport = msgspec.structs.replace(transport, address=ray.get(trainer.weights_address.remote()))
-        workers = _start_workers(recipe, engine_path, version, transport, logs, adapter, cores)
-    else:
-        workers = _start_workers(recipe, engine_path, version, transport, logs, adapter, cores)
-        trainer = _start_trainer(recipe, model_path, transport, workers, cores)
-    _check_reach(recipe, transport, trainer, workers)
-    if ckpt:
-        ray.get(trainer.load_checkpoint.remote(str(ckpt.path)))
-    window = StalenessWindow(recipe.train.max_staleness, recipe.train.batch_groups)
-    scheduler = Scheduler(window, steps=recipe.train.steps)
-    return Pipeline(recipe, workers, trainer, scheduler, source, model_path, run_path)
+    workers, trainer = [], None  # ended if anything below fails (an actor dying in its constructor)
+    try:
+        if transport.type == "tcp" and _host(transport.address) in _WILDCARD:
+            # the sender binds every interface of a node Ray picks: workers learn its address from it
+            trainer = _start_trainer(recipe, model_path, transport, [], cores)
+            transport = msgspec.structs.replace(transport, address=ray.get(trainer.weights_address.remote()))
+            workers = _start_workers(recipe, engine_path, version, transport, logs, adapter, cores)
+        else:
+            workers = _start_workers(recipe, engine_path, version, transport, logs, adapter, cores)
+            trainer = _start_trainer(recipe, model_path, transport, workers, cores)
+        _check_reach(recipe, transport, trainer, workers)
+        if ckpt:
+            ray.get(trainer.load_checkpoint.remote(str(ckpt.path)))
+        window = StalenessWindow(recipe.train.max_staleness, recipe.train.batch_groups)
+        scheduler = Scheduler(window, steps=recipe.train.steps)
+        return Pipeline(recipe, workers, trainer, scheduler, source, model_path, run_path)
+    except BaseException:
+        for actor in [*workers, trainer]:
+            if actor is not None:
+                ray.kill(actor)
+        raise
 
 
 _WILDCARD = ("0.0.0.0", "::", "")
@@ -320,8 +329,6 @@ def _check_reach(recipe: Recipe, transport: TransportConfig, trainer: Any, worke
     ]
     if not far:
         return
-    for actor in (*workers, trainer):
-        ray.kill(actor)
     what = "type 'shm'" if transport.type == "shm" else f"type 'tcp' on loopback ({transport.address})"
     raise ConfigError(
         f"transport {what} reaches rollout workers on the trainer's node only ({ip}, node {node[:12]}), "
