@@ -124,7 +124,10 @@ def stacked(layers: tuple[Linear, ...], x: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _runs_prepacked(layers: tuple[Linear, ...], x: torch.Tensor) -> bool:
-    """Whether the product of ``x`` with ``layers``' weights (stacked) runs from a blocked copy."""
+    """Whether the product of ``x`` with ``layers``' weights (stacked) runs from a blocked copy:
+    never for a layer that is not a :class:`Linear` (a LoRA layer ``peft`` put in its place)."""
+    if not all(isinstance(layer, Linear) for layer in layers):
+        return False
     weights = [layer.weight for layer in layers]
     dtype = weights[0].dtype
     return (
