@@ -34,17 +34,18 @@ def test_logits_match_transformers(tmp_path, tied):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_rms_norm_equals_transformers_to_the_bit(dtype):
+@pytest.mark.parametrize("width", [576, 64])  # a hidden state; a head (Qwen3's QK-norm)
+def test_rms_norm_equals_transformers_to_the_bit(dtype, width):
     """The norm (one ``F.rms_norm`` call for the normalisation) gives transformers' bits: forward
     in float32 and bfloat16, gradients of input and weight in float32 (the trainer's dtype)."""
     transformers = pytest.importorskip("transformers")
     gen = torch.Generator().manual_seed(0)
-    ours, theirs = RMSNorm(576, 1e-5), transformers.models.llama.modeling_llama.LlamaRMSNorm(576, 1e-5)
+    ours, theirs = RMSNorm(width, 1e-5), transformers.models.llama.modeling_llama.LlamaRMSNorm(width, 1e-5)
     with torch.no_grad():
-        ours.weight.copy_(1 + 0.1 * torch.randn(576, generator=gen))
+        ours.weight.copy_(1 + 0.1 * torch.randn(width, generator=gen))
         theirs.weight.copy_(ours.weight)
     ours, theirs = ours.to(dtype), theirs.to(dtype)
-    for shape in [(128, 1, 576), (2, 300, 576)]:
+    for shape in [(128, 1, width), (2, 300, width), (3, 9, 7, width)]:
         x = (torch.randn(shape, generator=gen) * 8 * torch.rand(*shape[:-1], 1, generator=gen)).to(dtype)
         a, b = x.clone().requires_grad_(), x.clone().requires_grad_()
         out, ref = ours(a), theirs(b)

@@ -132,7 +132,11 @@ def test_a_run_that_fails_to_start_ends_the_actors_it_began(tmp_path, monkeypatc
     for name in ("_start_workers", "_start_trainer"):
         monkeypatch.setattr(controller, name, recording(getattr(controller, name)))
 
-    def unreachable(*args):
+    during: set = set()
+
+    def unreachable(recipe, transport, trainer, workers):  # after the actors started, as the check does
+        ray.get([trainer.node.remote(), *(w.node.remote() for w in workers)])
+        during.update(board_path("*").parent.glob(board_path("tiny-calc-agent-*").name))
         raise RuntimeError("no worker answered")
 
     monkeypatch.setattr(controller, "_check_reach", unreachable)
@@ -148,6 +152,7 @@ def test_a_run_that_fails_to_start_ends_the_actors_it_began(tmp_path, monkeypatc
         for actor in began:
             with pytest.raises(ray.exceptions.RayActorError):
                 ray.get(actor.node.remote(), timeout=60)
+        assert during - boards, "the trainer made no core board"
         assert set(board_path("*").parent.glob(board_path("tiny-calc-agent-*").name)) == boards
     finally:
         if ours:

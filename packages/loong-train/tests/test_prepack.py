@@ -113,18 +113,19 @@ def test_the_blocked_copy_follows_every_change_of_the_weight(dtype):
     assert not torch.equal(after, before)
 
 
-def _stack(dtype: torch.dtype) -> tuple[Linear, ...]:
+def _stack(dtype: torch.dtype, hidden: int = IN, kv: int = 128) -> tuple[Linear, ...]:
     """Attention-shaped projections of one input: the query's with a bias, the key's and value's
     (too small to prepack alone) without."""
     torch.manual_seed(2)
-    return tuple(prepack(Linear(IN, out, bias=out == IN)).to(dtype) for out in (IN, 128, 128))
+    return tuple(prepack(Linear(hidden, out, bias=out == hidden)).to(dtype) for out in (hidden, kv, kv))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 128, 300])
-def test_stacked_layers_each_get_their_own_prepacked_product(dtype, rows):
-    layers = _stack(dtype)
-    x = torch.randn(rows, IN).to(dtype)
+@pytest.mark.parametrize(("hidden", "kv"), [(IN, 128), (576, 192)])  # 576: SmolLM2's
+def test_stacked_layers_each_get_their_own_prepacked_product(dtype, rows, hidden, kv):
+    layers = _stack(dtype, hidden, kv)
+    x = torch.randn(rows, hidden).to(dtype)
     with torch.no_grad():
         outs = stacked(layers, x)
         alone = [  # each weight blocked on its own, as a layer large enough to prepack runs
@@ -133,7 +134,7 @@ def test_stacked_layers_each_get_their_own_prepacked_product(dtype, rows):
             )
             for m in layers
         ]
-    assert [o.shape for o in outs] == [(rows, IN), (rows, 128), (rows, 128)]
+    assert [o.shape for o in outs] == [(rows, hidden), (rows, kv), (rows, kv)]
     for out, layer, own in zip(outs, layers, alone, strict=True):
         bias = layer.bias if layer.bias is not None else torch.zeros(layer.out_features, dtype=dtype)
         assert _close(out, x, layer.weight, bias)
@@ -165,6 +166,10 @@ def test_stacked_layers_run_alone_where_a_stack_is_not_prepacked():
     with torch.no_grad():
         outs = stacked(small, torch.randn(8, 64))
     assert small[0]._stacked.entry is None and len(outs) == 3
+    foreign = (*layers[:2], torch.nn.Linear(IN, 128))  # a layer in another's place (peft's LoRA layers)
+    with torch.no_grad():
+        outs = stacked(foreign, x.detach())
+    assert torch.equal(outs[2], foreign[2](x.detach())) and layers[0]._stacked.entry is None
 
 
 def test_prepacked_switches_on_for_the_block_only():

@@ -15,6 +15,7 @@ The driver is the loop of docs/architecture.md, "The asynchronous loop":
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from typing import Any
@@ -106,7 +107,7 @@ def run(recipe: Recipe, out: Path, cache: Path, resume: bool = False) -> Path:
         run_dir.finish(pipe.window.version, pipe.counters, evaluator.lost, pipe.stopped)
     finally:
         run_dir.close()
-        if pipe is not None:  # an actor that failed to start: _start ended the others
+        if pipe is not None:  # None: _start raised, having ended the actors it began
             pipe.shutdown()
         remove_slots(run_dir.name)  # also when the trainer died before unlinking them
         remove_board(run_dir.name)
@@ -280,7 +281,7 @@ def _start(
         engine_path, adapter = model_path, str(ckpt.path / "adapter")
     cores = transport.name if recipe.train.borrow_idle_threads else ""  # the run's name, as its slots'
     logs = run_path / "logs"
-    workers, trainer = [], None  # ended if anything below fails (an actor dying in its constructor)
+    workers, trainer = [], None
     try:
         if transport.type == "tcp" and _host(transport.address) in _WILDCARD:
             # the sender binds every interface of a node Ray picks: workers learn its address from it
@@ -296,11 +297,23 @@ def _start(
         window = StalenessWindow(recipe.train.max_staleness, recipe.train.batch_groups)
         scheduler = Scheduler(window, steps=recipe.train.steps)
         return Pipeline(recipe, workers, trainer, scheduler, source, model_path, run_path)
-    except BaseException:
-        for actor in [*workers, trainer]:
-            if actor is not None:
-                ray.kill(actor)
+    except BaseException:  # an actor that died in its constructor, a checkpoint that would not load
+        _end([actor for actor in (*workers, trainer) if actor is not None])
         raise
+
+
+def _end(actors: list, wait_s: float = 30.0) -> None:
+    """Kill ``actors`` and wait (at most ``wait_s``) until each is gone, so that nothing a
+    constructor still running writes (a core board, shared-memory slots) outlives the cleanup
+    that follows."""
+    for actor in actors:
+        try:
+            ray.kill(actor)
+        except Exception as e:  # already gone, or Ray going down: the others still get killed
+            log.warning("could not kill %s: %s", actor, e)
+    for actor in actors:
+        with contextlib.suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
+            ray.get(actor.__ray_ready__.remote(), timeout=wait_s)  # raises once it is gone
 
 
 _WILDCARD = ("0.0.0.0", "::", "")

@@ -17,6 +17,10 @@ the storage it was made from (so a new weight can never reuse that address unnot
 Forwards under CPU autocast, and bfloat16 ones on a CPU whose oneDNN has no bfloat16 support,
 run the plain product.
 
+Layers that read one input (attention's query, key and value projections) run as one product
+by :func:`stacked`: their weights stacked into one blocked copy, kept on the first layer (made
+again when any of them changes; it holds all their weights again and pins their storages).
+
 Results agree with the plain product to the dtype's rounding (oneDNN's blocked kernel sums in
 its own order); the layout is chosen for a fixed row count, so the same inputs give the same
 result whatever ran before.
@@ -64,16 +68,16 @@ def dtypes() -> tuple[torch.dtype, ...]:
 
 
 class _Blocked:
-    """A layer's blocked weight, published whole as ``entry``: ``(key, source, blocked)`` with
-    ``key`` the (address, version, dtype) of the weight it was made from and ``source`` that
-    weight (pinning its storage). Threads that forward at once (an engine's decode steps and
+    """A layer's blocked weight (or a stack's), published whole as ``entry``: ``(key, sources,
+    blocked)`` with ``key`` the (address, version, dtype) of each weight it was made from and
+    ``sources`` those weights (pinning their storage). Threads that forward at once (an engine's decode steps and
     scoring) read ``entry`` once; one at a time makes a new copy. Never copied or pickled with
     the module (a blocked tensor has no storage to copy): a copy starts empty."""
 
     __slots__ = ("entry", "lock")
 
     def __init__(self) -> None:
-        self.entry: tuple[tuple, torch.Tensor, torch.Tensor] | None = None
+        self.entry: tuple[tuple, list[torch.Tensor], torch.Tensor] | None = None
         self.lock = threading.Lock()
 
     def __reduce__(self):
@@ -102,18 +106,19 @@ class Linear(nn.Linear):
         )
 
     def release(self) -> None:
-        """Drop the blocked copies (the next forward that uses one makes it again)."""
+        """Drop this layer's blocked copy and the stack it heads (the next forward that uses one
+        makes it again; :func:`release` of the model drops every stack a layer is part of)."""
         self._blocked.entry = self._stacked.entry = None
 
 
-def stacked(layers: tuple[Linear, ...], x: torch.Tensor) -> list[torch.Tensor]:
+def stacked(layers: tuple[nn.Module, ...], x: torch.Tensor) -> list[torch.Tensor]:
     """``[layer(x) for layer in layers]`` for layers that read the same input (attention's query,
     key and value projections), run as one product from their weights stacked and blocked once
-    where the first layer is prepacked and the stack is large enough (``MIN_ELEMENTS`` counts
-    the stack). Each output has the bits of its own layer's prepacked product (oneDNN computes
-    an output column from its weight row alone) at one call's fixed cost: SmolLM2's three
-    projections of a 128-row bfloat16 decode step take 550 us against 720 (the key and value
-    weights, 576 x 192, are too small to prepack alone)."""
+    where every one is a :class:`Linear`, the first is prepacked and the stack is large enough
+    (``MIN_ELEMENTS`` counts the stack). Each output has the bits of its own layer's prepacked
+    product (oneDNN computes an output column from its weight row alone) at one call's fixed
+    cost: SmolLM2's three projections of a 128-row bfloat16 decode step take 550 us against 720
+    (the key and value weights, 576 x 192, are too small to prepack alone)."""
     if not _runs_prepacked(layers, x):
         return [layer(x) for layer in layers]
     bias = None
@@ -123,12 +128,13 @@ def stacked(layers: tuple[Linear, ...], x: torch.Tensor) -> list[torch.Tensor]:
     return list(out.split([layer.out_features for layer in layers], -1))
 
 
-def _runs_prepacked(layers: tuple[Linear, ...], x: torch.Tensor) -> bool:
+def _runs_prepacked(layers: tuple[nn.Module, ...], x: torch.Tensor) -> bool:
     """Whether the product of ``x`` with ``layers``' weights (stacked) runs from a blocked copy:
     never for a layer that is not a :class:`Linear` (a LoRA layer ``peft`` put in its place)."""
     if not all(isinstance(layer, Linear) for layer in layers):
         return False
     weights = [layer.weight for layer in layers]
+    params = weights + [layer.bias for layer in layers if layer.bias is not None]
     dtype = weights[0].dtype
     return (
         layers[0].prepack_on
@@ -137,7 +143,7 @@ def _runs_prepacked(layers: tuple[Linear, ...], x: torch.Tensor) -> bool:
         and x.dtype == dtype
         and all(w.dtype == dtype for w in weights)
         and dtype in dtypes()
-        and not (torch.is_grad_enabled() and (x.requires_grad or any(w.requires_grad for w in weights)))
+        and not (torch.is_grad_enabled() and (x.requires_grad or any(p.requires_grad for p in params)))
         and not torch.is_autocast_enabled("cpu")
     )
 
