@@ -312,8 +312,10 @@ def _end(actors: list, wait_s: float = 30.0) -> None:
         except Exception as e:  # already gone, or Ray going down: the others still get killed
             log.warning("could not kill %s: %s", actor, e)
     for actor in actors:
-        with contextlib.suppress(ray.exceptions.RayActorError, ray.exceptions.GetTimeoutError):
-            ray.get(actor.__ray_ready__.remote(), timeout=wait_s)  # raises once it is gone
+        # raises once it is gone; any other failure (Ray itself going down) must not hide the
+        # error that ended the start
+        with contextlib.suppress(Exception):
+            ray.get(actor.__ray_ready__.remote(), timeout=wait_s)
 
 
 _WILDCARD = ("0.0.0.0", "::", "")
