@@ -70,9 +70,9 @@ def dtypes() -> tuple[torch.dtype, ...]:
 class _Blocked:
     """A layer's blocked weight (or a stack's), published whole as ``entry``: ``(key, sources,
     blocked)`` with ``key`` the (address, version, dtype) of each weight it was made from and
-    ``sources`` those weights (pinning their storage). Threads that forward at once (an engine's decode steps and
-    scoring) read ``entry`` once; one at a time makes a new copy. Never copied or pickled with
-    the module (a blocked tensor has no storage to copy): a copy starts empty."""
+    ``sources`` those weights (pinning their storage). Threads that forward at once (an engine's
+    decode steps and scoring) read ``entry`` once; one at a time makes a new copy. Never copied
+    or pickled with the module (a blocked tensor has no storage to copy): a copy starts empty."""
 
     __slots__ = ("entry", "lock")
 
