@@ -101,17 +101,30 @@ class _Probe(torch.nn.Linear):
         return _Seen.apply(super().forward(x))
 
 
-def test_the_borrower_takes_lent_threads_before_each_linear_forward_and_backward(board, threads):
+def test_the_borrower_takes_lent_threads_before_each_linear_layer_and_optimizer_step(board, threads):
     torch.set_num_threads(1)
     model = torch.nn.Sequential(_Probe(4, 4), torch.nn.Tanh(), _Probe(4, 1))
+    reference = _Probe(4, 1)  # a KL reference: another model the step runs
     borrower = Borrower(board.name, own=1)
     _Seen.seen.clear()
-    with borrower.hooks(model):
+    with borrower.hooks(model, reference):
         board.lend(0, 1)  # the engine rests while the forward runs
         out = model(torch.randn(3, 4)).sum()
         board.reclaim(0)  # and works again before the backward
         out.backward()
-    assert _Seen.seen == [("forward", 2), ("forward", 2), ("backward", 1), ("backward", 1)]
+        board.lend(0, 1)  # and rests again before the optimizer step
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        optimizer.register_step_pre_hook(lambda *_: _Seen.seen.append(("step", torch.get_num_threads())))
+        optimizer.step()
+        board.reclaim(0)  # and works again before the reference's forward
+        with torch.no_grad():
+            reference(torch.randn(3, 4))
+    assert _Seen.seen == [
+        *[("forward", 2)] * 2,
+        *[("backward", 1)] * 2,
+        ("step", 2),
+        ("forward", 1),
+    ]
     assert torch.get_num_threads() == 1 and board.borrowed == 0  # the lent threads given back
     assert 1 < borrower.threads_mean < 2
     _Seen.seen.clear()
@@ -171,6 +184,9 @@ def test_a_rollout_worker_lends_its_threads_while_its_engine_rests(tiny_dir, boa
     finally:
         worker.close()
     assert board.lent() == 0  # a closed worker lends nothing
+    assert (
+        not board.path.exists()
+    )  # and leaves no board behind (a node without the trainer has no other remover)
 
 
 def test_borrowing_is_refused_for_a_trainer_of_other_processes():

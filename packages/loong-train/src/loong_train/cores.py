@@ -14,8 +14,8 @@ byte (0 while its engine decodes or scores, or new weights go in; an unwritten b
 nothing). The trainer's :class:`Borrower` sets its torch threads to its own plus the lent ones
 before every linear layer's forward and backward, and writes how many it borrows; a worker taking
 its threads back waits, at most ``Lender.wait_s``, until the trainer has given them back at its
-next linear layer (the LM head's chunks, a KL reference's forward and the optimizer step run on
-the count set last). Thread counts then follow timing, as a step's products round differently
+next linear layer (a KL reference's included) or optimizer step (the LM head's chunks run on the
+count set last). Thread counts then follow timing, as a step's products round differently
 on one thread and on two: a run with lending on may diverge from another with the same seed
 (``[train] borrow_idle_threads``, off by default).
 """
@@ -33,6 +33,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 __all__ = ["Borrower", "CoreBoard", "Lender", "board_path", "remove_board"]
 
@@ -140,8 +141,10 @@ class Lender:
             self.end()
 
     def close(self) -> None:
+        """Lend nothing more and remove the board: the run is over (on a node without the
+        trainer, nothing else would remove it; the trainer's map stays valid where it has one)."""
         self.board.reclaim(self.slot)
-        self.board.close()
+        self.board.close(unlink=True)
 
 
 class Borrower:
@@ -183,9 +186,10 @@ class Borrower:
         self.board.borrowed = threads - self.own
 
     @contextlib.contextmanager
-    def hooks(self, model: torch.nn.Module) -> Iterator[None]:
-        """Within: every ``nn.Linear`` of ``model`` adjusts before its forward, and before its
-        backward (a hook on its output's gradient); after: back to ``own`` threads."""
+    def hooks(self, model: torch.nn.Module, *others: torch.nn.Module) -> Iterator[None]:
+        """Within: every ``nn.Linear`` of ``model`` (and of ``others``: a KL reference) adjusts
+        before its forward, and before its backward (a hook on its output's gradient), and every
+        optimizer before its step; after: back to ``own`` threads."""
 
         def before_forward(module, args) -> None:
             self.adjust()
@@ -198,12 +202,13 @@ class Borrower:
             self.adjust()
 
         handles = []
-        for module in model.modules():
+        for module in (m for each in (model, *others) for m in each.modules()):
             if isinstance(module, torch.nn.Linear):
                 handles.append(module.register_forward_pre_hook(before_forward))
                 handles.append(module.register_forward_hook(after_forward))
         if not handles:
             log.warning("%s has no nn.Linear layers: it runs on its own threads only", type(model).__name__)
+        handles.append(register_optimizer_step_pre_hook(lambda *_: self.adjust()))
         try:
             self._reset()
             self.adjust()

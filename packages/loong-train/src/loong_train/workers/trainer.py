@@ -102,7 +102,8 @@ class TrainerWorker:
     def _step(self, batch: TrainBatch) -> dict[str, float]:
         if self.borrower is None:
             return self.backend.train_step(batch)
-        with self.borrower.hooks(self.backend.model):
+        reference = getattr(self.backend, "reference", None)
+        with self.borrower.hooks(self.backend.model, *([reference] if reference is not None else [])):
             metrics = self.backend.train_step(batch)
         return {**metrics, "trainer_threads_mean": self.borrower.threads_mean}
 
