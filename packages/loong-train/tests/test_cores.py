@@ -11,10 +11,11 @@ from typing import ClassVar
 
 import pytest
 import torch
-from train_testkit import tiny_family_model
+from train_testkit import tiny_family_model, tiny_qwen3
 
 from loong_core.config import ConfigError
 from loong_core.protocols import SamplingParams
+from loong_train.backends import packing
 from loong_train.config import load_recipe
 from loong_train.cores import Borrower, CoreBoard, Lender
 from loong_train.engines.embedded.engine import EmbeddedEngine
@@ -131,6 +132,24 @@ def test_the_borrower_takes_lent_threads_before_each_linear_layer_and_optimizer_
     board.lend(0, 1)
     model(torch.randn(3, 4)).sum().backward()  # outside the hooks: own threads only
     assert {n for _, n in _Seen.seen} == {1}
+
+
+def test_the_lm_head_chunks_take_the_threads_lent_when_they_run(board, threads, monkeypatch):
+    """The packed step's head runs no linear layer of its own (its chunks multiply by the
+    weight): each chunk adjusts, forward and backward."""
+    torch.set_num_threads(1)
+    model = tiny_qwen3(0)
+    (micro,) = packing.micro_batches(list(range(1, 13)), [6, 6], 0)
+    seen, logits = [], packing._logits
+    monkeypatch.setattr(packing, "_logits", lambda *a: seen.append(torch.get_num_threads()) or logits(*a))
+    with Borrower(board.name, own=1).hooks(model):
+        board.lend(0, 1)
+        hidden = model.packed_hidden(micro.ids, micro.layout)  # its linear layers take 2 threads
+        board.reclaim(0)  # the engine works again before the head runs
+        lp, _ = packing.logprobs(model, micro, 1.0, False, hidden=hidden)
+        board.lend(0, 1)  # and rests again before the backward
+        lp.sum().backward()
+    assert seen == [1, 2]
 
 
 def test_the_engine_takes_its_threads_back_once_a_spell_of_work_not_each_decode_step(board):

@@ -14,8 +14,8 @@ byte (0 while its engine decodes or scores, or new weights go in; an unwritten b
 nothing). The trainer's :class:`Borrower` sets its torch threads to its own plus the lent ones
 before every linear layer's forward and backward, and writes how many it borrows; a worker taking
 its threads back waits, at most ``Lender.wait_s``, until the trainer has given them back at its
-next linear layer (a KL reference's included) or optimizer step (the LM head's chunks run on the
-count set last). Thread counts then follow timing, as a step's products round differently
+next linear layer (a KL reference's included), LM head chunk (:func:`adjust_threads`) or
+optimizer step. Thread counts then follow timing, as a step's products round differently
 on one thread and on two: a run with lending on may diverge from another with the same seed
 (``[train] borrow_idle_threads``, off by default).
 """
@@ -35,11 +35,21 @@ from pathlib import Path
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-__all__ = ["Borrower", "CoreBoard", "Lender", "board_path", "remove_board"]
+__all__ = ["Borrower", "CoreBoard", "Lender", "adjust_threads", "board_path", "remove_board"]
 
 log = logging.getLogger("loong.cores")
 
 _WORKERS = 255  # slots on a board, so every process maps the same size
+
+
+_borrowing: Borrower | None = None  # the Borrower whose hooks are on in this process
+
+
+def adjust_threads() -> None:
+    """Where a :class:`Borrower`'s hooks are on, take the threads lent now (work that runs no
+    linear layer of its own calls this: the LM head's chunks); elsewhere nothing."""
+    if _borrowing is not None:
+        _borrowing.adjust()
 
 
 def board_path(name: str) -> Path:
@@ -188,8 +198,9 @@ class Borrower:
     @contextlib.contextmanager
     def hooks(self, model: torch.nn.Module, *others: torch.nn.Module) -> Iterator[None]:
         """Within: every ``nn.Linear`` of ``model`` (and of ``others``: a KL reference) adjusts
-        before its forward, and before its backward (a hook on its output's gradient), and every
-        optimizer before its step; after: back to ``own`` threads."""
+        before its forward, and before its backward (a hook on its output's gradient), every
+        optimizer before its step and :func:`adjust_threads` when called; after: back to ``own``
+        threads."""
 
         def before_forward(module, args) -> None:
             self.adjust()
@@ -209,11 +220,14 @@ class Borrower:
         if not handles:
             log.warning("%s has no nn.Linear layers: it runs on its own threads only", type(model).__name__)
         handles.append(register_optimizer_step_pre_hook(lambda *_: self.adjust()))
+        global _borrowing
         try:
             self._reset()
             self.adjust()
+            _borrowing = self
             yield
         finally:
+            _borrowing = None
             for handle in handles:
                 handle.remove()
             self.release()

@@ -30,6 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from loong_train.algo.config import LossConfig
+from loong_train.cores import adjust_threads
 from loong_train.models.packed import PackedRows, common_prefixes
 from loong_train.models.prepack import Linear
 
@@ -141,6 +142,7 @@ def _picked(head: torch.nn.Module, h: torch.Tensor, ids: torch.Tensor, temperatu
     the logits from the head's prepacked weight where it runs (:mod:`loong_train.models.prepack`),
     and the log-normaliser taken in place, since nothing reads the logits afterwards (1.5x faster
     than ``logsumexp``'s out-of-place passes over 512 x 49,152 logits)."""
+    adjust_threads()
     if isinstance(head, Linear) and head.runs_prepacked(h):
         z = head(h).T  # [vocab, C], a view of the row-major logits
         z = z.float() if z.dtype.itemsize < 4 else z
@@ -159,6 +161,7 @@ class _HeadLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, h, weight, bias, ids, temperature: float, entropy_grad: bool | None):
+        adjust_threads()  # no linear layer's hook runs for the head's chunks
         z = _logits(h, weight, bias, temperature)
         lse = z.logsumexp(0)
         cols = torch.arange(len(ids))
@@ -175,6 +178,7 @@ class _HeadLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_lp, grad_entropy):
         h, weight, bias, ids, lse, entropy = ctx.saved_tensors
+        adjust_threads()
         logp = _logits(h, weight, bias, ctx.temperature).sub_(lse)
         p = logp.exp()
         cols = torch.arange(len(ids))
