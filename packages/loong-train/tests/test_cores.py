@@ -15,13 +15,17 @@ from train_testkit import tiny_family_model, tiny_qwen3
 
 from loong_core.config import ConfigError
 from loong_core.protocols import SamplingParams
+from loong_core.records import TrainBatch
 from loong_train.backends import packing
 from loong_train.config import load_recipe
+from loong_train.controller import trainer_options
 from loong_train.cores import Borrower, CoreBoard, Lender
 from loong_train.engines.embedded.engine import EmbeddedEngine
 from loong_train.source import GroupSource
 from loong_train.tiny import calc
 from loong_train.workers.rollout import RolloutWorker
+from loong_train.workers.trainer import TrainerWorker
+from loong_transfermesh import TransportConfig
 
 
 @pytest.fixture
@@ -149,7 +153,44 @@ def test_the_lm_head_chunks_take_the_threads_lent_when_they_run(board, threads, 
         lp, _ = packing.logprobs(model, micro, 1.0, False, hidden=hidden)
         board.lend(0, 1)  # and rests again before the backward
         lp.sum().backward()
-    assert seen == [1, 2]
+        board.reclaim(0)  # and works again before a scoring pass (no gradient: another path)
+        with torch.no_grad():
+            packing.logprobs(model, micro, 1.0, None, hidden=hidden.detach())
+    assert seen == [1, 2, 1]
+
+
+def test_a_trainer_adjusts_before_its_kl_reference_runs(tiny_dir, board, threads):
+    """A KL reference is a second model a train step runs: its linear layers take the threads
+    lent when they run, as the policy's do."""
+    recipe = load_recipe("tiny-calc-agent", ["loss.kl_coef=0.1", "train.threads=1"])
+    name = f"cores-{board.name}"
+    trainer = TrainerWorker(
+        str(tiny_dir), transport=TransportConfig(name=name), cores=board.name, **trainer_options(recipe)
+    )
+    try:
+        down = trainer.backend.reference.model.layers[0].mlp.down_proj
+        seen = []
+        down.register_forward_pre_hook(lambda *_: board.reclaim(0))  # the engine works again meanwhile
+        down.register_forward_hook(lambda *_: seen.append(torch.get_num_threads()))
+        board.lend(0, 1)
+        rows = [[5, 6, 7, 8, 9, 10], [5, 6, 7, 11, 12]]
+        flat = [t for row in rows for t in row]
+        mask = [0, 0, 0, 1, 1, 1, 0, 0, 0, 1, 1]
+        trainer.train_step(
+            TrainBatch(
+                token_ids=flat,
+                loss_mask=mask,
+                advantages=[0.5 * m for m in mask],
+                behaviour_logprobs=[-3.0 * m for m in mask],
+                versions=[0 if m else -1 for m in mask],
+                row_lens=[len(r) for r in rows],
+                sample_ids=["0", "1"],
+                policy_version=0,
+            )
+        )
+        assert seen == [1]
+    finally:
+        trainer.close()
 
 
 def test_the_engine_takes_its_threads_back_once_a_spell_of_work_not_each_decode_step(board):
@@ -203,9 +244,8 @@ def test_a_rollout_worker_lends_its_threads_while_its_engine_rests(tiny_dir, boa
     finally:
         worker.close()
     assert board.lent() == 0  # a closed worker lends nothing
-    assert (
-        not board.path.exists()
-    )  # and leaves no board behind (a node without the trainer has no other remover)
+    # and leaves no board behind (on a node without the trainer nothing else would remove it)
+    assert not board.path.exists()
 
 
 def test_borrowing_is_refused_for_a_trainer_of_other_processes():

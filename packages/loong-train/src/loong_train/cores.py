@@ -59,8 +59,8 @@ def board_path(name: str) -> Path:
 
 
 def remove_board(name: str) -> None:
-    """Remove run ``name``'s board on this node (the trainer removes it at its end; this also
-    when the trainer died first)."""
+    """Remove run ``name``'s board on this node (the trainer and the rollout workers remove it at
+    their end; this also when they died first)."""
     board_path(name).unlink(missing_ok=True)
 
 
@@ -105,7 +105,8 @@ class CoreBoard:
         return sum(self._map[1:])
 
     def close(self, unlink: bool = False) -> None:
-        """Unmap (``unlink``: and remove the file; a worker's map stays valid until it closes)."""
+        """Unmap (``unlink``: and remove the file; another process's map stays valid until it
+        closes)."""
         self._map.close()
         if unlink:
             self.path.unlink(missing_ok=True)
@@ -159,8 +160,9 @@ class Lender:
 
 class Borrower:
     """Sets this process's torch threads to ``own`` plus what run ``name``'s board lends, before each linear
-    layer of a model runs forward or backward (hooks; :meth:`hooks`). ``threads_mean``: the
-    thread count averaged over the time since the hooks went on, for the step's metrics."""
+    layer of a model runs forward or backward, each optimizer step and each LM head chunk (hooks;
+    :meth:`hooks`). ``threads_mean``: the thread count averaged over the time since the hooks went
+    on, for the step's metrics."""
 
     def __init__(self, name: str, own: int) -> None:
         self.board, self.own = CoreBoard(name), own
@@ -221,13 +223,13 @@ class Borrower:
             log.warning("%s has no nn.Linear layers: it runs on its own threads only", type(model).__name__)
         handles.append(register_optimizer_step_pre_hook(lambda *_: self.adjust()))
         global _borrowing
+        outer, _borrowing = _borrowing, self
         try:
             self._reset()
             self.adjust()
-            _borrowing = self
             yield
         finally:
-            _borrowing = None
+            _borrowing = outer
             for handle in handles:
                 handle.remove()
             self.release()

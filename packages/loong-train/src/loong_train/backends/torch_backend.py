@@ -159,6 +159,10 @@ class TorchBackend:
             "versions": _pad(batch.versions, lens, -1, torch.long),
         }
 
+    def models(self) -> list[torch.nn.Module]:
+        """The models a train step runs: the policy, and the KL reference where there is one."""
+        return [self.model] if self.reference is None else [self.model, self.reference]
+
     @torch.no_grad()
     def logprobs(self, batch: TrainBatch) -> torch.Tensor:
         self.model.eval()  # no adapter dropout

@@ -70,7 +70,7 @@ class TrainerWorker:
         self.servers = None if servers is None else SGLangServers(_reachable(servers))
         self.borrower = None
         if cores:
-            if not hasattr(self.backend, "model"):
+            if not hasattr(self.backend, "models"):
                 raise ValueError(f"only the torch backend borrows threads, not {type(self.backend).__name__}")
             self.borrower = Borrower(cores, options.threads)
         self._lock = threading.RLock()  # the backend, the servers and the flag below
@@ -102,8 +102,7 @@ class TrainerWorker:
     def _step(self, batch: TrainBatch) -> dict[str, float]:
         if self.borrower is None:
             return self.backend.train_step(batch)
-        reference = getattr(self.backend, "reference", None)
-        with self.borrower.hooks(self.backend.model, *([reference] if reference is not None else [])):
+        with self.borrower.hooks(*self.backend.models()):
             metrics = self.backend.train_step(batch)
         return {**metrics, "trainer_threads_mean": self.borrower.threads_mean}
 
