@@ -93,10 +93,7 @@ def test_worker_generates_takes_weights_and_survives_a_server_restart(tiny_dir, 
         assert {t.oldest_version for t in _rollout(worker, seed=1)} == {1}
 
         os.kill(supervisor.pid, signal.SIGKILL)  # the relaunched server loads the checkpoint ...
-        deadline = time.monotonic() + 20
-        while not (supervisor.restarts and _healthy_at_version(url, "1")):
-            assert time.monotonic() < deadline, "no relaunch at version 1 within 20 s"
-            time.sleep(0.1)
+        _wait_caught_up(supervisor, url, "1")
         assert torch.equal(_served(url, PROBE), sent[PROBE])  # ... and gets version 1 pushed again
         assert {t.oldest_version for t in _rollout(worker, seed=2)} == {1}
     finally:
@@ -105,6 +102,15 @@ def test_worker_generates_takes_weights_and_survives_a_server_restart(tiny_dir, 
     assert supervisor.pid is None
     log = (tmp_path / "logs" / "sglang-0.log").read_text()
     assert log.count("serve-sglang:") == 2 and "exited with code -9" in log
+
+
+def _wait_caught_up(supervisor, url: str, version: str) -> None:
+    """Until the killed server is relaunched and serves ``version``. The deadline only guards
+    against a hang: a relaunch imports torch afresh, slow on a busy machine."""
+    deadline = time.monotonic() + 180
+    while not (supervisor.restarts and _healthy_at_version(url, version)):
+        assert time.monotonic() < deadline, f"not relaunched at version {version}:\n{supervisor.log_tail()}"
+        time.sleep(0.1)
 
 
 def _holds_all(url: str, named: dict[str, torch.Tensor]) -> bool:
@@ -156,10 +162,7 @@ def test_direct_weights_reach_both_servers_and_a_restarted_one_is_caught_up(tiny
 
         supervisor = workers[1].engine.supervisor
         os.kill(supervisor.pid, signal.SIGKILL)  # relaunched from the checkpoint: version 0 ...
-        deadline = time.monotonic() + 30
-        while not (supervisor.restarts and _healthy_at_version(urls[1], "2")):
-            assert time.monotonic() < deadline, "the restarted server was not caught up within 30 s"
-            time.sleep(0.1)
+        _wait_caught_up(supervisor, urls[1], "2")
         assert _holds_all(urls[1], sent)  # ... and the trainer pushed version 2 into it
         assert {t.oldest_version for t in _rollout(workers[1], seed=3)} == {2}
     finally:
@@ -182,9 +185,9 @@ def test_a_server_the_supervisor_gave_up_on_fails_the_rollout_call(tiny_dir, tmp
     supervisor = worker.engine.supervisor
     try:
         os.kill(supervisor.pid, signal.SIGKILL)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 60
         while supervisor.error is None:
-            assert time.monotonic() < deadline, "the supervisor did not give up within 10 s"
+            assert time.monotonic() < deadline, "the supervisor did not give up within 60 s"
             time.sleep(0.05)
         with pytest.raises(SGLangServerError, match=r"sglang-0\.log"):
             _rollout(worker, seed=0)

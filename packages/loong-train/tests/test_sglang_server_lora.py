@@ -10,6 +10,7 @@ import base64
 import io
 import json
 import pickle
+import threading
 from pathlib import Path
 
 import httpx
@@ -130,6 +131,17 @@ def test_requests_that_arrived_before_an_unload_finish_under_their_adapter(model
     }
     adapted[None] = CausalLM.from_pretrained(model_dir).double()
     engine = EmbeddedEngine(CausalLM.from_pretrained(model_dir), seed=0)
+    # Decode steps run in a worker thread: closing the gate holds the long request at its next
+    # decode step (one token a row; prompts are scored past it), so the others queue behind it
+    # however slow this machine is.
+    gate = threading.Event()
+    gate.set()
+
+    def hold_decode(_, args) -> None:
+        if args[0].shape[-1] == 1:
+            gate.wait()
+
+    engine.model.model.embed_tokens.register_forward_pre_hook(hold_decode)
     with serve_engine(engine, lora=LoraOptions()) as (url, state):
 
         async def streamed(http, adapter: str, hang_up: bool = False) -> dict:
@@ -150,20 +162,26 @@ def test_requests_that_arrived_before_an_unload_finish_under_their_adapter(model
                 running = asyncio.create_task(http.post("/generate", json=_generate_body("a", 400)))
                 while not state.engine.running:
                     await asyncio.sleep(0.005)
+                gate.clear()
                 other = asyncio.create_task(http.post("/generate", json=_generate_body("b")))
                 queued = asyncio.create_task(http.post("/generate", json=_generate_body("a")))
                 while len(state.lora._queue) < 2:  # both wait: "b" for "a" to end, "a" behind "b"
-                    assert not running.done(), "the long request ended before the others queued"
                     await asyncio.sleep(0.005)
-                unloaded = await http.post("/unload_lora_adapter", json={"lora_name": "a"})
+                # The unload answers while the requests under "a" are still held.
+                unload = http.post("/unload_lora_adapter", json={"lora_name": "a"})
+                unloaded = await asyncio.wait_for(unload, 30)
                 assert not running.done()
+                gate.set()
                 answers = [(await task).json() for task in (running, other, queued)]
                 answers.append(await streamed(http, "b"))
                 await streamed(http, "b", hang_up=True)
                 base = await asyncio.wait_for(http.post("/generate", json=_generate_body(None)), 30)
                 return unloaded, answers, base.json()
 
-        unloaded, answers, base = asyncio.run(run())
+        try:
+            unloaded, answers, base = asyncio.run(run())
+        finally:
+            gate.set()  # a failed check must not leave the engine's thread held
     assert unloaded.status_code == 200 and len(answers[0]["output_ids"]) > 300
     for name, answer in zip(["a", "b", "a", "b"], answers, strict=True):
         assert _gap(answer, adapted[name]) < 1e-4, name
