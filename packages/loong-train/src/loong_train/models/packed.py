@@ -109,21 +109,24 @@ class PackedRows:
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, gqa: bool) -> torch.Tensor:
         """Scaled dot-product attention of the computed tokens ``q`` [1, heads, computed, d] over
-        ``k``, ``v`` [1, kv heads, computed, d], each row over its shared prefix and itself."""
+        ``k``, ``v`` [1, kv heads, computed, d], each row over its shared prefix and itself.
+
+        Rows take their own tokens by ``split``, whose backward is one ``cat``: slicing each
+        row's tokens out instead costs a zeroed full-size gradient per row and layer."""
+        sizes = [own.stop - own.start for own, _, _ in self._attention]
+        rows = zip(self._attention, q.split(sizes, 2), k.split(sizes, 2), v.split(sizes, 2), strict=True)
         parts = []
-        for own, keys, mask in self._attention:
+        for (_, keys, mask), q_own, k_own, v_own in rows:
             if keys is None:
                 parts.append(
-                    F.scaled_dot_product_attention(
-                        q[:, :, own], k[:, :, own], v[:, :, own], is_causal=True, enable_gqa=gqa
-                    )
+                    F.scaled_dot_product_attention(q_own, k_own, v_own, is_causal=True, enable_gqa=gqa)
                 )
             else:
                 mask = mask.to(q.device)
                 keys = keys.to(q.device)
                 parts.append(
                     F.scaled_dot_product_attention(
-                        q[:, :, own], k[:, :, keys], v[:, :, keys], attn_mask=mask, enable_gqa=gqa
+                        q_own, k[:, :, keys], v[:, :, keys], attn_mask=mask, enable_gqa=gqa
                     )
                 )
         return torch.cat(parts, dim=2)
