@@ -116,17 +116,13 @@ def logprobs(
     target = torch.nonzero(predicts).squeeze(-1)  # token j, predicted at position j - 1
     h, ids = hidden[target - 1], micro.ids[target]
     head = model.lm_head
+    chunks = zip(h.split(CHUNK), ids.split(CHUNK), strict=True)  # split: its backward is one cat
     if entropy_grad is None and not torch.is_grad_enabled():  # scoring only
-        parts = [
-            (_picked(head, h[lo : lo + CHUNK], ids[lo : lo + CHUNK], temperature),)
-            for lo in range(0, len(target), CHUNK)
-        ]
+        parts = [(_picked(head, h_c, ids_c, temperature),) for h_c, ids_c in chunks]
     else:
         parts = [
-            _HeadLogprobs.apply(
-                h[lo : lo + CHUNK], head.weight, head.bias, ids[lo : lo + CHUNK], temperature, entropy_grad
-            )
-            for lo in range(0, len(target), CHUNK)
+            _HeadLogprobs.apply(h_c, head.weight, head.bias, ids_c, temperature, entropy_grad)
+            for h_c, ids_c in chunks
         ]
 
     def spread(values: list[torch.Tensor]) -> torch.Tensor:  # per target -> [rows, width]
@@ -157,20 +153,25 @@ def _picked(head: torch.nn.Module, h: torch.Tensor, ids: torch.Tensor, temperatu
 class _HeadLogprobs(torch.autograd.Function):
     """Logprobs of ``ids`` [C] (and entropies) under ``softmax((W h + b) / T)`` for hidden states
     ``h`` [C, d], keeping only ``h`` and the log-normaliser for backward, which recomputes the
-    logits. Logits are laid out [vocab, C] (``W @ h^T``: the faster product on CPU)."""
+    logits. Logits are laid out [vocab, C] (``W @ h^T``: the faster product on CPU). Passes over
+    the logits run in place where nothing reads them again: each fresh [vocab, C] tensor costs
+    a pass and, above malloc's mapping threshold, its page faults."""
 
     @staticmethod
     def forward(ctx, h, weight, bias, ids, temperature: float, entropy_grad: bool | None):
         adjust_threads()  # no linear layer's hook runs for the head's chunks
         z = _logits(h, weight, bias, temperature)
-        lse = z.logsumexp(0)
         cols = torch.arange(len(ids))
-        lp = z[ids, cols] - lse
-        if entropy_grad is None:
-            entropy = lp.new_zeros(0)
+        picked = z[ids, cols]
+        if entropy_grad is None:  # logsumexp's own passes, in place
+            top = z.amax(0)
+            lse = z.sub_(top).exp_().sum(0).log_().add_(top)
+            entropy = lse.new_zeros(0)
         else:  # H = -sum_v p_v log p_v, with log p = z - lse (in place: z is not needed any more)
+            lse = z.logsumexp(0)
             logp = z.sub_(lse)
             entropy = -(logp.exp().mul_(logp)).sum(0)
+        lp = picked - lse
         ctx.save_for_backward(h, weight, bias, ids, lse, entropy)
         ctx.temperature, ctx.entropy_grad = temperature, bool(entropy_grad)
         return lp, entropy
@@ -180,14 +181,17 @@ class _HeadLogprobs(torch.autograd.Function):
         h, weight, bias, ids, lse, entropy = ctx.saved_tensors
         adjust_threads()
         logp = _logits(h, weight, bias, ctx.temperature).sub_(lse)
-        p = logp.exp()
         cols = torch.arange(len(ids))
         # d lp / d z_v = [v = id] - p_v;  d H / d z_v = -p_v (log p_v + H)
-        grad_z = p * -grad_lp
         if ctx.entropy_grad and grad_entropy is not None:
+            p = logp.exp()
+            grad_z = p * -grad_lp
             grad_z -= p.mul_(logp.add_(entropy)).mul_(grad_entropy)
+        else:
+            grad_z = logp.exp_().mul_(-grad_lp)
         grad_z[ids, cols] += grad_lp
-        grad_z /= ctx.temperature
+        if ctx.temperature != 1.0:
+            grad_z /= ctx.temperature
         grad_h = grad_z.T @ weight
         grad_w = grad_z @ h
         grad_b = grad_z.sum(1) if bias is not None and ctx.needs_input_grad[2] else None
@@ -203,7 +207,7 @@ def _logits(
         z = z.float()
     if bias is not None:
         z += bias[:, None]
-    return z / temperature if temperature != 1.0 else z
+    return z.div_(temperature) if temperature != 1.0 else z
 
 
 def share(micro_mask: torch.Tensor, batch_mask: torch.Tensor, cfg: LossConfig) -> float:
