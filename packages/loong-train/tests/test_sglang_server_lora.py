@@ -11,6 +11,7 @@ import io
 import json
 import pickle
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -165,7 +166,9 @@ def test_requests_that_arrived_before_an_unload_finish_under_their_adapter(model
                 gate.clear()
                 other = asyncio.create_task(http.post("/generate", json=_generate_body("b")))
                 queued = asyncio.create_task(http.post("/generate", json=_generate_body("a")))
+                deadline = time.monotonic() + 30
                 while len(state.lora._queue) < 2:  # both wait: "b" for "a" to end, "a" behind "b"
+                    assert time.monotonic() < deadline, "the others did not queue behind the long request"
                     await asyncio.sleep(0.005)
                 # The unload answers while the requests under "a" are still held.
                 unload = http.post("/unload_lora_adapter", json={"lora_name": "a"})

@@ -116,7 +116,8 @@ def logprobs(
     target = torch.nonzero(predicts).squeeze(-1)  # token j, predicted at position j - 1
     h, ids = hidden[target - 1], micro.ids[target]
     head = model.lm_head
-    chunks = zip(h.split(CHUNK), ids.split(CHUNK), strict=True)  # split: its backward is one cat
+    # split: its backward is one cat (an empty split still gives one chunk, hence the check)
+    chunks = zip(h.split(CHUNK), ids.split(CHUNK), strict=True) if len(target) else ()
     if entropy_grad is None and not torch.is_grad_enabled():  # scoring only
         parts = [(_picked(head, h_c, ids_c, temperature),) for h_c, ids_c in chunks]
     else:
@@ -153,25 +154,22 @@ def _picked(head: torch.nn.Module, h: torch.Tensor, ids: torch.Tensor, temperatu
 class _HeadLogprobs(torch.autograd.Function):
     """Logprobs of ``ids`` [C] (and entropies) under ``softmax((W h + b) / T)`` for hidden states
     ``h`` [C, d], keeping only ``h`` and the log-normaliser for backward, which recomputes the
-    logits. Logits are laid out [vocab, C] (``W @ h^T``: the faster product on CPU). Passes over
-    the logits run in place where nothing reads them again: each fresh [vocab, C] tensor costs
-    a pass and, above malloc's mapping threshold, its page faults."""
+    logits. Logits are laid out [vocab, C] (``W @ h^T``: the faster product on CPU). Without an
+    entropy gradient, backward turns the recomputed logits into their gradient in place: each
+    fresh [vocab, C] tensor costs a pass and, above malloc's mapping threshold, its page faults."""
 
     @staticmethod
     def forward(ctx, h, weight, bias, ids, temperature: float, entropy_grad: bool | None):
         adjust_threads()  # no linear layer's hook runs for the head's chunks
         z = _logits(h, weight, bias, temperature)
+        lse = z.logsumexp(0)
         cols = torch.arange(len(ids))
-        picked = z[ids, cols]
-        if entropy_grad is None:  # logsumexp's own passes, in place
-            top = z.amax(0)
-            lse = z.sub_(top).exp_().sum(0).log_().add_(top)
-            entropy = lse.new_zeros(0)
+        lp = z[ids, cols] - lse
+        if entropy_grad is None:
+            entropy = lp.new_zeros(0)
         else:  # H = -sum_v p_v log p_v, with log p = z - lse (in place: z is not needed any more)
-            lse = z.logsumexp(0)
             logp = z.sub_(lse)
             entropy = -(logp.exp().mul_(logp)).sum(0)
-        lp = picked - lse
         ctx.save_for_backward(h, weight, bias, ids, lse, entropy)
         ctx.temperature, ctx.entropy_grad = temperature, bool(entropy_grad)
         return lp, entropy

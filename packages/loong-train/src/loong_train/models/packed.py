@@ -112,7 +112,8 @@ class PackedRows:
         ``k``, ``v`` [1, kv heads, computed, d], each row over its shared prefix and itself.
 
         Rows take their own tokens by ``split``, whose backward is one ``cat``: slicing each
-        row's tokens out instead costs a zeroed full-size gradient per row and layer."""
+        row's tokens out instead costs a zeroed full-size gradient per row and layer (as a shared
+        prefix's keys and values, gathered by index, still do)."""
         sizes = [own.stop - own.start for own, _, _ in self._attention]
         rows = zip(self._attention, q.split(sizes, 2), k.split(sizes, 2), v.split(sizes, 2), strict=True)
         parts = []
