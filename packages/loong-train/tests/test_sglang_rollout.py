@@ -18,7 +18,7 @@ import time
 import httpx
 import pytest
 import torch
-from train_testkit import server_port
+from train_testkit import server_port, wait_relaunched
 
 from loong_core.protocols import SamplingParams
 from loong_train.algo.losses import grpo_advantages, pack_batch
@@ -93,7 +93,7 @@ def test_worker_generates_takes_weights_and_survives_a_server_restart(tiny_dir, 
         assert {t.oldest_version for t in _rollout(worker, seed=1)} == {1}
 
         os.kill(supervisor.pid, signal.SIGKILL)  # the relaunched server loads the checkpoint ...
-        _wait_caught_up(supervisor, url, "1")
+        wait_relaunched(supervisor, lambda: _healthy_at_version(url, "1"), "at version 1")
         assert torch.equal(_served(url, PROBE), sent[PROBE])  # ... and gets version 1 pushed again
         assert {t.oldest_version for t in _rollout(worker, seed=2)} == {1}
     finally:
@@ -102,15 +102,6 @@ def test_worker_generates_takes_weights_and_survives_a_server_restart(tiny_dir, 
     assert supervisor.pid is None
     log = (tmp_path / "logs" / "sglang-0.log").read_text()
     assert log.count("serve-sglang:") == 2 and "exited with code -9" in log
-
-
-def _wait_caught_up(supervisor, url: str, version: str) -> None:
-    """Until the killed server is relaunched and serves ``version``. The deadline only guards
-    against a hang: a relaunch imports torch afresh, slow on a busy machine."""
-    deadline = time.monotonic() + 180
-    while not (supervisor.restarts and _healthy_at_version(url, version)):
-        assert time.monotonic() < deadline, f"not relaunched at version {version}:\n{supervisor.log_tail()}"
-        time.sleep(0.1)
 
 
 def _holds_all(url: str, named: dict[str, torch.Tensor]) -> bool:
@@ -162,7 +153,7 @@ def test_direct_weights_reach_both_servers_and_a_restarted_one_is_caught_up(tiny
 
         supervisor = workers[1].engine.supervisor
         os.kill(supervisor.pid, signal.SIGKILL)  # relaunched from the checkpoint: version 0 ...
-        _wait_caught_up(supervisor, urls[1], "2")
+        wait_relaunched(supervisor, lambda: _healthy_at_version(urls[1], "2"), "at version 2")
         assert _holds_all(urls[1], sent)  # ... and the trainer pushed version 2 into it
         assert {t.oldest_version for t in _rollout(workers[1], seed=3)} == {2}
     finally:

@@ -30,7 +30,7 @@ import struct
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -190,6 +190,15 @@ def serve_in_thread(app) -> Iterator[str]:
     finally:
         server.should_exit = True
         thread.join(10)
+
+
+def wait_relaunched(supervisor, ready: Callable[[], bool], what: str) -> None:
+    """Until ``supervisor`` relaunched its killed server and ``ready()`` holds. The deadline only
+    guards against a hang: a relaunch imports torch afresh, slow on a busy machine."""
+    deadline = time.monotonic() + 180
+    while not (supervisor.restarts and ready()):
+        assert time.monotonic() < deadline, f"no relaunch {what}:\n{supervisor.log_tail()}"
+        time.sleep(0.1)
 
 
 PROMPT_IDS = [3, 14, 15, 9, 26, 5]
