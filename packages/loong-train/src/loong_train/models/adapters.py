@@ -11,6 +11,7 @@ the modules through :func:`adapted_modules`.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import torch
@@ -39,18 +40,16 @@ def linear_layers(root: nn.Module) -> dict[str, nn.Module]:
     """Every linear layer of ``root`` but the LM head, by name."""
     head = root.get_output_embeddings() if hasattr(root, "get_output_embeddings") else None
     head = head if head is not None else getattr(root, "lm_head", None)
-    return {name: m for name, m in root.named_modules() if isinstance(m, _KINDS) and m is not head}
+    kinds = _linear_kinds()
+    return {name: m for name, m in root.named_modules() if isinstance(m, kinds) and m is not head}
 
 
-def _conv1d() -> tuple[type, ...]:
-    try:  # GPT-2's linear layers are transformers' Conv1D (peft adapts those too)
-        from transformers.pytorch_utils import Conv1D
-    except ImportError:
-        return ()
-    return (Conv1D,)
-
-
-_KINDS: tuple[type, ...] = (nn.Linear, *_conv1d())
+def _linear_kinds() -> tuple[type, ...]:
+    """``nn.Linear``, and transformers' ``Conv1D`` (GPT-2's linear layers; peft adapts those too)
+    where transformers defined it: a model can only hold one then, and importing transformers
+    for the check would cost a trainer or engine process 2-3 s of its start."""
+    pytorch_utils = sys.modules.get("transformers.pytorch_utils")
+    return (nn.Linear, pytorch_utils.Conv1D) if pytorch_utils is not None else (nn.Linear,)
 
 
 def target_names(
