@@ -53,6 +53,7 @@ from loong_transfermesh import (
 )
 
 torch.set_num_threads(1)
+pytestmark = pytest.mark.integration  # each case starts a server process
 
 BIG = {"hidden_size": 1024, "intermediate_size": 4096, "num_hidden_layers": 6}  # about 360 MB fp32
 SMALL = {"hidden_size": 128, "intermediate_size": 384, "num_hidden_layers": 2}

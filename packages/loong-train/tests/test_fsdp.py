@@ -10,6 +10,8 @@ from test_packing import _batch, _grouped_batch, _model
 from loong_train.algo.config import LossConfig
 from loong_train.backends.torch_backend import TorchBackend
 
+pytestmark = pytest.mark.integration  # the ranks are spawned processes
+
 CFG = LossConfig(entropy_coef=0.05)
 KL = LossConfig(kl_coef=0.1)  # the reference model sharded too
 
