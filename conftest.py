@@ -1,12 +1,11 @@
 """The order in which ``pytest -n 2`` hands out test modules: the ones that start processes first.
 
 Under ``--dist loadfile`` each worker takes whole modules in collection order, and a worker that
-finishes early has nothing left to take. xdist's own order (most tests first, on by default and
-switched off in the workspace's pytest options) puts the quick unit-test modules first and the
-modules that run the pipeline (a handful of tests, minutes each) last, so a run ended with one
-worker alone in ``test_resume.py`` for minutes. Modules with a test marked ``integration``
-(it starts processes, Ray actors or servers) now go first, in their collected order, and the
-quick modules fill the end.
+finishes early has nothing left to take. xdist's own order (most tests first; switched off in the
+workspace's pytest options) would leave the few-test modules that run the pipeline, minutes each,
+to the end, one worker alone in them. So modules with a test marked ``integration`` (it starts
+processes, Ray actors or servers) go first, in their collected order, and the quick ones fill the
+end.
 """
 
 from __future__ import annotations

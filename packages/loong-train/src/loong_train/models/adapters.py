@@ -46,8 +46,8 @@ def linear_layers(root: nn.Module) -> dict[str, nn.Module]:
 
 def _linear_kinds() -> tuple[type, ...]:
     """``nn.Linear``, and transformers' ``Conv1D`` (GPT-2's linear layers; peft adapts those too)
-    where transformers defined it: a model can only hold one then, and importing transformers
-    for the check would cost a trainer or engine process 2-3 s of its start."""
+    once ``transformers.pytorch_utils`` is imported: a model can only hold one then, and importing
+    transformers for the check would cost a trainer process 2-3 s of its start."""
     pytorch_utils = sys.modules.get("transformers.pytorch_utils")
     return (nn.Linear, pytorch_utils.Conv1D) if pytorch_utils is not None else (nn.Linear,)
 
